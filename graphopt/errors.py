@@ -1,0 +1,52 @@
+"""User-facing errors and the CLI guard that turns them into one-line messages.
+
+Every stage raises :class:`UserError` for problems the user can fix (bad file, unknown target, missing
+shape).  The console scripts wrap their entry point with :func:`cli_entry`, so a user sees one line on
+stderr naming the problem and the fix, and exit code 2 - never a traceback unless ``--debug`` is given.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """A problem with the user's input or environment; the message says what to do."""
+
+
+EXIT_USER_ERROR = 2
+
+
+def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
+    """Wrap a CLI ``main(argv)`` so user errors print one line and exit 2.
+
+    Unexpected exceptions are also reduced to one line (with the exception type) because a traceback is
+    useless to a deployment engineer; ``--debug`` anywhere on the command line re-raises instead.
+    """
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        args = list(sys.argv[1:] if argv is None else argv)
+        debug = "--debug" in args
+        if debug:
+            args.remove("--debug")
+        try:
+            return int(main(args) or 0)
+        except KeyboardInterrupt:
+            print("error: interrupted; tuning records written so far are kept, rerun to resume", file=sys.stderr)
+            return 130
+        except UserError as exc:
+            if debug:
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except Exception as exc:  # noqa: BLE001 - last line of defence for a CLI
+            if debug:
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            print(f"error: internal {type(exc).__name__}: {first[:300]} (rerun with --debug for the traceback "
+                  "and report it)", file=sys.stderr)
+            return 1
+
+    return wrapper

@@ -1,0 +1,295 @@
+"""The graph IR every stage of graphopt works on.
+
+A :class:`Graph` is a topologically ordered list of :class:`Node` objects connected by tensor names (as in
+ONNX), plus weights as numpy arrays and shape/dtype information for every tensor.  It keeps everything
+needed to write the model back to ONNX unchanged: nodes the optimizer does not understand are kept with
+their full ONNX definition (op type, domain, attributes with their types), never dropped.
+
+Why names rather than object links: rewrites replace whole subgraphs, and name-based wiring makes a
+rewrite a local edit (swap some nodes, rename some inputs) that is cheap to copy, hash and export.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import heapq
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import networkx as nx
+import numpy as np
+
+Dim = int | str  # str for a symbolic dimension that shape inference could not resolve
+
+
+@dataclass
+class TensorInfo:
+    """Static type of a tensor: element type name (numpy style, e.g. ``float32``) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...] | None  # None when the rank itself is unknown
+
+    @property
+    def is_static(self) -> bool:
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+
+@dataclass
+class Node:
+    """One operator application.
+
+    ``attrs`` holds plain Python values (ints, floats, lists, numpy arrays for tensor attributes, ONNX
+    GraphProto for control-flow bodies); ``attr_types`` remembers the ONNX attribute type of imported
+    attributes so an opaque node exports bit-for-bit the way it came in.  Empty input names mean an omitted
+    optional input, as in ONNX.
+    """
+
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    domain: str = ""
+    attr_types: dict[str, int] = field(default_factory=dict)
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+
+@dataclass
+class Graph:
+    """A whole model: inputs, outputs, weights, nodes in topological order, and tensor types."""
+
+    nodes: list[Node]
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    initializers: dict[str, np.ndarray] = field(default_factory=dict)
+    value_info: dict[str, TensorInfo] = field(default_factory=dict)
+    name: str = "graph"
+    opset_imports: dict[str, int] = field(default_factory=lambda: {"": 17})
+    ir_version: int = 8
+    functions: list[Any] = field(default_factory=list)  # onnx.FunctionProto, kept verbatim for export
+    producer_name: str = "optimize-model"
+
+    # ---- queries -------------------------------------------------------------------------------------
+    def tensor(self, name: str) -> TensorInfo | None:
+        """Type of any tensor (graph input, weight, intermediate or output)."""
+        if name in self.value_info:
+            return self.value_info[name]
+        for t in self.inputs + self.outputs:
+            if t.name == name:
+                return t
+        if name in self.initializers:
+            arr = self.initializers[name]
+            return TensorInfo(name, str(arr.dtype), tuple(arr.shape))
+        return None
+
+    def shape(self, name: str) -> tuple[Dim, ...] | None:
+        info = self.tensor(name)
+        return None if info is None else info.shape
+
+    def producers(self) -> dict[str, tuple[Node, int]]:
+        """Map tensor name -> (producing node, output index)."""
+        return {out: (n, i) for n in self.nodes for i, out in enumerate(n.outputs) if out}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        """Map tensor name -> nodes that read it (a node appears once per tensor even if it reads it twice)."""
+        result: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for t in dict.fromkeys(n.inputs):
+                if t:
+                    result.setdefault(t, []).append(n)
+        return result
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def is_constant(self, name: str) -> bool:
+        """True for weights: initializers that the caller cannot override as graph inputs."""
+        return name in self.initializers and name not in self.input_names
+
+    # ---- structure -----------------------------------------------------------------------------------
+    def topo_sort(self) -> None:
+        """Reorder ``nodes`` topologically (stable: keeps the current order where it is already valid).
+
+        Raises ValueError on a cycle, which a correct rewrite never creates.
+        """
+        produced = self.producers()
+        index = {id(n): i for i, n in enumerate(self.nodes)}
+        deps: dict[int, set[int]] = {}
+        users: dict[int, list[int]] = {i: [] for i in range(len(self.nodes))}
+        for i, n in enumerate(self.nodes):
+            d = {index[id(produced[t][0])] for t in n.inputs if t in produced}
+            deps[i] = d
+            for j in d:
+                users[j].append(i)
+        ready = [i for i, d in deps.items() if not d]
+        heapq.heapify(ready)
+        order: list[int] = []
+        remaining = {i: len(d) for i, d in deps.items()}
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for u in users[i]:
+                remaining[u] -= 1
+                if remaining[u] == 0:
+                    heapq.heappush(ready, u)
+        if len(order) != len(self.nodes):
+            raise ValueError("graph has a cycle")
+        self.nodes = [self.nodes[i] for i in order]
+
+    def to_networkx(self) -> nx.MultiDiGraph:
+        """Node-level dataflow graph: vertices are node indices, edges carry the tensor name."""
+        g = nx.MultiDiGraph()
+        produced = self.producers()
+        index = {id(n): i for i, n in enumerate(self.nodes)}
+        for i, n in enumerate(self.nodes):
+            g.add_node(i, op_type=n.op_type, name=n.name)
+        for i, n in enumerate(self.nodes):
+            for t in n.inputs:
+                if t in produced:
+                    g.add_edge(index[id(produced[t][0])], i, tensor=t)
+        return g
+
+    def remove_unused(self) -> int:
+        """Drop nodes and weights that no graph output depends on; returns the number of nodes removed.
+
+        Nodes are only dead when none of their outputs reaches a graph output, so an opaque node with
+        side-effect-free semantics (all ONNX ops are) is safe to remove.
+        """
+        needed = set(self.output_names)
+        keep: list[Node] = []
+        for n in reversed(self.nodes):
+            if any(o in needed for o in n.outputs if o):
+                keep.append(n)
+                needed.update(t for t in n.inputs if t)
+                needed.update(_subgraph_inputs(n))
+        removed = len(self.nodes) - len(keep)
+        self.nodes = list(reversed(keep))
+        for w in [w for w in self.initializers if w not in needed and w not in self.input_names]:
+            del self.initializers[w]
+        for v in [v for v in self.value_info if v not in needed and v not in self.producers()]:
+            del self.value_info[v]
+        return removed
+
+    def copy(self) -> "Graph":
+        """Copy nodes and tensor tables; weight arrays are shared (rewrites never mutate them in place)."""
+        g = copy.copy(self)
+        g.nodes = [copy.copy(n) for n in self.nodes]
+        for n in g.nodes:
+            n.inputs = list(n.inputs)
+            n.outputs = list(n.outputs)
+            n.attrs = dict(n.attrs)
+        g.inputs = list(self.inputs)
+        g.outputs = list(self.outputs)
+        g.initializers = dict(self.initializers)
+        g.value_info = dict(self.value_info)
+        return g
+
+    def fresh_name(self, base: str) -> str:
+        """A tensor/node name not used anywhere in the graph yet."""
+        used = self._used_names()
+        if base not in used:
+            return base
+        i = 1
+        while f"{base}_{i}" in used:
+            i += 1
+        return f"{base}_{i}"
+
+    def _used_names(self) -> set[str]:
+        used = set(self.initializers) | set(self.value_info) | set(self.input_names) | set(self.output_names)
+        for n in self.nodes:
+            used.update(n.inputs)
+            used.update(n.outputs)
+            used.add(n.name)
+        return used
+
+    def iter_tensors(self) -> Iterator[str]:
+        seen: set[str] = set()
+        for name in self.input_names + list(self.initializers) + [o for n in self.nodes for o in n.outputs]:
+            if name and name not in seen:
+                seen.add(name)
+                yield name
+
+    def structural_hash(self) -> str:
+        """Hash of the computation (ops, attributes, wiring, weight identities), independent of node names.
+
+        Used to deduplicate graphs during search: two graphs that compute the same thing the same way hash
+        equal even if intermediate tensors were named differently.
+        """
+        produced = self.producers()
+        memo: dict[str, str] = {}
+
+        def tensor_key(t: str) -> str:
+            if t in memo:
+                return memo[t]
+            if t in produced:
+                n, k = produced[t]
+                h = hashlib.sha1()
+                h.update(f"{n.domain}:{n.op_type}:{_attrs_key(n.attrs)}:{k}".encode())
+                for i in n.inputs:
+                    h.update(tensor_key(i).encode() if i else b"-")
+                key = h.hexdigest()
+            elif t in self.initializers:
+                key = "w:" + _array_key(self.initializers[t])
+            else:
+                key = "in:" + t
+            memo[t] = key
+            return key
+
+        sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
+        h = hashlib.sha1()
+        for o in self.output_names:
+            h.update(tensor_key(o).encode())
+        return h.hexdigest()
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op_type] = counts.get(n.op_type, 0) + 1
+        return counts
+
+
+def _subgraph_inputs(node: Node) -> Iterable[str]:
+    """Outer-scope tensors referenced by a control-flow body (If/Loop/Scan), which keep them alive."""
+    for v in node.attrs.values():
+        if hasattr(v, "node") and hasattr(v, "initializer"):  # onnx.GraphProto
+            local = {i.name for i in v.input} | {i.name for i in v.initializer}
+            for sub in v.node:
+                local.update(sub.output)
+            for sub in v.node:
+                for t in sub.input:
+                    if t and t not in local:
+                        yield t
+
+
+def _attrs_key(attrs: dict[str, Any]) -> str:
+    parts = []
+    for k in sorted(attrs):
+        v = attrs[k]
+        if isinstance(v, np.ndarray):
+            v = _array_key(v)
+        elif hasattr(v, "SerializeToString"):
+            v = hashlib.sha1(v.SerializeToString()).hexdigest()
+        parts.append(f"{k}={v!r}")
+    return ",".join(parts)
+
+
+_ARRAY_KEYS: dict[int, tuple[np.ndarray, str]] = {}
+
+
+def _array_key(arr: np.ndarray) -> str:
+    """Content hash of a weight, cached by identity because weights are shared between graph copies."""
+    hit = _ARRAY_KEYS.get(id(arr))
+    if hit is not None and hit[0] is arr:
+        return hit[1]
+    key = f"{arr.dtype}{arr.shape}" + hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()[:16]
+    _ARRAY_KEYS[id(arr)] = (arr, key)
+    return key

@@ -1,0 +1,280 @@
+"""ONNX <-> graph IR.
+
+Import keeps every node (unknown operators stay as they are, with their attributes and domain), folds
+``Constant`` nodes into weights and removes ``Identity`` nodes where that changes no graph interface, and
+runs ONNX shape inference so every tensor has a type.  Export writes the graph back with the original
+input/output names, order and dtypes, opsets and local functions, and checks it with ``onnx.checker``.
+
+Real exporters differ in what they emit (TorchScript: opset 17, Constant nodes, dynamic axes; dynamo:
+opset 18, local functions, metadata; HF: Shape/Gather chains on dynamic axes), so import is defensive:
+it never assumes names are unique or present, and reports unknown dimensions with the input to fix.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from graphopt.errors import UserError
+from graphopt.ir import Graph, Node, TensorInfo
+
+SUPPORTED_DTYPES = {
+    "float32", "float16", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64", "bool",
+}
+
+InputShapes = dict[str, tuple[int, ...]]
+
+
+def parse_input_shapes(specs: list[str] | None) -> InputShapes:
+    """Parse ``--input-shape name=1,128`` options (repeatable)."""
+    shapes: InputShapes = {}
+    for spec in specs or []:
+        name, sep, dims = spec.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shapes[name] = tuple(int(d) for d in dims.split(",") if d.strip())
+        except ValueError:
+            raise UserError(f"bad --input-shape {spec!r}: write NAME=D1,D2,... e.g. input_ids=1,128") from None
+    return shapes
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX file, turning every way it can be wrong into a one-line :class:`UserError`."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"model file {str(p)!r} does not exist: check the path")
+    if p.is_dir():
+        raise UserError(f"{str(p)!r} is a directory: pass the path of an .onnx file")
+    try:
+        model = onnx.load(str(p))
+    except Exception as exc:  # protobuf raises DecodeError, RuntimeError or ValueError depending on damage
+        raise UserError(f"{str(p)!r} is not a readable ONNX model ({type(exc).__name__}); "
+                        "re-export it or check the file is complete") from None
+    if not model.graph.node and not model.graph.output:
+        raise UserError(f"{str(p)!r} is not an ONNX model (no graph found); re-export it with torch.onnx.export "
+                        "or check the file is complete")
+    return model
+
+
+def _dtype_name(elem_type: int) -> str:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+    except Exception:  # noqa: BLE001 - e.g. STRING or an undefined type
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def _tensor_info(vi: onnx.ValueInfoProto) -> TensorInfo:
+    tt = vi.type.tensor_type
+    shape = None
+    if tt.HasField("shape"):
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim)
+    return TensorInfo(vi.name, _dtype_name(tt.elem_type), shape)
+
+
+def _override_input_shapes(model: onnx.ModelProto, shapes: InputShapes) -> None:
+    names = {i.name for i in model.graph.input}
+    for name in shapes:
+        if name not in names:
+            raise UserError(f"--input-shape names {name!r}, which is not a model input "
+                            f"(inputs: {', '.join(sorted(names))})")
+    for inp in model.graph.input:
+        if inp.name in shapes:
+            dims = shapes[inp.name]
+            shp = inp.type.tensor_type.shape
+            if len(shp.dim) and len(shp.dim) != len(dims):
+                raise UserError(f"--input-shape {inp.name}: model input has rank {len(shp.dim)}, got {len(dims)} dims")
+            del shp.dim[:]
+            for d in dims:
+                shp.dim.add().dim_value = d
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray:
+    """Value of a Constant node, whichever of its value_* attributes it uses."""
+    attr = node.attribute[0]
+    kind = attr.name
+    if kind == "value":
+        return numpy_helper.to_array(attr.t)
+    if kind == "value_float":
+        return np.array(attr.f, dtype=np.float32)
+    if kind == "value_floats":
+        return np.array(list(attr.floats), dtype=np.float32)
+    if kind == "value_int":
+        return np.array(attr.i, dtype=np.int64)
+    if kind == "value_ints":
+        return np.array(list(attr.ints), dtype=np.int64)
+    if kind == "sparse_value":
+        dense = numpy_helper.to_array(attr.sparse_tensor.values)
+        out = np.zeros(list(attr.sparse_tensor.dims), dtype=dense.dtype)
+        idx = numpy_helper.to_array(attr.sparse_tensor.indices)
+        out.reshape(-1)[idx.reshape(-1) if idx.ndim == 1 else np.ravel_multi_index(idx.T, out.shape)] = dense
+        return out
+    raise UserError(f"Constant node {node.name!r} uses unsupported attribute {kind!r}; re-export with a tensor value")
+
+
+def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
+                input_shapes: InputShapes | None = None, require_static: bool = True) -> Graph:
+    """Import an ONNX model into the graph IR.
+
+    ``input_shapes`` fixes dynamic input dimensions; with ``require_static`` every graph input must end up
+    with a fully known shape, else a :class:`UserError` names the input and the ``--input-shape`` to pass.
+    """
+    model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else load_model(model_or_path)
+    model = onnx.ModelProto.FromString(model.SerializeToString())  # never mutate the caller's proto
+    if input_shapes:
+        _override_input_shapes(model, input_shapes)
+    g = model.graph
+    init_names = {t.name for t in g.initializer}
+    if require_static:
+        for inp in g.input:
+            if inp.name in init_names:
+                continue
+            info = _tensor_info(inp)
+            if not info.is_static:
+                dims = ",".join(str(d) for d in (info.shape or ("?",)))
+                raise UserError(f"input {inp.name!r} has unknown dimensions [{dims}]: pass "
+                                f"--input-shape {inp.name}=D1,D2,... with the sizes to compile for")
+    try:
+        inferred = shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - malformed models make inference fail in many ways
+        raise UserError(f"ONNX shape inference failed ({str(exc).splitlines()[0][:200]}); "
+                        "check the model with onnx.checker or re-export it") from None
+    g = inferred.graph
+
+    initializers: dict[str, np.ndarray] = {}
+    for t in g.initializer:
+        arr = numpy_helper.to_array(t)
+        _check_dtype(t.name, arr.dtype.name)
+        initializers[t.name] = arr
+    value_info: dict[str, TensorInfo] = {}
+    for vi in list(g.value_info) + list(g.output) + list(g.input):
+        if vi.type.HasField("tensor_type"):
+            value_info[vi.name] = _tensor_info(vi)
+    inputs = [_tensor_info(i) for i in g.input]
+    for i in inputs:
+        _check_dtype(i.name, i.dtype)
+    outputs = [_tensor_info(o) for o in g.output]
+
+    nodes: list[Node] = []
+    used_names: set[str] = set()
+    for k, n in enumerate(g.node):
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1:
+            initializers[n.output[0]] = _constant_value(n)
+            continue
+        name = n.name or f"{n.op_type}_{k}"
+        while name in used_names:
+            name = f"{name}_{k}"
+        used_names.add(name)
+        attrs: dict[str, Any] = {}
+        types: dict[str, int] = {}
+        for a in n.attribute:
+            v = helper.get_attribute_value(a)
+            if a.type == onnx.AttributeProto.TENSOR:
+                v = numpy_helper.to_array(v)
+            elif isinstance(v, bytes):
+                v = v.decode("utf-8", errors="surrogateescape")
+            elif isinstance(v, list) and v and isinstance(v[0], bytes):
+                v = [x.decode("utf-8", errors="surrogateescape") for x in v]
+            attrs[a.name] = v
+            types[a.name] = a.type
+        nodes.append(Node(n.op_type, list(n.input), list(n.output), attrs, name, n.domain, types))
+
+    graph = Graph(
+        nodes=nodes, inputs=inputs, outputs=outputs, initializers=initializers, value_info=value_info,
+        name=g.name or "graph",
+        opset_imports={o.domain: o.version for o in model.opset_import},
+        ir_version=model.ir_version, functions=list(model.functions),
+        producer_name=model.producer_name or "optimize-model",
+    )
+    _remove_identities(graph)
+    return graph
+
+
+def _check_dtype(name: str, dtype: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise UserError(f"tensor {name!r} has dtype {dtype}, which is not supported; supported: "
+                        f"{', '.join(sorted(SUPPORTED_DTYPES))} (cast it in the exporting framework)")
+
+
+def _remove_identities(graph: Graph) -> None:
+    """Bypass Identity nodes whose output is not a graph output (those keep their name, so they stay)."""
+    outputs = set(graph.output_names)
+    rename: dict[str, str] = {}
+    kept: list[Node] = []
+    for n in graph.nodes:
+        n.inputs = [rename.get(t, t) for t in n.inputs]
+        if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.outputs[0] not in outputs:
+            rename[n.outputs[0]] = n.inputs[0]
+            continue
+        kept.append(n)
+    graph.nodes = kept
+    if rename:
+        _rename_in_subgraphs(graph, rename)
+
+
+def _rename_in_subgraphs(graph: Graph, rename: dict[str, str]) -> None:
+    """Control-flow bodies may capture outer tensors by name; keep those references valid."""
+    for n in graph.nodes:
+        for v in n.attrs.values():
+            if isinstance(v, onnx.GraphProto):
+                for sub in v.node:
+                    for i, t in enumerate(sub.input):
+                        if t in rename:
+                            sub.input[i] = rename[t]
+
+
+def _value_info_proto(info: TensorInfo) -> onnx.ValueInfoProto:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)) if info.dtype != "bfloat16" else onnx.TensorProto.BFLOAT16
+    shape = None if info.shape is None else [d if isinstance(d, int) else (None if d == "?" else d) for d in info.shape]
+    return helper.make_tensor_value_info(info.name, elem, shape)
+
+
+def _attribute(key: str, value: Any, attr_type: int | None) -> onnx.AttributeProto:
+    if isinstance(value, np.ndarray):
+        value = numpy_helper.from_array(value)
+    return helper.make_attribute(key, value, attr_type=attr_type)
+
+
+def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
+    """Write the graph as an ONNX model with the original interface; ``onnx.checker`` must accept it."""
+    nodes = []
+    for n in graph.nodes:
+        attrs = [_attribute(k, v, n.attr_types.get(k)) for k, v in n.attrs.items()]
+        node = helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, domain=n.domain or None)
+        node.attribute.extend(attrs)
+        nodes.append(node)
+    interface = set(graph.input_names) | set(graph.output_names)
+    produced = {o for n in graph.nodes for o in n.outputs}
+    value_info = [_value_info_proto(v) for k, v in graph.value_info.items()
+                  if k not in interface and k in produced and v.dtype in SUPPORTED_DTYPES
+                  and v.shape is not None]
+    g = helper.make_graph(
+        nodes, graph.name,
+        [_value_info_proto(i) for i in graph.inputs],
+        [_value_info_proto(o) for o in graph.outputs],
+        initializer=[numpy_helper.from_array(np.asarray(a), k) for k, a in graph.initializers.items()],
+        value_info=value_info,
+    )
+    model = helper.make_model(
+        g, opset_imports=[helper.make_opsetid(d, v) for d, v in graph.opset_imports.items()],
+        producer_name=graph.producer_name,
+    )
+    model.ir_version = graph.ir_version
+    model.functions.extend(graph.functions)
+    if check:
+        try:
+            onnx.checker.check_model(model, full_check=False)
+        except onnx.checker.ValidationError as exc:
+            raise RuntimeError(f"exported model fails onnx.checker: {str(exc).splitlines()[0]}") from exc
+    return model
+
+
+def save_onnx(graph: Graph, path: str | os.PathLike) -> None:
+    model = export_onnx(graph)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
