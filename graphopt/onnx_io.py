@@ -270,7 +270,11 @@ def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
         try:
             onnx.checker.check_model(model, full_check=False)
         except onnx.checker.ValidationError as exc:
-            raise RuntimeError(f"exported model fails onnx.checker: {str(exc).splitlines()[0]}") from exc
+            # The checker insists on a shape field for outputs; models whose exporter left an output's rank
+            # unknown (and onnx shape inference could not find it) still run, so that alone is no failure.
+            unknown_rank = any(o.shape is None for o in graph.outputs)
+            if not (unknown_rank and "Field 'shape' of 'type' is required" in str(exc)):
+                raise RuntimeError(f"exported model fails onnx.checker: {str(exc).splitlines()[0]}") from exc
     return model
 
 
