@@ -1,0 +1,134 @@
+"""Task schedulers: which task gets the next batch of measurement trials.
+
+A model has many tuning tasks of very different weight; spending the global trial budget evenly
+(round-robin) wastes trials on tasks that are already good or that hardly matter.  The gradient scheduler
+follows Ansor section 6 (ALGORITHMS.md section 3): minimise ``f = sum_i w_i * g_i`` (w_i occurrences of
+task i, g_i its best latency) by giving the next batch to the task whose estimated gradient
+``df/dt_i`` is most negative:
+
+    dL/dt_i ~ w_i * ( alpha * (g_i(t_i) - g_i(t_i - dt)) / dt
+                     + (1 - alpha) * min(-g_i(t_i) / t_i,  beta * C_i / max_{k in N(i)} V_k - g_i(t_i)) )
+
+with t_i the rounds given to task i so far, dt the backward window, C_i the task's FLOPs, V_k the best
+FLOP/s reached by a similar task k (same op kind, FLOPs within ``similar_ratio``; i itself included).  The
+first term is the recent improvement rate, the second an optimistic guess of what is left: either the
+latency keeps falling at its average rate so far, or it can reach the speed a similar task already shows.
+One warm-up round of round-robin gives every task a history first.  Unlike MetaSchedule's GradientBased,
+the similar-task term is kept.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TaskInfo:
+    """What the scheduler needs to know about a task; ``latency_s`` is its starting (untuned) latency."""
+
+    name: str
+    weight: float
+    flops: float
+    kind: str
+    latency_s: float = math.inf
+
+
+@dataclass
+class _State:
+    info: TaskInfo
+    rounds: int = 0
+    history: list[float] = field(default_factory=list)  # best latency after each round; [0] = start
+
+    @property
+    def best(self) -> float:
+        return self.history[-1]
+
+
+class TaskScheduler:
+    """Common bookkeeping: per-task best-latency history and the weighted objective."""
+
+    name = "base"
+
+    def __init__(self, tasks: list[TaskInfo]):
+        if not tasks:
+            raise ValueError("no tasks to schedule")
+        self.states = [_State(t, history=[t.latency_s]) for t in tasks]
+        self._cursor = 0
+
+    def next_task(self) -> int:
+        raise NotImplementedError
+
+    def update(self, task: int, best_latency_s: float) -> None:
+        """Record that ``task`` got one more round and its best latency is now ``best_latency_s``."""
+        s = self.states[task]
+        s.rounds += 1
+        s.history.append(min(s.best, best_latency_s))
+
+    def objective(self) -> float:
+        """sum_i w_i * g_i, in seconds; infinite while some task has no valid latency."""
+        return sum(s.info.weight * s.best for s in self.states)
+
+    def _round_robin(self) -> int:
+        i = self._cursor % len(self.states)
+        self._cursor += 1
+        return i
+
+
+class RoundRobinScheduler(TaskScheduler):
+    """The baseline: every task in turn."""
+
+    name = "round-robin"
+
+    def next_task(self) -> int:
+        return self._round_robin()
+
+
+class GradientScheduler(TaskScheduler):
+    """Ansor's gradient-based allocation (see module docstring)."""
+
+    name = "gradient"
+
+    def __init__(self, tasks: list[TaskInfo], alpha: float = 0.2, beta: float = 2.0, window: int = 3,
+                 similar_ratio: float = 2.0):
+        super().__init__(tasks)
+        self.alpha, self.beta, self.window, self.similar_ratio = alpha, beta, window, similar_ratio
+
+    def _similar(self, i: int) -> list[int]:
+        me = self.states[i].info
+        return [k for k, s in enumerate(self.states) if s.info.kind == me.kind and me.flops > 0 and
+                max(s.info.flops, me.flops) <= self.similar_ratio * min(s.info.flops, me.flops)]
+
+    def gradient(self, i: int) -> float:
+        s = self.states[i]
+        g = s.best
+        if not math.isfinite(g):
+            return -math.inf  # no valid kernel yet: nothing matters more
+        t = s.rounds
+        dt = min(self.window, t)
+        backward = (g - s.history[t - dt]) / dt if dt > 0 else 0.0
+        if not math.isfinite(backward):  # the first valid result came within the window
+            backward = -g / max(dt, 1)
+        speeds = [self.states[k].info.flops / self.states[k].best for k in self._similar(i)
+                  if math.isfinite(self.states[k].best) and self.states[k].best > 0]
+        reachable = self.beta * s.info.flops / max(speeds) - g if speeds else -g
+        forward = min(-g / max(t, 1), reachable)
+        return s.info.weight * (self.alpha * backward + (1 - self.alpha) * forward)
+
+    def next_task(self) -> int:
+        if self._cursor < len(self.states):  # warm-up: one round each
+            return self._round_robin()
+        grads = [self.gradient(i) for i in range(len(self.states))]
+        return min(range(len(grads)), key=lambda i: (grads[i], i))
+
+
+SCHEDULERS = {"gradient": GradientScheduler, "round-robin": RoundRobinScheduler}
+
+
+def make_scheduler(name: str, tasks: list[TaskInfo], **opts: float) -> TaskScheduler:
+    try:
+        cls = SCHEDULERS[name]
+    except KeyError:
+        from graphopt.errors import UserError
+
+        raise UserError(f"unknown scheduler {name!r}: choose one of {', '.join(SCHEDULERS)}") from None
+    return cls(tasks, **opts)
