@@ -54,12 +54,30 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     try:
         model = onnx.load(str(p))
     except Exception as exc:  # protobuf raises DecodeError, RuntimeError or ValueError depending on damage
+        missing = _missing_external_data(p)
+        if missing:
+            raise UserError(f"{str(p)!r} keeps its weights in {missing!r}, which is not next to it: copy that file "
+                            "into the model's folder (torch.onnx.export writes it beside the .onnx)") from None
         raise UserError(f"{str(p)!r} is not a readable ONNX model ({type(exc).__name__}); "
                         "re-export it or check the file is complete") from None
     if not model.graph.node and not model.graph.output:
         raise UserError(f"{str(p)!r} is not an ONNX model (no graph found); re-export it with torch.onnx.export "
                         "or check the file is complete")
     return model
+
+
+def _missing_external_data(p: Path) -> str | None:
+    """The first external-data file (large exports keep weights beside the .onnx) that does not exist."""
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception:  # noqa: BLE001 - the graph itself is unreadable: not an external-data problem
+        return None
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            if location and not (p.parent / location).exists():
+                return location
+    return None
 
 
 def _dtype_name(elem_type: int) -> str:
@@ -208,6 +226,8 @@ def _remove_identities(graph: Graph) -> None:
     kept: list[Node] = []
     for n in graph.nodes:
         n.inputs = [rename.get(t, t) for t in n.inputs]
+        if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.outputs[0] == n.inputs[0]:
+            continue  # x -> x: the dynamo exporter writes this for an output that is an input (ORT rejects it)
         if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.outputs[0] not in outputs:
             rename[n.outputs[0]] = n.inputs[0]
             continue
@@ -215,6 +235,32 @@ def _remove_identities(graph: Graph) -> None:
     graph.nodes = kept
     if rename:
         _rename_in_subgraphs(graph, rename)
+
+
+def account_nodes(source: onnx.ModelProto, graph: Graph) -> dict[str, Any]:
+    """Where every top-level node of ``source`` went in the imported ``graph``: the proof of "0 dropped".
+
+    A source node is *kept* when an IR node of the same op type writes the same outputs, *folded* when it
+    is a Constant whose output became a weight, *bypassed* when it is an Identity whose output name no
+    longer occurs in the graph (its readers were rewired to its input).  Anything else is *dropped* and
+    listed by name, which import must never do.
+    """
+    kept_outputs = {(n.op_type, tuple(n.outputs)) for n in graph.nodes}
+    referenced = {t for n in graph.nodes for t in (*n.inputs, *n.outputs)} | set(graph.output_names)
+    counts = {"kept": 0, "folded_constants": 0, "bypassed_identities": 0}
+    dropped: list[str] = []
+    for n in source.graph.node:
+        default_domain = n.domain in ("", "ai.onnx")
+        if (n.op_type, tuple(n.output)) in kept_outputs:
+            counts["kept"] += 1
+        elif default_domain and n.op_type == "Constant" and n.output[0] in graph.initializers:
+            counts["folded_constants"] += 1
+        elif default_domain and n.op_type == "Identity" and (n.output[0] == n.input[0]
+                                                              or n.output[0] not in referenced):
+            counts["bypassed_identities"] += 1
+        else:
+            dropped.append(n.name or f"{n.op_type}->{','.join(n.output)}")
+    return {**counts, "dropped_nodes": len(dropped), "dropped": dropped}
 
 
 def _rename_in_subgraphs(graph: Graph, rename: dict[str, str]) -> None:

@@ -12,7 +12,7 @@ import onnx
 
 from graphopt import ops
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
-from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.onnx_io import InputShapes, account_nodes, export_onnx, import_onnx, load_model
 
 
 def roundtrip(model: onnx.ModelProto | str | os.PathLike, input_shapes: InputShapes | None = None,
@@ -27,6 +27,8 @@ def roundtrip(model: onnx.ModelProto | str | os.PathLike, input_shapes: InputSha
         "nodes": len(graph.nodes),
         "source_nodes": len(proto.graph.node),
         "opaque_nodes": sum(1 for n in graph.nodes if not ops.understood(n, graph)),
+        # source nodes neither kept, nor folded (Constant), nor bypassed (Identity): must be 0
+        "dropped_nodes": account_nodes(proto, graph)["dropped_nodes"],
         "max_abs_err": err,
         "outputs_equal": err <= tolerance,
     }

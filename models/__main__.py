@@ -1,0 +1,47 @@
+"""``python -m models list`` / ``python -m models build NAME -o FILE [--seed S]``."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import onnx
+
+from graphopt.errors import UserError, cli_entry
+from models.registry import MODELS, build, get_model
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m models", description="Build the benchmark ONNX models")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="print the model names with a one-line description")
+    b = sub.add_parser("build", help="build one model and save it as ONNX")
+    b.add_argument("name", help="model name (see list)")
+    b.add_argument("-o", "--output", required=True, help="output .onnx file")
+    b.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    return p
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "list":
+        width = max(len(n) for n in MODELS)
+        for spec in MODELS.values():
+            print(f"{spec.name:<{width}}  {spec.description}")
+        return 0
+    get_model(args.name)  # fail on a bad name before creating anything
+    out = Path(args.output)
+    if out.is_dir():
+        raise UserError(f"output {str(out)!r} is a directory: pass a file name such as {args.name}.onnx")
+    model = build(args.name, args.seed)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        onnx.save(model, str(out))
+    except OSError as exc:
+        raise UserError(f"cannot write {str(out)!r} ({exc.strerror or exc}); choose a writable path with -o") from None
+    print(f"wrote {out} ({len(model.graph.node)} nodes, {out.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
