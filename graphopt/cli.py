@@ -34,10 +34,50 @@ def _run_roundtrip(args: argparse.Namespace) -> int:
     return 0 if result["outputs_equal"] else 1
 
 
+def _add_optimize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("optimize", help="apply the verified substitution library with a cost-based search")
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("-o", "--output", required=True, help="where to write the optimized ONNX model")
+    p.add_argument("--target", default="llvm", help="target the cost model prices for (llvm, cuda, rocm)")
+    p.add_argument("--alpha", type=float, default=1.05, help="keep graphs up to alpha x the best cost (1.0 = greedy)")
+    p.add_argument("--budget", type=int, default=1000, help="most graphs to dequeue")
+    p.add_argument("--time-limit", type=float, default=60.0, help="stop the search after this many seconds")
+    p.add_argument("--cost", choices=["measured", "analytic"], default="measured",
+                   help="measured: time each operator on this machine (cached); analytic: roofline estimate")
+    p.add_argument("--backend", choices=["tvm", "ort"], default="tvm",
+                   help="what runs the timed operators: TVM with the pipeline's schedules, or onnxruntime")
+    p.add_argument("--threads", type=int, default=1, help="threads for the timed operators")
+    p.add_argument("--json", help="also write the report as JSON to this file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
+                   help="fix a dynamic input's shape (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_optimize)
+
+
+def _run_optimize(args: argparse.Namespace) -> int:
+    from graphopt.optimize import optimize
+
+    _, report = optimize(args.model, args.output, target=args.target, alpha=args.alpha, budget=args.budget,
+                         time_limit=args.time_limit, cost=args.cost,
+                         input_shapes=parse_input_shapes(args.input_shape), seed=args.seed,
+                         progress=not args.no_progress, backend=args.backend, threads=args.threads)
+    text = json.dumps(report)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0 if report["outputs_equal"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphopt", description="Graph-level optimization of ONNX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_roundtrip(sub)
+    _add_optimize(sub)
+    from graphopt.library import add_rules_parser
+
+    add_rules_parser(sub)
     return parser
 
 

@@ -107,16 +107,23 @@ class Rule:
     src: Pattern
     dst: Pattern
     verified: bool = False
+    # ranks of x0, x1, ... in the generator's domain: the rule is proved for inputs of these ranks (axes in
+    # concat/split/transpose params are absolute); empty when unknown
+    input_ranks: tuple[int, ...] = ()
 
     def render(self) -> str:
         return f"{self.src.render()} => {self.dst.render()}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "src": self.src.to_json(), "dst": self.dst.to_json(), "verified": self.verified}
+        d = {"name": self.name, "src": self.src.to_json(), "dst": self.dst.to_json(), "verified": self.verified}
+        if self.input_ranks:
+            d["input_ranks"] = list(self.input_ranks)
+        return d
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "Rule":
-        return Rule(d["name"], Pattern.from_json(d["src"]), Pattern.from_json(d["dst"]), bool(d.get("verified")))
+        return Rule(d["name"], Pattern.from_json(d["src"]), Pattern.from_json(d["dst"]), bool(d.get("verified")),
+                    tuple(d.get("input_ranks", ())))
 
 
 LIBRARY_PATH = Path(__file__).parent / "data" / "rules.json"

@@ -1,0 +1,155 @@
+"""Benchmark the graph stage on the model set: cost and measured end-to-end latency before/after.
+
+Per model: build it (``models`` registry), run ``graphopt`` optimize (verified library, cost-based search),
+then time the input and the optimized model end to end with the same engine - onnxruntime (CPU EP) and,
+with ``--tvm``, TVM through the pipeline's compile (template/dlight default schedules, no tuning).  Runs of
+the two models are interleaved so machine noise hits both alike; medians are reported.
+
+    python bench/graphopt_models.py --models bert-base resnext50 inception-block nasrnn --tvm \
+        --json bench/results/graphopt_models.json --png bench/results/graphopt_models.png
+
+Prints one JSON document (also written to ``--json``) and draws a bar chart of the speedups.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
+    """Median milliseconds per engine, alternating between them run by run."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            samples[k].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def ort_latency(before, after, feeds, threads: int, runs: int) -> dict[str, float]:
+    from graphopt.feeds import ort_session
+
+    sessions = {k: ort_session(m, threads) for k, m in (("before", before), ("after", after))}
+    fns = {}
+    for k, s in sessions.items():
+        names = {i.name for i in s.get_inputs()}
+        f = {n: v for n, v in feeds.items() if n in names}
+        fns[k] = (lambda s=s, f=f: s.run(None, f))
+    return _interleaved(fns, runs)
+
+
+def tvm_latency(before, after, feeds, threads: int, runs: int) -> dict[str, Any]:
+    """Compile both models with the pipeline's default schedules and time them on the Relax VM."""
+    from pipeline.compile import compile_partition, device_for, to_device
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+    from pipeline.targets import parse_target
+
+    spec = parse_target("llvm", threads)
+    dev = device_for(spec)
+    fns, build_s = {}, {}
+    for k, m in (("before", before), ("after", after)):
+        t = time.perf_counter()
+        imported = import_model(m)
+        compiled = compile_partition(imported, partition(imported.mod), spec)
+        build_s[k] = time.perf_counter() - t
+        main = compiled.vm()["main"]
+        args = to_device(feeds, compiled.input_names, dev)
+        fns[k] = (lambda main=main, args=args: (main(*args), dev.sync()))
+    out: dict[str, Any] = _interleaved(fns, runs)
+    out["build_s"] = build_s
+    return out
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from graphopt.feeds import random_inputs
+    from graphopt.onnx_io import import_onnx
+    from graphopt.optimize import optimize
+    from models.registry import build
+
+    proto = build(name, args.seed)
+    optimized, report = optimize(proto, target="llvm", alpha=args.alpha, budget=args.budget,
+                                 time_limit=args.time_limit, cost=args.cost, backend=args.backend,
+                                 threads=args.threads, seed=args.seed)
+    row: dict[str, Any] = {"model": name, **report}
+    feeds = random_inputs(import_onnx(proto), args.seed)
+    row["ort_ms"] = ort_latency(proto, optimized, feeds, args.threads, args.runs)
+    row["ort_speedup"] = row["ort_ms"]["before"] / row["ort_ms"]["after"]
+    if args.tvm:
+        try:
+            row["tvm_ms"] = tvm_latency(proto, optimized, feeds, args.threads, args.runs)
+            row["tvm_speedup"] = row["tvm_ms"]["before"] / row["tvm_ms"]["after"]
+        except Exception as exc:  # noqa: BLE001 - report the failure for this model, keep benchmarking
+            row["tvm_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    row["cost_speedup"] = report["cost_before"] / report["cost_after"] if report["cost_after"] else None
+    return row
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [("cost model", "cost_speedup"), ("onnxruntime", "ort_speedup"), ("TVM default", "tvm_speedup")]
+    series = [s for s in series if any(r.get(s[1]) for r in rows)]
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(rows), 3.6))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r.get(key) or 0 for r in rows], width, label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(rows))], [r["model"] for r in rows])
+    ax.set_ylabel("speedup after graph stage (x)")
+    ax.set_title("graphopt: before / after, end to end")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    p.add_argument("--cost", choices=["measured", "analytic"], default="measured")
+    p.add_argument("--backend", choices=["tvm", "ort"], default="tvm", help="what the measured cost model times")
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--budget", type=int, default=1000)
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tvm", action="store_true", help="also compile and time both models with TVM")
+    p.add_argument("--json", default="bench/results/graphopt_models.json")
+    p.add_argument("--png", default="bench/results/graphopt_models.png")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    rows = []
+    for name in args.models:
+        row = bench_model(name, args)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    doc = {"threads": args.threads, "cost": args.cost, "backend": args.backend, "runs": args.runs, "models": rows}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(text + "\n")
+    plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""MetaFlow/TASO cost-based backtracking search over rule applications.
+
+A priority queue holds candidate graphs ordered by cost.  The cheapest is dequeued, every rule is applied at
+every match, and each result whose cost is below ``alpha`` times the best cost seen so far is enqueued
+(``alpha`` = 1.05 as in the paper: a slightly worse graph may lead to a much better one, e.g. merging two of
+BERT's three projections before the third joins; 1.0 is greedy).  Graphs are deduplicated by structural
+hash; the search stops after ``budget`` dequeued graphs, ``time_limit`` seconds, or an empty queue.
+
+Two things make it fast enough for BERT-base (~1000 nodes, hundreds of matches per graph):
+
+* *lazy children*: a queue entry is (parent graph, match) with the child's cost known exactly from the
+  parent's cost plus the rewrite's cost delta (target nodes priced from inferred shapes minus the matched
+  nodes' costs) - only dequeued entries are built, copied and hashed;
+* *incremental matching*: a child inherits its parent's matches except those touching what the rewrite
+  changed, and re-matches only around the changed nodes (:meth:`RuleIndex.matches_around`).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from graphopt.cost import CostModel, constant_tensors, foldable
+from graphopt.ir import Graph
+from graphopt.match import GraphIndex, Match, RuleIndex, ViewCache, with_reverses
+from graphopt.rewrite import Rewrite, RewriteError, apply_match, target_plan
+from graphopt.rules import Rule
+
+
+@dataclass
+class State:
+    """One graph the search has built, with what is needed to expand it cheaply."""
+
+    graph: Graph
+    index: GraphIndex
+    cost: float
+    node_cost: dict[str, float]
+    constants: set[str]
+    matches: list[tuple[Match, float]]  # each with the cost change applying it would make
+    path: tuple[str, ...] = ()
+
+
+@dataclass
+class SearchResult:
+    graph: Graph
+    cost_before: float
+    cost_after: float
+    applied: dict[str, int]
+    path: list[str]
+    graphs_explored: int
+    dequeued: int
+    seconds: float
+    stopped_by: str
+    trace: list[float] = field(default_factory=list)  # best cost after each dequeue
+
+
+class Searcher:
+    def __init__(self, rules: list[Rule], cost: CostModel, alpha: float = 1.05, budget: int = 1000,
+                 time_limit: float = 60.0, progress: bool = False, max_queue: int = 20000,
+                 reverse: bool = True):
+        self.rules = RuleIndex(with_reverses(rules) if reverse else rules)
+        self.cost = cost
+        self.alpha = alpha
+        self.budget = budget
+        self.time_limit = time_limit
+        self.progress = progress
+        self.max_queue = max_queue
+        self.views = ViewCache()
+
+    # ---- states ------------------------------------------------------------------------------------------
+    def _delta(self, match: Match, state_index: GraphIndex, node_cost: dict[str, float],
+               constants: set[str]) -> float | None:
+        try:
+            plan = target_plan(match, state_index, constants)
+        except RewriteError:
+            return None
+        new = sum(self.cost.op_cost(t.op, t.params, t.in_shapes, plan.dtype) for t in plan.nodes if not t.constant)
+        return new - sum(node_cost[n] for n in match.nodes)
+
+    def _priced(self, matches: list[Match], index: GraphIndex, node_cost: dict[str, float],
+                constants: set[str]) -> list[tuple[Match, float]]:
+        out = []
+        for m in matches:
+            d = self._delta(m, index, node_cost, constants)
+            if d is not None:
+                out.append((m, d))
+        return out
+
+    def root(self, graph: Graph) -> State:
+        index = GraphIndex(graph, self.views)
+        constants = constant_tensors(graph)
+        node_cost = {n.name: self.cost.node_cost(n, graph, constants) for n in graph.nodes}
+        matches = self._priced(self.rules.all_matches(index), index, node_cost, constants)
+        return State(graph, index, sum(node_cost.values()), node_cost, constants, matches)
+
+    def child(self, parent: State, match: Match) -> State:
+        rw = apply_match(match, parent.index)
+        g = rw.graph
+        index = GraphIndex.derive(parent.index, g, set(rw.removed) | set(rw.rewired),
+                                  set(rw.added) | set(rw.rewired))
+        constants = _derive_constants(parent, rw, index)
+        node_cost = dict(parent.node_cost)
+        cost = parent.cost
+        for n in rw.removed:
+            cost -= node_cost.pop(n)
+        for n in rw.rewired:
+            cost -= node_cost.pop(n)
+        for n in rw.added + rw.rewired:
+            c = self.cost.node_cost(index.nodes[n], g, constants)
+            node_cost[n] = c
+            cost += c
+        # What the rewrite touched: new and rewired nodes, and the producers of every tensor they read or
+        # that lost a reader (a match previously invalid for an outside reader may now be valid).
+        changed = set(rw.added) | set(rw.rewired)
+        read = {t for n in changed for t in index.nodes[n].inputs if t} | set(match.binding().values())
+        near = {index.producer[t][0] for t in read if t in index.producer}
+        anchors = changed | near
+        drop = set(rw.removed) | anchors
+        inherited = [(m, d) for m, d in parent.matches if not drop.intersection(m.nodes)]
+        fresh = self._priced(self.rules.matches_around(index, anchors), index, node_cost, constants)
+        return State(g, index, cost, node_cost, constants, inherited + fresh, parent.path + (match.rule.name,))
+
+    # ---- search ------------------------------------------------------------------------------------------
+    def run(self, graph: Graph) -> SearchResult:
+        start = time.perf_counter()
+        root = self.root(graph)
+        best = root
+        seen = {graph.structural_hash()}
+        counter = itertools.count()
+        heap: list[tuple[float, int, State, Match | None]] = []
+        explored = dequeued = 0
+        trace: list[float] = []
+        stopped_by = "queue empty"
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.budget, desc="graph search", unit="graph", leave=False)
+
+        # Matches that failed to apply (a cycle through the rest of the graph) fail again in every
+        # descendant that inherits them: remember them instead of rebuilding and re-sorting each time.
+        failed: set[tuple] = set()
+
+        def expand(state: State) -> None:
+            limit = self.alpha * best.cost
+            for m, d in state.matches:
+                c = state.cost + d
+                if c < limit and (m.key, m.bindings) not in failed:
+                    heapq.heappush(heap, (c, next(counter), state, m))
+
+        expand(root)
+        dequeued = 1
+        while heap:
+            if dequeued >= self.budget:
+                stopped_by = "budget"
+                break
+            if time.perf_counter() - start > self.time_limit:
+                stopped_by = "time limit"
+                break
+            est, _, parent, match = heapq.heappop(heap)
+            if est >= self.alpha * best.cost:
+                continue
+            try:
+                state = self.child(parent, match)
+            except RewriteError:
+                failed.add((match.key, match.bindings))
+                continue
+            h = state.graph.structural_hash()
+            if h in seen:
+                continue
+            seen.add(h)
+            explored += 1
+            dequeued += 1
+            if state.cost < best.cost:
+                best = state
+            trace.append(best.cost)
+            expand(state)
+            if len(heap) > 2 * self.max_queue:
+                heap = heapq.nsmallest(self.max_queue, heap)
+                heapq.heapify(heap)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(best=f"{best.cost * 1e3:.3f}ms", queue=len(heap))
+        if bar is not None:
+            bar.close()
+        self.cost.flush()
+        return SearchResult(
+            graph=best.graph, cost_before=root.cost, cost_after=best.cost, applied=dict(Counter(best.path)),
+            path=list(best.path), graphs_explored=explored + 1, dequeued=dequeued,
+            seconds=time.perf_counter() - start, stopped_by=stopped_by, trace=trace)
+
+
+def _derive_constants(parent: State, rw: Rewrite, index: GraphIndex) -> set[str]:
+    """Weight-only tensors of the child: the parent's, less what removed nodes computed, plus what the new
+    and rewired nodes compute from weights (constness is not propagated further downstream: that only
+    makes a cost estimate slightly high, and folding before export recomputes it exactly)."""
+    constants = set(parent.constants)
+    for name in rw.removed:
+        constants.difference_update(parent.index.nodes[name].outputs)
+    for name in sorted(set(rw.added) | set(rw.rewired), key=index.pos.__getitem__):
+        n = index.nodes[name]
+        if foldable(n, index.graph, constants):
+            constants.update(o for o in n.outputs if o)
+    return constants
+
+
+def search(graph: Graph, rules: list[Rule], cost: CostModel, alpha: float = 1.05, budget: int = 1000,
+           time_limit: float = 60.0, progress: bool = False) -> SearchResult:
+    """Best graph found for ``graph`` under ``cost`` using ``rules`` (see module docstring)."""
+    return Searcher(rules, cost, alpha, budget, time_limit, progress).run(graph)
+
+
+def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measured", alpha: float = 1.05,
+             budget: int = 1000, time_limit: float = 60.0, rules: list[Rule] | None = None,
+             backend: str = "tvm", threads: int = 1, progress: bool = False) -> SearchResult:
+    """Graph in, graph out (the pipeline's graph stage): search with the shipped verified library, then
+    fold weight-only subgraphs so the returned ``result.graph`` is ready to export."""
+    from graphopt.cost import make_cost_model
+    from graphopt.optimize import library
+    from graphopt.rewrite import fold_constants, fuse_conv_bias, split_conv_bias
+
+    model = make_cost_model(cost, target, backend, threads) if isinstance(cost, str) else cost
+    graph = graph.copy()
+    split_conv_bias(graph)
+    result = search(graph, library() if rules is None else rules, model, alpha, budget, time_limit, progress)
+    best = result.graph.copy()
+    fold_constants(best)
+    fuse_conv_bias(best)
+    result.graph = best
+    return result

@@ -1,0 +1,163 @@
+"""``tune-kernels``: tune one operator with a searcher, record every measurement, report the best kernel.
+
+    tune-kernels --op matmul --shape 128,768,768 --target llvm --searcher opevo --trials 64 --seed 0 \\
+                 --records mm.jsonl --json mm.json
+
+SHAPE is ``M,K,N`` for matmul (A is MxK, B is KxN), ``B,M,K,N`` for batch_matmul and ``N,C,H,W,F,KH,KW`` for
+conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--json``) is
+``{"best_gflops", "best_ms", "best_config", "trials", "numpy_gflops", ...}``; ``numpy_gflops`` is numpy's
+(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  Rerunning
+with the same ``--records`` resumes: stored configs count towards ``--trials`` and are not measured again.
+
+Structure: :func:`build_parser` declares the options, :func:`run_operator` does the single-operator mode.
+A model mode (``tune-kernels MODEL --list`` ...) belongs to the pipeline; it plugs in at the two places
+marked "MODEL MODE" below, leaving the single-operator path untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from graphopt.errors import UserError, cli_entry
+from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
+
+OPS = ("matmul", "batch_matmul", "conv2d")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad options as a one-line UserError (exit 2) instead of usage + exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see tune-kernels --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
+    # MODEL MODE (1/2): the pipeline adds its positional ``model`` (nargs="?") and ``--list`` here.
+    from pipeline.model_mode import add_model_arguments  # MODEL MODE: pipeline/model_mode.py
+
+    add_model_arguments(p)
+    op = p.add_argument_group("single operator")
+    op.add_argument("--op", help=f"operator: {', '.join(OPS)}")
+    op.add_argument("--shape", help="M,K,N (matmul) | B,M,K,N (batch_matmul) | N,C,H,W,F,KH,KW (conv2d)")
+    op.add_argument("--transpose-a", action="store_true", help="matmuls: A is stored transposed")
+    op.add_argument("--transpose-b", action="store_true", help="matmuls: B is stored transposed")
+    op.add_argument("--stride", type=int, help="conv2d stride (default 1)")
+    op.add_argument("--pad", type=int, help="conv2d padding (default 0)")
+    op.add_argument("--groups", type=int, help="conv2d groups (default 1)")
+    tune = p.add_argument_group("tuning")
+    tune.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
+    tune.add_argument("--searcher", default="opevo", help=f"{' | '.join(sorted(SEARCHERS))} (default opevo)")
+    tune.add_argument("--trials", type=int, default=64, help="configs to measure in total (default 64)")
+    tune.add_argument("--seed", type=int, default=0, help="searcher seed (default 0)")
+    tune.add_argument("--records", help="JSON-lines records file; reused to resume")
+    tune.add_argument("--json", help="also write the result JSON to this file")
+    tune.add_argument("--threads", type=int, help="CPU threads for the kernels (default: all this process may use)")
+    tune.add_argument("--rpc", help="measure on a remote device: TRACKER_HOST:PORT:KEY")
+    tune.add_argument("--workers", type=int, help="parallel build processes (default: cores, at most 4)")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _check_operator_args(args: argparse.Namespace) -> None:
+    """Every mistake that needs no TVM is caught here, before seconds of imports."""
+    if not args.op:
+        raise UserError(f"--op is required: one of {', '.join(OPS)}")
+    if args.op not in OPS:
+        raise UserError(f"unknown op {args.op!r}; use one of {', '.join(OPS)}")
+    if not args.shape:
+        raise UserError("--shape is required (M,K,N for matmul, B,M,K,N for batch_matmul, N,C,H,W,F,KH,KW for conv2d)")
+    if args.searcher not in SEARCHERS:
+        raise UserError(f"unknown searcher {args.searcher!r}; use one of {', '.join(sorted(SEARCHERS))}")
+    if args.trials <= 0:
+        raise UserError("--trials must be positive")
+    if args.op == "conv2d" and (args.transpose_a or args.transpose_b):
+        raise UserError("--transpose-a/--transpose-b apply to matmul and batch_matmul only")
+    if args.op != "conv2d" and any(v is not None for v in (args.stride, args.pad, args.groups)):
+        raise UserError("--stride/--pad/--groups apply to conv2d only")
+    from pipeline.targets import check_name
+
+    check_name(args.target)
+
+
+def run_operator(args: argparse.Namespace) -> dict[str, Any]:
+    """Tune one operator; returns the result dict (also printed / written by :func:`main`)."""
+    _check_operator_args(args)
+    from kerneltune import templates
+    from kerneltune.measure import Measurer, numpy_gflops
+    from kerneltune.records import RecordLog
+    from kerneltune.searchers import make_searcher
+    from kerneltune.task import make_task
+    from kerneltune.tune import tune
+    from pipeline.targets import parse_target
+
+    task = make_task(args.op, args.shape, args.transpose_a, args.transpose_b, args.stride or 1, args.pad or 0,
+                     args.groups or 1)
+    spec = parse_target(args.target, args.threads)
+    if not spec.can_run and not args.rpc:
+        raise UserError(f"cannot measure on {args.target} here ({spec.note}); pass --rpc HOST:PORT:KEY of a "
+                        "TVM RPC tracker with that device")
+    space = templates.space_for(task, spec.target)
+    fixed = None
+    if args.searcher in FACTOR_ONLY and not space.factor_only:
+        fixed = templates.default_config(task, spec.target)
+        others = [k.name for k in space.knobs if type(k).__name__ != "FactorKnob"]
+        print(f"note: {args.searcher} searches factor knobs only; {others} stay at the default config",
+              file=sys.stderr)
+    searcher = make_searcher(args.searcher, space, args.seed, fixed=fixed)
+    np_gflops = numpy_gflops(task.dims["M"], task.dims["K"], task.dims["N"]) if task.kind == "matmul" else None
+    target_key = str(spec.target)
+    records = RecordLog(args.records) if args.records else None
+    measurer: list[Measurer] = []   # started on the first batch: a finished, resumed run spawns no workers
+
+    def measure(configs):
+        if not measurer:
+            measurer.append(Measurer(spec.target, rpc=args.rpc, workers=args.workers))
+        return measurer[0].measure(task, configs)
+
+    try:
+        res = tune(space, searcher, measure, args.trials, task_key=task.key, target=target_key, records=records,
+                   progress=not args.no_progress, desc=task.name)
+    finally:
+        for m in measurer:
+            m.close()
+        if records is not None:
+            records.close()
+    return {
+        "best_gflops": res.best_gflops,
+        "best_ms": res.best_latency_s * 1e3 if res.best_latency_s else None,
+        "best_config": space.as_dict(res.best_config) if res.best_config is not None else None,
+        "trials": res.trials,
+        "numpy_gflops": np_gflops,
+        "speedup_vs_numpy": res.best_gflops / np_gflops if np_gflops else None,
+        "task": task.key,
+        "target": target_key,
+        "searcher": args.searcher,
+        "seed": args.seed,
+        "measured_now": res.measured_now,
+        "failures": res.failures,
+    }
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    # MODEL MODE (2/2): ``if args.model: return run_model(args)`` goes here.
+    if args.model:
+        from pipeline.model_mode import run_model
+
+        return run_model(args)
+    result = run_operator(args)
+    text = json.dumps(result, indent=2, default=list)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if result["best_config"] is None:
+        print("error: no config built and ran correctly; the records say why each one failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+main = cli_entry(_main)

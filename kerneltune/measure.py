@@ -1,0 +1,377 @@
+"""Measure configs of a task: build them in parallel worker processes, time them one at a time.
+
+API::
+
+    m = Measurer(target, number=10, repeat=3, build_timeout=60, run_timeout=30, workers=2, rpc=None)
+    results = m.measure(task, configs)      # list[MeasureResult], same order as configs
+    m.close()                               # or use ``with Measurer(...) as m:``
+
+``MeasureResult``: ``latency_s`` (median of ``repeat`` timings, each the mean of ``number`` calls; None on
+failure), ``gflops`` (0 on failure), ``error`` (None, or one of ``"invalid config: ..."``, ``"build failed:
+..."``, ``"build timeout"``, ``"run timeout"``, ``"run failed: ..."``, ``"wrong result: max err ..."``),
+``build_s`` and ``run_s`` (wall seconds spent building / running this config).
+
+Why processes, and why two phases:
+
+* Builds run in a pool of ``workers`` spawned processes, started once and reused (importing TVM costs
+  seconds; ``tvm.s_tir.tensor_intrin`` is never imported).  A build that hangs past ``build_timeout`` or
+  crashes its process is recorded as a failure and the worker is replaced -- the tuner never dies with it.
+* All builds of a batch finish before any timing starts, and configs are timed one after another in one
+  runner process: on a 2-core machine a concurrent compile would corrupt the timings.  The runner is
+  killed and replaced when a run exceeds ``run_timeout`` (an infinite or pathological kernel).
+* The output is compared with the task's reference (unscheduled PrimFunc built with LLVM) for the first
+  successful config of a task and for every config that beats the best so far, so a wrong fast kernel can
+  never become the best one.
+* Local and remote devices take the same path: an RPC session (``tvm.rpc.LocalSession`` locally; a tracker
+  session with ``rpc="host:port:key"``; a server reached directly with ``rpc="host:port"``) uploads the built
+  library, loads it and runs ``time_evaluator``.  The reference output is always computed on the host.
+
+Runners and builders read ``TVM_NUM_THREADS`` from the environment; when unset they use the target's
+``num-cores`` (TVM would use one thread on this VM otherwise).
+
+``numpy_gflops(M, K, N)`` times numpy's (OpenBLAS) matmul on the same shape, for comparisons in one run.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import sys
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# Tolerance of the correctness check, relative to the reference's largest magnitude: a different summation
+# order of fp32 dot products differs by ~1e-6 of it; a wrong kernel by O(1).
+REL_TOL = 1e-4
+
+
+@dataclass
+class MeasureResult:
+    config: tuple
+    latency_s: float | None
+    gflops: float
+    error: str | None
+    build_s: float
+    run_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    """One line: the last non-empty line of the message (TVM errors put the reason there)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    return text[:limit]
+
+
+# ----------------------------------------------------------------------------------------- worker process
+
+def _serve(conn, env: dict[str, str]) -> None:
+    """Worker main loop: receive (function name, args), reply (True, value) or (False, message)."""
+    os.environ.update(env)
+    funcs = {"build": _build_in_worker, "run": _run_in_worker, "warm": _warm, "prepare": _prepare_in_worker,
+             "modules": lambda: sorted(sys.modules)}
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, funcs[name](*args)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed item
+            conn.send((False, exc.__class__.__name__ == "InvalidConfig", _short(exc), traceback.format_exc()))
+
+
+def _warm() -> None:
+    """Import what builds and runs need, so that timeouts measure work, not TVM's import (seconds)."""
+    import tvm  # noqa: F401
+
+    from . import templates  # noqa: F401
+
+
+def _build_in_worker(task, config, target_json: str, out_path: str) -> tuple[str, float]:
+    """Schedule, compile and export one config; returns (library path, seconds spent)."""
+    t0 = time.perf_counter()
+    import tvm
+
+    from . import templates
+    from .task import build_func
+
+    target = tvm.target.Target(target_json)
+    func = templates.apply(task, config, target)
+    lib = build_func(func, target)
+    lib.export_library(out_path)
+    return out_path, time.perf_counter() - t0
+
+
+_RUN_CACHE: dict[str, Any] = {}
+
+
+def _session(rpc: str | None, session_timeout: int):
+    from tvm import rpc as tvm_rpc
+
+    if rpc is None:
+        return tvm_rpc.LocalSession()
+    parts = rpc.split(":")
+    if len(parts) == 2:  # host:port of an RPC server
+        return tvm_rpc.connect(parts[0], int(parts[1]), session_timeout=session_timeout)
+    host, port, key = parts  # host:port:key of a tracker (needs the tornado package)
+    tracker = tvm_rpc.connect_tracker(host, int(port))
+    return tracker.request(key, priority=1, session_timeout=session_timeout)
+
+
+def _prepare_in_worker(task) -> None:
+    """Inputs and reference output of ``task``, cached for the runs that follow (the naive reference build
+    and run can take seconds on big shapes: that must not count against a config's run timeout)."""
+    if task.key not in _RUN_CACHE:
+        _RUN_CACHE.clear()  # one task at a time: keep memory flat
+        inputs = task.make_inputs(seed=0)
+        _RUN_CACHE[task.key] = (inputs, task.reference(inputs))
+
+
+def _run_in_worker(task, lib_path: str, device: str, number: int, repeat: int, check_above: float | None,
+                   rpc: str | None, session_timeout: int) -> tuple[float, str | None]:
+    """(median latency, error or None).  Checks the output when the config's GFLOPS beat ``check_above``."""
+    _prepare_in_worker(task)
+    inputs, ref = _RUN_CACHE[task.key]
+    sess = _session(rpc, session_timeout)
+    sess.upload(lib_path)
+    lib = sess.load_module(os.path.basename(lib_path))
+    dev = sess.device(device, 0)
+    import tvm
+
+    args = [tvm.runtime.tensor(x, dev) for x in inputs]
+    outs = [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs]
+    timer = lib.time_evaluator("main", dev, number=number, repeat=repeat)
+    latency = float(np.median(timer(*args, *outs).results))
+    gflops = task.flops / latency / 1e9
+    if check_above is not None and gflops <= check_above:
+        return latency, None
+    for o in outs:
+        o.copyfrom(np.zeros(o.shape, o.dtype))
+    lib["main"](*args, *outs)
+    err = max(float(np.max(np.abs(o.numpy() - r))) if r.size else 0.0 for o, r in zip(outs, ref))
+    scale = max(1.0, max(float(np.max(np.abs(r))) if r.size else 0.0 for r in ref))
+    if not np.isfinite(err) or err > REL_TOL * scale:
+        return latency, f"wrong result: max err {err:.3g} (reference max {scale:.3g})"
+    return latency, None
+
+
+class _Worker:
+    """One spawned process serving calls; replaced when a call times out or the process dies."""
+
+    WARM_TIMEOUT = 300.0
+
+    def __init__(self, ctx, env: dict[str, str]):
+        self._ctx, self._env = ctx, env
+        self.generation = -1  # bumped per process start: state cached in the process dies with it
+        self._start()
+
+    def _start(self) -> None:
+        self.generation += 1
+        self.conn, child = self._ctx.Pipe()
+        self.proc = self._ctx.Process(target=_serve, args=(child, self._env), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn.send(("warm", ()))  # imports run while the parent does other work
+        self._warming = True
+
+    def _await_warm(self) -> None:
+        if self.conn.poll(self.WARM_TIMEOUT):
+            self.conn.recv()
+
+    def call(self, name: str, args: tuple, timeout: float) -> tuple[str, Any]:
+        """("ok", value) | ("invalid", msg) | ("error", msg) | ("timeout", None) | ("crash", msg)."""
+        try:
+            if self._warming:
+                self._warming = False
+                self._await_warm()
+            self.conn.send((name, args))
+            if not self.conn.poll(timeout):
+                self.restart()
+                return "timeout", None
+            reply = self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            code = self.proc.exitcode
+            self.restart()
+            return "crash", f"worker died (exit code {code})"
+        if reply[0]:
+            return "ok", reply[1]
+        return ("invalid" if reply[1] else "error"), reply[2]
+
+    def restart(self) -> None:
+        self.kill()
+        self._start()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+class _Pool:
+    """Fixed set of workers; ``map`` runs calls on free workers from parent threads."""
+
+    def __init__(self, n: int, env: dict[str, str]):
+        ctx = mp.get_context("spawn")
+        self.workers = [_Worker(ctx, env) for _ in range(n)]
+        self._free: queue.Queue[_Worker] = queue.Queue()
+        for w in self.workers:
+            self._free.put(w)
+        self._threads = ThreadPoolExecutor(max_workers=n)
+
+    def call(self, name: str, args: tuple, timeout: float) -> tuple[str, Any]:
+        w = self._free.get()
+        try:
+            return w.call(name, args, timeout)
+        finally:
+            self._free.put(w)
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        return list(self._threads.map(fn, items))
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+        for w in self.workers:
+            w.kill()
+
+
+# ----------------------------------------------------------------------------------------------- measurer
+
+_DEVICES = {"llvm": "cpu", "cuda": "cuda", "rocm": "rocm"}
+
+
+class Measurer:
+    """Builds (parallel, in worker processes) and times (sequentially, in one runner process) configs."""
+
+    PREPARE_TIMEOUT = 900.0  # naive reference of the largest benchmark operators, on a loaded machine
+
+    def __init__(self, target, number: int = 10, repeat: int = 3, build_timeout: float = 60.0,
+                 run_timeout: float = 30.0, workers: int | None = None, rpc: str | None = None,
+                 session_timeout: int = 60):
+        import tvm
+
+        self.target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+        kind = self.target.kind.name
+        if kind not in _DEVICES:
+            from graphopt.errors import UserError
+
+            raise UserError(f"cannot measure on target kind {kind!r}; use llvm, cuda or rocm")
+        self.device = _DEVICES[kind]
+        self.number, self.repeat = number, repeat
+        self.build_timeout, self.run_timeout = build_timeout, run_timeout
+        if rpc is not None and len(rpc.split(":")) not in (2, 3):
+            from graphopt.errors import UserError
+
+            raise UserError(f"bad --rpc {rpc!r}: use HOST:PORT (RPC server) or HOST:PORT:KEY (tracker)")
+        self.rpc, self.session_timeout = rpc, session_timeout
+        cores = int(self.target.attrs["num-cores"]) if "num-cores" in self.target.attrs else (os.cpu_count() or 1)
+        env = {"TVM_NUM_THREADS": os.environ.get("TVM_NUM_THREADS", str(cores))}
+        self._target_json = str(self.target)
+        self._tmp = tempfile.mkdtemp(prefix="kerneltune-")
+        self._builders = _Pool(workers or max(1, min(os.cpu_count() or 1, 4)), env)
+        self._runner = _Pool(1, env)
+        self._best: dict[str, float] = {}  # task key -> best verified GFLOPS
+        self._prepared: tuple[str, int] | None = None  # (task key, runner generation) holding its reference
+        self._counter = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "Measurer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._builders.close()
+        self._runner.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _lib_path(self) -> str:
+        with self._lock:
+            self._counter += 1
+            return os.path.join(self._tmp, f"k{self._counter}.so")
+
+    def measure(self, task, configs: Sequence[tuple]) -> list[MeasureResult]:
+        """Build every config, then time them in order; failures get gflops 0 and a reason."""
+        configs = [tuple(tuple(v) if isinstance(v, list) else v for v in c) for c in configs]
+
+        def build(config):
+            path = self._lib_path()
+            t0 = time.perf_counter()
+            status, value = self._builders.call("build", (task, config, self._target_json, path),
+                                                self.build_timeout)
+            return status, value, time.perf_counter() - t0
+
+        built = self._builders.map(build, configs)
+        results = []
+        for config, (status, value, build_s) in zip(configs, built):
+            if status != "ok":
+                error = {"invalid": f"invalid config: {value}", "error": f"build failed: {value}",
+                         "timeout": "build timeout", "crash": f"build failed: {value}"}[status]
+                results.append(MeasureResult(config, None, 0.0, error, build_s, 0.0))
+                continue
+            path, build_s = value
+            results.append(self._run(task, config, path, build_s))
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        return results
+
+    def _run(self, task, config, lib_path: str, build_s: float) -> MeasureResult:
+        best = self._best.get(task.key)
+        runner = self._runner.workers[0]
+        if self._prepared != (task.key, runner.generation):
+            status, value = self._runner.call("prepare", (task,), self.PREPARE_TIMEOUT)
+            if status != "ok":
+                return MeasureResult(config, None, 0.0, f"run failed: reference: {value or status}", build_s, 0.0)
+            self._prepared = (task.key, runner.generation)
+        t0 = time.perf_counter()
+        status, value = self._runner.call(
+            "run", (task, lib_path, self.device, self.number, self.repeat, best, self.rpc, self.session_timeout),
+            self.run_timeout)
+        run_s = time.perf_counter() - t0
+        if status == "timeout":
+            return MeasureResult(config, None, 0.0, "run timeout", build_s, run_s)
+        if status != "ok":
+            return MeasureResult(config, None, 0.0, f"run failed: {value}", build_s, run_s)
+        latency, error = value
+        if error is not None:
+            return MeasureResult(config, latency, 0.0, error, build_s, run_s)
+        gflops = task.flops / latency / 1e9
+        if best is None or gflops > best:
+            self._best[task.key] = gflops
+        return MeasureResult(config, latency, gflops, None, build_s, run_s)
+
+
+def numpy_gflops(m: int, k: int, n: int, min_seconds: float = 0.3, repeat: int = 5, seed: int = 0) -> float:
+    """GFLOP/s of numpy's matmul (OpenBLAS) on (m,k)x(k,n) fp32: median of ``repeat`` timed batches."""
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+    b = rng.uniform(-1, 1, (k, n)).astype(np.float32)
+    out = np.empty((m, n), np.float32)
+    np.matmul(a, b, out=out)
+    t0 = time.perf_counter()
+    calls = 0
+    while time.perf_counter() - t0 < min_seconds / repeat:
+        np.matmul(a, b, out=out)
+        calls += 1
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            np.matmul(a, b, out=out)
+        times.append((time.perf_counter() - t0) / calls)
+    return 2.0 * m * k * n / float(np.median(times)) / 1e9

@@ -1,0 +1,55 @@
+"""Schedule templates: a config (one value per knob of :func:`space_for`) -> a scheduled PrimFunc.
+
+API used by the searchers, the measurer and the pipeline:
+
+* ``space_for(task, target) -> SearchSpace``: the knobs of the template for ``target``'s kind.
+* ``apply(task, config, target) -> PrimFunc``: the task's fused PrimFunc scheduled by ``config``, marked
+  with the ``tirx.is_scheduled`` attribute (so Relax's default pipeline leaves it alone).  Raises
+  :class:`InvalidConfig` for configs rejected before building (not in the space, too many threads, too much
+  shared memory).
+* ``default_config(task, target) -> config``: a heuristic config used without tuning (the pipeline's
+  default for every matmul/conv task).
+
+``llvm`` -> :mod:`.cpu` (Ansor SSRSRS multi-level tiling), ``cuda``/``rocm`` -> :mod:`.gpu`.
+"""
+from __future__ import annotations
+
+import tvm
+
+from ..space import SearchSpace
+from ..task import Task
+from . import cpu, gpu
+from .common import InvalidConfig
+
+__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for"]
+
+
+def template_for(target: tvm.target.Target):
+    """The template module for ``target`` (cpu or gpu); a UserError for kinds without one."""
+    kind = target.kind.name
+    if kind == "llvm":
+        return cpu
+    if kind in ("cuda", "rocm"):
+        return gpu
+    from graphopt.errors import UserError
+
+    raise UserError(f"no schedule template for target kind {kind!r}; use llvm, cuda or rocm")
+
+
+def _target(target) -> tvm.target.Target:
+    return target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+
+
+def space_for(task: Task, target) -> SearchSpace:
+    t = _target(target)
+    return template_for(t).space(task)
+
+
+def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
+    t = _target(target)
+    return template_for(t).apply(task, config, t)
+
+
+def default_config(task: Task, target):
+    t = _target(target)
+    return template_for(t).default_config(task, t)

@@ -1,0 +1,97 @@
+"""Pieces every template shares: the error type, knob construction, and the schedule preamble that
+turns a fused PrimFunc into "one anchor block + one write-back block".
+
+Why a write-back block: both the CPU and GPU templates accumulate the anchor's output tile in a small
+``local`` buffer and write it out (with the epilogue applied) once per tile.  When the anchor has an
+epilogue (bias, gelu, relu, residual add), the epilogue's elementwise blocks are inlined into the last one,
+and that last block *is* the write-back: it reads the local accumulator and writes the output parameter.
+Without an epilogue, ``cache_write`` creates it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir
+
+from ..space import DiscreteKnob, FactorKnob, Knob, SearchSpace
+from ..task import Task
+
+
+class InvalidConfig(ValueError):
+    """A config the template refuses before building (wrong arity, too many threads, too much shared memory)."""
+
+
+def tile_knobs(task: Task, spatial_levels: int, reduce_levels: int) -> list[Knob]:
+    """One factor knob ``tile_<role>`` per anchor axis with extent > 1 (extent-1 axes have no choice)."""
+    return [FactorKnob(f"tile_{a.role}", a.extent, reduce_levels if a.reduce else spatial_levels)
+            for a in task.axes if a.extent > 1]
+
+
+def check_config(space: SearchSpace, config) -> dict:
+    """The config as a name->value dict, or :class:`InvalidConfig` if it is not a point of ``space``."""
+    config = tuple(tuple(v) if isinstance(v, list) else v for v in config)
+    if not space.contains(config):
+        raise InvalidConfig(f"config {config!r} is not in the search space {space.names}")
+    return space.as_dict(config)
+
+
+def tiles(task: Task, cfg: dict, levels_s: int, levels_r: int) -> list[tuple[int, ...]]:
+    """Per-axis factor tuple (extent-1 axes: all ones), in anchor-axis order."""
+    out = []
+    for a in task.axes:
+        n = levels_r if a.reduce else levels_s
+        out.append(tuple(cfg[f"tile_{a.role}"]) if a.extent > 1 else (1,) * n)
+    return out
+
+
+@dataclass
+class Prepared:
+    """Schedule state after the preamble: the anchor, its write-back block and its split-ready loops."""
+
+    sch: s_tir.Schedule
+    anchor: s_tir.schedule.SBlockRV
+    writeback: s_tir.schedule.SBlockRV
+    producers_left: list  # producer blocks that could not be inlined (the GPU template schedules pads)
+
+
+def prepare(task: Task, inline_producers: bool) -> Prepared:
+    """Inline producers (pads) if asked, inline the epilogue chain, and make the local write-back block."""
+    sch = s_tir.Schedule(task.func)
+    anchor = sch.get_sblock(task.anchor)
+    root = sch.get_sblock(task.func.body.block.name_hint)
+    children = sch.get_child_blocks(root)
+    names = [sch.get(b).name_hint for b in children]
+    pos = names.index(task.anchor)
+    producers_left = []
+    for name in names[:pos]:
+        if inline_producers:
+            try:
+                sch.compute_inline(sch.get_sblock(name))
+                continue
+            except s_tir.ScheduleError:
+                pass
+        producers_left.append(sch.get_sblock(name))
+    epilogue = names[pos + 1:]
+    for name in epilogue[:-1]:
+        sch.compute_inline(sch.get_sblock(name))
+    if epilogue:
+        writeback = sch.get_sblock(epilogue[-1])
+        sch.set_scope(anchor, 0, "local")
+    else:
+        writeback = sch.cache_write(anchor, 0, "local")
+    return Prepared(sch, anchor, writeback, producers_left)
+
+
+def split_axes(sch: s_tir.Schedule, anchor, task: Task, factors: list[tuple[int, ...]]) -> list[list]:
+    """Split each anchor loop by its factors; returns per-axis lists of loops (outermost first)."""
+    loops = sch.get_loops(anchor)
+    if len(loops) != len(task.axes):
+        raise InvalidConfig(f"anchor {task.anchor} has {len(loops)} loops, expected {len(task.axes)}")
+    out = []
+    for loop, f in zip(loops, factors):
+        out.append(list(sch.split(loop, list(f))) if len(f) > 1 else [loop])
+    return out
+
+
+def unroll_knob(values: tuple[int, ...]) -> DiscreteKnob:
+    return DiscreteKnob("unroll", values)

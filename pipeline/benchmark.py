@@ -1,0 +1,244 @@
+"""``bench-model``: onnxruntime vs the TVM-compiled model, interleaved in one process.
+
+Both engines run the same seeded inputs with the same thread count.  Runs alternate (ORT, TVM, ORT, ...)
+so a noisy neighbour on this shared 2-core machine slows both alike instead of whichever ran second; the
+median is the headline and the min shows the floor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from graphopt.feeds import max_abs_err, ort_session, random_inputs
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+
+
+# Engine keys in table order, with their labels; JSON key is f"{key}_ms".
+ENGINES = {
+    "ort": "onnxruntime (CPU EP)",
+    "tvm": "TVM default schedules",
+    "graphopt": "TVM + graphopt",
+    "tuned": "TVM + graphopt + our tuning",
+    "metaschedule": "TVM + MetaSchedule",
+}
+
+
+@dataclass
+class BenchResult:
+    model: str
+    target: str
+    threads: int
+    runs: int
+    timings: dict[str, Timing]  # engine key -> timing (only the engines that ran)
+    errors: dict[str, float]  # TVM engine key -> max abs err vs onnxruntime
+    trials: int = 0
+
+    @property
+    def max_abs_err(self) -> float:
+        return max(self.errors.values()) if self.errors else 0.0
+
+    def to_json(self) -> dict:
+        """Flat keys as issues 2 and 6 specify (``ort_ms``, ``tvm_ms``, ``graphopt_ms``, ``tuned_ms``,
+        ``metaschedule_ms``: median ms or null when not run; ``max_abs_err`` over all TVM engines)."""
+        out: dict = {f"{k}_ms": (self.timings[k].median_ms if k in self.timings else None) for k in ENGINES}
+        out.update({f"{k}_min_ms": t.min_ms for k, t in self.timings.items()})
+        out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
+                   target=self.target, threads=self.threads, runs=self.runs)
+        return out
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int = 3) -> dict[str, Timing]:
+    """Time each engine ``runs`` times, alternating between them after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for fn in engines.values():
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(runs):
+        for name, fn in engines.items():
+            samples[name].append(_timed(fn))
+    return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
+
+
+def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
+          trials: int = 0) -> BenchResult:
+    """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
+    onnxruntime on the original model, all interleaved in one loop."""
+    from pipeline.compile import device_for, outputs_numpy, to_device
+
+    feeds = random_inputs(imported.graph, seed)
+    sess = ort_session(imported.onnx_model, threads)
+    ort_names = {i.name for i in sess.get_inputs()}
+    ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
+    reference = sess.run(None, ort_feeds)
+    engines: dict[str, Callable[[], object]] = {"ort": lambda: sess.run(None, ort_feeds)}
+    errors: dict[str, float] = {}
+    spec = None
+    for key, cm in compiled.items():
+        spec = cm.spec
+        dev = device_for(cm.spec)
+        main = cm.vm()["main"]
+        args = to_device(feeds, cm.input_names, dev)
+
+        def run_tvm(main=main, args=args, dev=dev):
+            out = main(*args)
+            dev.sync()
+            return out
+
+        errors[key] = max_abs_err(reference, outputs_numpy(run_tvm()))
+        engines[key] = run_tvm
+    times = interleaved(engines, runs)
+    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, errors, trials)
+
+
+@dataclass
+class KernelTime:
+    name: str
+    calls: int  # per model run
+    ms: float  # total per model run
+
+
+def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0) -> list[KernelTime]:
+    """Per-kernel time inside the VM (``set_instrument`` times each call in place), slowest first.
+
+    This is what says which kernels dominate end to end, cold caches and call overheads included.
+    """
+    from pipeline.compile import device_for, to_device
+
+    dev = device_for(compiled.spec)
+    vm = compiled.vm()
+    args = to_device(random_inputs(imported.graph, seed), compiled.input_names, dev)
+    vm["main"](*args)  # warm-up outside the instrument
+    total: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    started: list[float] = []
+
+    def instrument(func, name, before_run, ret_value, *args):
+        if before_run:
+            dev.sync()
+            started.append(time.perf_counter())
+        else:
+            dev.sync()
+            total[name] = total.get(name, 0.0) + time.perf_counter() - started.pop()
+            calls[name] = calls.get(name, 0) + 1
+
+    vm.set_instrument(instrument)
+    for _ in range(runs):
+        vm["main"](*args)
+    out = [KernelTime(n, calls[n] // runs, total[n] / runs * 1e3) for n in total]
+    return sorted(out, key=lambda k: -k.ms)
+
+
+def format_profile(kernels: list[KernelTime], top: int = 15) -> str:
+    whole = sum(k.ms for k in kernels) or 1.0
+    lines = [f"{'ms/run':>9} {'share':>6} {'calls':>5}  kernel"]
+    for k in kernels[:top]:
+        lines.append(f"{k.ms:>9.3f} {k.ms / whole:>6.1%} {k.calls:>5}  {k.name}")
+    return "\n".join(lines)
+
+
+def format_table(res: BenchResult) -> str:
+    rows = [(ENGINES[k], res.timings[k], res.errors.get(k)) for k in ENGINES if k in res.timings]
+    width = max(len(r[0]) for r in rows)
+    ort = res.timings["ort"].median_ms
+    lines = [f"{res.model}  target={res.target}  threads={res.threads}  runs={res.runs}"
+             + (f"  trials={res.trials}" if res.trials else ""),
+             f"{'engine':<{width}}  {'median ms':>10}  {'min ms':>10}  {'vs ORT':>7}  {'max abs err':>11}"]
+    for name, t, err in rows:
+        lines.append(f"{name:<{width}}  {t.median_ms:>10.3f}  {t.min_ms:>10.3f}  {t.median_ms / ort:>6.2f}x  "
+                     f"{'-' if err is None else f'{err:.3g}':>11}")
+    return "\n".join(lines)
+
+
+def write_json(res: BenchResult, path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res.to_json(), indent=2) + "\n")
+
+
+def plot(res: BenchResult, path: str | os.PathLike) -> None:
+    """Bar chart of median latency (error bar down to the min) per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ENGINES if k in res.timings]
+    med = [res.timings[k].median_ms for k in keys]
+    low = [res.timings[k].median_ms - res.timings[k].min_ms for k in keys]
+    fig, ax = plt.subplots(figsize=(1.8 * len(keys) + 2, 3.8))
+    colors = ["#888888", "#3a7bd5", "#6cb36c", "#e08a2c", "#a05cc0"]
+    ax.bar(range(len(keys)), med, yerr=[low, [0] * len(keys)], color=colors[:len(keys)], capsize=4)
+    ax.set_xticks(range(len(keys)), [ENGINES[k].replace(" + ", "\n+ ") for k in keys], fontsize=7)
+    ax.set_ylabel("latency, ms (median; bar to min)")
+    ax.set_title(f"{res.model}, {res.target}, {res.threads} threads" + (f", {res.trials} trials" if res.trials else ""))
+    for i, v in enumerate(med):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), dpi=120)
+    plt.close(fig)
+
+
+@dataclass
+class BenchOptions:
+    trials: int = 0  # > 0 adds the tuned and MetaSchedule engines, each with this budget
+    skip_graph: bool = False
+    skip_metaschedule: bool = False
+    kernels: str | None = None
+    scheduler: str = "gradient"
+    searcher: str = "opevo"
+    work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
+    progress: bool = True
+
+
+def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
+    """(imported original, {engine key: CompiledModel}) for every TVM variant the options ask for.
+
+    The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
+    serves both the graphopt engine and (with its tuned configs) the tuned engine.
+    """
+    import tempfile
+
+    from graphopt.onnx_io import load_model
+    from pipeline.compile import compile_partition
+    from pipeline.optimize import StageLog, graph_stage
+    from pipeline.partition import partition, select_tasks
+    from pipeline.relax_import import import_model
+
+    imported = import_model(model_path, input_shapes)
+    base = partition(imported.mod)
+    engines = {"tvm": compile_partition(imported, base, spec)}
+    graph_part, graph_imported = base, imported
+    if not opts.skip_graph:
+        optimized = graph_stage(load_model(model_path), input_shapes, False, StageLog(), spec.kind, threads,
+                                opts.progress)
+        graph_imported = import_model(optimized)
+        graph_part = partition(graph_imported.mod)
+        engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
+    if opts.trials > 0:
+        from pipeline import metaschedule
+        from pipeline.tuning import tune_model
+
+        work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
+        result = tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
+                            work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
+        engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
+        if not opts.skip_metaschedule:
+            ms_mod = metaschedule.tune(base, spec, opts.trials, work / "metaschedule", seed)
+            engines["metaschedule"] = compile_partition(imported, base, spec, base=ms_mod)
+    return imported, engines

@@ -1,0 +1,129 @@
+"""Console scripts ``optimize-model`` and ``bench-model``.
+
+TVM's thread pool reads ``TVM_NUM_THREADS`` once, when it first starts, and uses one thread on this VM
+otherwise; so ``--threads`` is put into the environment before anything imports the TVM runtime (all
+TVM imports below are deferred into the functions for that reason, and to keep ``--help`` fast).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from graphopt.errors import UserError, cli_entry
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for TVM and onnxruntime (default: the cores this process may use)")
+    p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
+                   help="fix a dynamic input's shape (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random check inputs")
+
+
+def set_threads(threads: int | None) -> int:
+    """Fix the thread count for TVM's pool before it starts; returns the count used."""
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads {threads}: give a positive number of threads")
+    n = threads or len(os.sched_getaffinity(0))
+    os.environ["TVM_NUM_THREADS"] = str(n)
+    return n
+
+
+@cli_entry
+def optimize_model_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
+    _common(p)
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="output directory: optimized.onnx, model.so, report.json")
+    p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
+    t = p.add_argument_group("kernel tuning")
+    t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
+    t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
+                                                     "globs ('fused_matmul_add*'); see tune-kernels MODEL --list")
+    t.add_argument("--scheduler", default="gradient", choices=("gradient", "round-robin"),
+                   help="how trials are spread over tasks (default gradient)")
+    t.add_argument("--searcher", default="opevo", help="opevo | gbfs | na2c | random (default opevo)")
+    t.add_argument("--records", metavar="FILE", help="tuning records to resume from / append to "
+                                                     "(default DIR/records.jsonl)")
+    t.add_argument("--rpc", metavar="HOST:PORT:KEY", help="measure on a remote device through a TVM RPC tracker")
+    t.add_argument("--skip-tune", action="store_true", help="no tuning: default schedules (+ nothing else)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.trials < 0:
+        raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
+    threads = set_threads(args.threads)
+
+    from graphopt.onnx_io import parse_input_shapes
+    from pipeline.optimize import TuneOptions, optimize_model
+
+    tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
+                         args.skip_tune, not args.no_progress)
+    res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
+                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning)
+    comp = res.report["stages"]["compile"]
+    err = comp.get("max_abs_err")
+    check = f"max abs err vs onnxruntime {err:.3g}" if err is not None else comp.get("not_run", "")
+    print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json "
+          f"({len(res.report['tasks'])} kernels; {check})")
+    return 0
+
+
+@cli_entry
+def bench_model_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench-model", description="Latency of onnxruntime vs the TVM-compiled "
+                                "model (default schedules, + graphopt, + tuning, MetaSchedule).")
+    _common(p)
+    p.add_argument("--runs", type=int, default=30, help="timed runs per engine (default 30)")
+    p.add_argument("--trials", type=int, default=0,
+                   help="also tune (ours and MetaSchedule) with this many trials each (default 0: no tuning)")
+    p.add_argument("--kernels", metavar="SEL", help="tasks our tuner works on (see optimize-model --kernels)")
+    p.add_argument("--scheduler", default="gradient", choices=("gradient", "round-robin"))
+    p.add_argument("--searcher", default="opevo", help="opevo | gbfs | na2c | random (default opevo)")
+    p.add_argument("--work-dir", metavar="DIR", help="tuning records of both tuners; rerunning resumes")
+    p.add_argument("--skip-graph", action="store_true", help="no graphopt engine (tuning uses the original graph)")
+    p.add_argument("--skip-metaschedule", action="store_true", help="no MetaSchedule engine (it is slow)")
+    p.add_argument("--json", metavar="FILE", help="write ort_ms, tvm_ms, graphopt_ms, tuned_ms, metaschedule_ms, "
+                                                  "max_abs_err, trials to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of the latencies")
+    p.add_argument("--profile", action="store_true", help="also print the time per kernel (slowest first) of "
+                                                          "the best TVM engine")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.runs < 1:
+        raise UserError(f"--runs {args.runs}: give at least 1 run")
+    if args.trials < 0:
+        raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
+    threads = set_threads(args.threads)
+
+    from graphopt.onnx_io import load_model, parse_input_shapes
+    from pipeline import benchmark
+    from pipeline.targets import check_name, parse_target
+
+    check_name(args.target)
+    load_model(args.model)  # fail fast on a bad file, before TVM loads
+    spec = parse_target(args.target, threads)
+    if not spec.can_run:
+        raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
+    opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
+                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress)
+    imported, engines = benchmark.compile_engines(args.model, spec, threads, parse_input_shapes(args.input_shape),
+                                                  opts, args.seed)
+    res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
+                          args.trials)
+    print(benchmark.format_table(res))
+    if args.json:
+        benchmark.write_json(res, args.json)
+    if args.plot:
+        benchmark.plot(res, args.plot)
+    if args.profile:
+        best = min(engines, key=lambda k: res.timings[k].median_ms)
+        print(f"kernels of '{benchmark.ENGINES[best]}':")
+        print(benchmark.format_profile(benchmark.profile_kernels(engines[best], imported, seed=args.seed)))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(optimize_model_main())

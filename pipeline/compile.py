@@ -1,0 +1,182 @@
+"""Schedule every fused kernel, build the model for the target, export it and run it on the Relax VM.
+
+Which schedule a kernel gets, in order of preference:
+
+1. a tuned config (from the tuning records) for its task, applied with the kernel template;
+2. on ``llvm``, a matmul/conv kernel gets the template's heuristic ``default_config`` (tiling + vectorize +
+   parallel) - TVM's unscheduled loops are scalar and single-threaded, ~100x slower on BERT;
+3. on GPUs, dlight's default rules (an unscheduled PrimFunc built for cuda silently becomes a CPU loop);
+4. on ``llvm``, everything else gets dlight's CPU rules (reductions such as softmax / layer norm) or
+   :mod:`pipeline.cpu_rules` (elementwise and layout kernels: parallel + vectorize).
+
+The result is checked against onnxruntime before anything is written, because a wrong schedule is worse
+than a slow one.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+import tvm
+from tvm import relax, s_tir
+
+from graphopt.errors import UserError
+from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.ir import Graph
+from pipeline.partition import FusedTask, Partition
+from pipeline.relax_import import ImportedModel
+from pipeline.targets import TargetSpec
+
+# Output check tolerance (issue 6): fp32 kernels that re-associate sums differ from onnxruntime by ~1e-6.
+ATOL = 1e-4
+
+
+@dataclass
+class CompiledModel:
+    """A built model plus how each kernel was scheduled (for report.json)."""
+
+    executable: relax.VMExecutable
+    spec: TargetSpec
+    input_names: list[str]
+    schedules: dict[str, str] = field(default_factory=dict)  # task name -> tuned|template|dlight|cpu-rule|none
+    build_s: float = 0.0
+
+    def vm(self) -> relax.VirtualMachine:
+        return relax.VirtualMachine(self.executable, device_for(self.spec))
+
+    def export(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self.executable.export_library(str(p))
+        return p
+
+
+def device_for(spec: TargetSpec):
+    if not spec.can_run:
+        raise UserError(f"cannot run the {spec.kind} build here: {spec.note}")
+    return {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[spec.kind](0)
+
+
+def _cpu_rules() -> list:
+    from tvm.s_tir import dlight as dl
+
+    from pipeline.cpu_rules import Injective, ParallelFallback
+
+    return [dl.cpu.GEMV(), dl.cpu.Reduction(), Injective(), ParallelFallback()]
+
+
+def _gpu_rules() -> list:
+    from tvm.s_tir import dlight as dl
+
+    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+def _apply_rules(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rules: list) -> tvm.tirx.PrimFunc | None:
+    """First rule that schedules ``func`` without a schedule error wins; None when none applies."""
+    for rule in rules:
+        try:
+            sch = rule.apply(func, target, False)
+        except (s_tir.ScheduleError, tvm.error.TVMError):
+            continue  # a rule that matched the pattern but could not transform it: try the next one
+        if sch is None:
+            continue
+        sch = sch[0] if isinstance(sch, list) else sch
+        return sch.mod["main"]
+    return None
+
+
+def _template_schedule(task: FusedTask, config: Any | None, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    from kerneltune import templates
+
+    cfg = config if config is not None else templates.default_config(task.task, target)
+    return templates.apply(task.task, cfg, target)
+
+
+def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = None,
+             base: tvm.IRModule | None = None) -> tuple[tvm.IRModule, dict[str, str]]:
+    """Return the fused module with every kernel scheduled, and how each task was scheduled.
+
+    ``tuned`` maps a kerneltune task key to its best config; tasks without an entry get the defaults.
+    ``base`` replaces the partition's module (e.g. with MetaSchedule's schedules applied); kernels it
+    already marks as scheduled are kept.
+    """
+    tuned = tuned or {}
+    target = spec.target
+    mod = (base or part.mod).clone()  # never schedule the partition's own module in place
+    how: dict[str, str] = {}
+    rules = _gpu_rules() if spec.is_gpu else _cpu_rules()
+    for task in part.tasks:
+        current = mod[task.names[0]]
+        if "tirx.is_scheduled" in current.attrs and bool(current.attrs["tirx.is_scheduled"]):
+            how[task.name] = "metaschedule"  # scheduled before we got here (MetaSchedule's database)
+            continue
+        func, source = None, "none"
+        key = getattr(task.task, "key", None)
+        if task.task is not None and key in tuned:
+            func, source = _template_schedule(task, tuned[key], target), "tuned"
+        elif task.task is not None and not spec.is_gpu:
+            func, source = _template_schedule(task, None, target), "template"
+        if func is None:
+            with target:
+                func = _apply_rules(task.func, target, rules)
+            source = ("dlight" if spec.is_gpu else "cpu-rule") if func is not None else "none"
+        how[task.name] = source
+        if func is None:
+            continue
+        func = func.with_attr("tirx.is_scheduled", True)
+        for name in task.names:
+            gv = mod.get_global_var(name)
+            mod[gv] = func.with_attr("global_symbol", name) if "global_symbol" in task.func.attrs else func
+    return mod, how
+
+
+def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
+    """relax.build of an already fused and scheduled module (the default pipeline only lowers it now)."""
+    return relax.build(mod, spec.target)
+
+
+def compile_partition(imported: ImportedModel, part: Partition, spec: TargetSpec,
+                      tuned: dict[str, Any] | None = None, base: tvm.IRModule | None = None) -> CompiledModel:
+    t0 = time.perf_counter()
+    mod, how = schedule(part, spec, tuned, base)
+    ex = build(mod, spec)
+    return CompiledModel(ex, spec, imported.input_names, how, time.perf_counter() - t0)
+
+
+def to_device(feeds: dict[str, np.ndarray], names: Sequence[str], dev) -> list:
+    return [tvm.runtime.tensor(feeds[n], dev) for n in names]
+
+
+def outputs_numpy(result) -> list[np.ndarray]:
+    """VM results are a tensor or a (nested) tuple of tensors; flatten in output order."""
+    if hasattr(result, "numpy"):
+        return [result.numpy()]
+    out: list[np.ndarray] = []
+    for r in result:
+        out.extend(outputs_numpy(r))
+    return out
+
+
+def run(vm: relax.VirtualMachine, args: list) -> list[np.ndarray]:
+    return outputs_numpy(vm["main"](*args))
+
+
+@dataclass
+class CheckResult:
+    max_abs_err: float
+    ok: bool
+
+
+def check_outputs(compiled: CompiledModel, graph: Graph, reference: onnx.ModelProto, seed: int = 0,
+                  threads: int = 0) -> CheckResult:
+    """Run TVM and onnxruntime (on ``reference``) with the same seeded inputs drawn for ``graph``."""
+    feeds = random_inputs(graph, seed)
+    got = run(compiled.vm(), to_device(feeds, compiled.input_names, device_for(compiled.spec)))
+    ref = run_ort(reference, feeds, threads)
+    err = max_abs_err(ref, got)
+    return CheckResult(err, err <= ATOL)

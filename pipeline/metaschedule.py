@@ -1,0 +1,33 @@
+"""The baseline ``bench-model`` compares our tuning against: TVM's MetaSchedule with the same trial budget.
+
+MetaSchedule (evolutionary search + XGBoost cost model, gradient task scheduler) tunes the same fused
+module our pipeline compiles; its database is applied, and kernels it did not get to (small budgets) get
+the same default schedules as ours, so the difference between the two is the tuning alone.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from pipeline.partition import Partition
+from pipeline.targets import TargetSpec
+
+
+def tune(part: Partition, spec: TargetSpec, trials: int, work_dir: str | Path, seed: int = 0) -> tvm.IRModule:
+    """Tune ``part``'s kernels with MetaSchedule (``trials`` over all tasks); return the module with the
+    best schedules applied (unscheduled kernels are left for :func:`pipeline.compile.schedule`)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    target = spec.target
+    # Builder workers import TVM per batch: on a loaded 2-core VM that alone can exceed the 30 s default.
+    db = ms.relax_integration.tune_relax(
+        part.mod, {}, target, str(work), trials, num_trials_per_iter=min(64, trials), seed=seed,
+        builder=ms.builder.LocalBuilder(max_workers=2, timeout_sec=600),
+        runner=ms.runner.LocalRunner(timeout_sec=120),
+    )
+    with target, db, tvm.transform.PassContext(opt_level=3):
+        return relax.transform.MetaScheduleApplyDatabase(str(work))(part.mod)

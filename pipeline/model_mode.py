@@ -1,0 +1,41 @@
+"""``tune-kernels MODEL --list``: the model's fused kernels as tuning tasks, with the indices ``--kernels``
+takes.  Plugged into kerneltune's CLI (which owns the single-operator mode) by two calls.
+"""
+from __future__ import annotations
+
+import argparse
+
+from graphopt.errors import UserError
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("model", nargs="?", help="ONNX model: work on its fused kernels instead of one --op")
+    g.add_argument("--list", action="store_true", help="with MODEL: list its tasks (index, kind, weight, "
+                                                       "GFLOP, shapes) and exit")
+    g.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
+                   help="with MODEL: fix a dynamic input's shape (repeatable)")
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """The model mode of ``tune-kernels``; returns the exit code."""
+    if not args.list:
+        raise UserError("with a MODEL, tune-kernels lists its tasks: add --list (tune them with "
+                        "`optimize-model MODEL --trials N --kernels SEL -o DIR`)")
+    if args.op:
+        raise UserError("give either a MODEL or --op, not both")
+    from graphopt.onnx_io import load_model, parse_input_shapes
+    from pipeline.targets import check_name
+
+    check_name(args.target)
+    load_model(args.model)
+    from pipeline.partition import format_tasks, partition
+    from pipeline.relax_import import import_model
+
+    imported = import_model(args.model, parse_input_shapes(args.input_shape))
+    part = partition(imported.mod)
+    print(format_tasks(part.tasks))
+    tunable = [t for t in part.tasks if t.task is not None]
+    print(f"{len(part.tasks)} tasks, {len(tunable)} tunable (matmul / batch_matmul / conv2d), "
+          f"{part.total_flops() / 1e9:.3f} GFLOP per run")
+    return 0

@@ -1,0 +1,184 @@
+"""``optimize-model``: graph stage -> Relax import -> partition -> compile -> check -> write DIR.
+
+Each stage is timed into report.json.  The graph stage calls :func:`graphopt.search.optimize` when the
+graph optimizer is installed (``--skip-graph`` skips it); otherwise the model is imported and exported
+through the graph IR unchanged, so DIR/optimized.onnx is always the graph the library was compiled from.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from graphopt.errors import UserError
+from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+
+
+@dataclass
+class StageLog:
+    """Per-stage wall time and facts, in order, for report.json."""
+
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float, **facts: Any) -> None:
+        self.stages[name] = {"time_s": round(seconds, 3), **facts}
+
+
+def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
+                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
+    """The model the compiler sees: graphopt's optimized graph, or the imported graph re-exported."""
+    t0 = time.perf_counter()
+    graph = import_onnx(model, input_shapes, require_static=True)
+    optimizer = None if skip else _graph_optimizer()
+    if optimizer is None:
+        out = export_onnx(graph)
+        log.add("graph", time.perf_counter() - t0, skipped=True,
+                reason="--skip-graph" if skip else "graphopt.search not available", nodes=len(graph.nodes))
+        return out
+    result = optimizer(graph, target=target, threads=threads, progress=progress)
+    optimized = result.graph
+    facts = {k: getattr(result, k) for k in ("cost_before", "cost_after", "applied", "stopped_by")}
+    log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
+            nodes_after=len(optimized.nodes), **facts)
+    return export_onnx(optimized)
+
+
+def _graph_optimizer():
+    try:
+        from graphopt.search import optimize
+    except ImportError:
+        return None
+    return optimize
+
+
+@dataclass
+class OptimizeResult:
+    out_dir: Path
+    report: dict[str, Any]
+
+
+@dataclass
+class TuneOptions:
+    """The tuning stage's options (``--trials 0`` or ``--skip-tune``: no tuning)."""
+
+    trials: int = 0
+    kernels: str | None = None
+    scheduler: str = "gradient"
+    searcher: str = "opevo"
+    records: str | None = None  # default DIR/records.jsonl
+    rpc: str | None = None
+    skip: bool = False
+    progress: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.trials > 0 and not self.skip
+
+
+def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
+                   input_shapes: InputShapes | None = None, skip_graph: bool = False,
+                   seed: int = 0, tuning: TuneOptions | None = None) -> OptimizeResult:
+    """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
+    report.md when tuning)."""
+    from pipeline.compile import ATOL, check_outputs, compile_partition
+    from pipeline.partition import partition, select_tasks
+    from pipeline.relax_import import import_model
+    from pipeline.targets import check_name, parse_target
+
+    tuning = tuning or TuneOptions()
+    check_name(target)
+    original = load_model(model_path)  # file problems are reported before TVM loads (seconds)
+    spec = parse_target(target, threads)
+    out = Path(out_dir)
+    log = StageLog()
+    optimized = graph_stage(original, input_shapes, skip_graph, log, spec.kind,
+                            int(threads or 1), tuning.progress)
+
+    t0 = time.perf_counter()
+    imported = import_model(optimized)
+    part = partition(imported.mod)
+    log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
+            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4))
+
+    tuned: dict[str, Any] = {}
+    tune_result = None
+    if tuning.enabled:
+        from pipeline.tuning import tune_model
+
+        selected = select_tasks(part.tasks, tuning.kernels)
+        records = Path(tuning.records) if tuning.records else out / "records.jsonl"
+        tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
+                                 seed, tuning.rpc, progress=tuning.progress)
+        tuned = tune_result.best_configs
+        before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
+        after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
+        log.add("tune", tune_result.seconds, trials=tune_result.trials, scheduler=tune_result.scheduler,
+                searcher=tune_result.searcher, records=str(records), kernel_ms_before=round(before, 4),
+                kernel_ms_after=round(after, 4),
+                tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
+                        "best_ms": t.best_ms, "weight": t.weight} for t in tune_result.tasks])
+    else:
+        log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
+
+    compiled = compile_partition(imported, part, spec, tuned)
+    facts: dict[str, Any] = {"schedules": compiled.schedules}
+    if spec.can_run:
+        # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
+        check = check_outputs(compiled, imported.graph, original, seed)
+        facts["max_abs_err"] = check.max_abs_err
+        if not check.ok:
+            raise UserError(f"the compiled model differs from onnxruntime by {check.max_abs_err:.3g} (> {ATOL}); "
+                            "nothing was written - rerun with --skip-graph / --skip-tune to isolate the stage")
+    else:
+        facts["not_run"] = spec.note
+    log.add("compile", compiled.build_s, **facts)
+
+    out.mkdir(parents=True, exist_ok=True)
+    onnx.save(optimized, str(out / "optimized.onnx"))
+    lib = compiled.export(out / "model.so")
+    files = {"optimized": "optimized.onnx", "library": lib.name, "report_md": "report.md"}
+    if tune_result is not None:
+        from pipeline.tuning import plot_tuning
+
+        records = Path(tuning.records) if tuning.records else out / "records.jsonl"
+        if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
+            shutil.copyfile(records, out / "records.jsonl")
+        plot_tuning(tune_result, out / "tuning.png")
+        files.update(records="records.jsonl", tuning_plot="tuning.png")
+    report = {
+        "model": str(model_path), "target": spec.kind, "target_detail": str(spec.target),
+        "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
+        "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
+                                        for t in part.tasks],
+        "files": files,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(report_markdown(report))
+    return OptimizeResult(out, report)
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """A human-readable summary of report.json."""
+    lines = [f"# optimize-model: {report['model']} on {report['target']}", "", "| stage | time s | facts |",
+             "|---|---|---|"]
+    for name, st in report["stages"].items():
+        facts = ", ".join(f"{k}={v}" for k, v in st.items() if k not in ("time_s", "tasks", "schedules"))
+        lines.append(f"| {name} | {st['time_s']} | {facts} |")
+    tune = report["stages"].get("tune", {})
+    if tune.get("tasks"):
+        lines += ["", "## tuned tasks", "", "| idx | task | weight | trials | default ms | best ms |",
+                  "|---|---|---|---|---|---|"]
+        for t in tune["tasks"]:
+            fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+            lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {fmt(t['default_ms'])} "
+                         f"| {fmt(t['best_ms'])} |")
+    lines += ["", "## kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
+    for t in report["tasks"]:
+        lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {t['flops'] / 1e9:.4f} | {t['schedule']} "
+                     f"| {t['name']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,164 @@
+"""Turn the user's ``--target llvm|cuda|rocm`` into a TVM :class:`~tvm.target.Target`.
+
+TVM 0.27 takes targets as dicts, and a bare ``{"kind": "llvm"}`` compiles for a generic x86-64 (SSE2, one
+core): the schedules' vector widths and the thread pool then fit no real machine.  So ``llvm`` gets the
+host's ``mcpu`` as LLVM detects it (``znver5`` here: AVX-512) and the thread count the user runs with.
+
+GPU targets are checked up front for what their toolchain needs, so a missing piece is one line naming
+the package to install rather than an error from deep inside LLVM at the end of a long compile:
+
+* ``cuda``: the wheel emits CUDA source compiled when the module is loaded; building works without a GPU,
+  running needs a GPU and NVRTC (``cuda-bindings``) or nvcc.
+* ``rocm``: the wheel's LLVM emits AMDGPU code objects, but linking them needs ``ld.lld`` and the ROCm device
+  bitcode (``ocml``...): Debian packages ``lld`` and ``rocm-device-libs``.  The wheel's runtime cannot run
+  ROCm code (built without ROCm), so running or tuning needs a ROCm-enabled TVM runtime, e.g. over RPC.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from graphopt.errors import UserError
+
+if TYPE_CHECKING:
+    import tvm
+
+KINDS = ("llvm", "cuda", "rocm")
+DEFAULT_CUDA_ARCH = "sm_80"
+DEFAULT_ROCM_ARCH = "gfx942"
+ROCM_INSTALL_HINT = "apt-get install lld rocm-device-libs"
+
+# Where Debian and ROCm installs put the device bitcode (ocml.bc, oclc_*.bc); TVM looks under
+# $ROCM_PATH/amdgcn/bitcode, so the directory two levels up is what ROCM_PATH must name.
+_ROCM_BITCODE_GLOBS = (
+    "/opt/rocm/amdgcn/bitcode",
+    "/opt/rocm-*/amdgcn/bitcode",
+    "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode",
+    "/usr/lib/llvm-*/lib/clang/*/lib/amdgcn/bitcode",
+    "/usr/share/amdgcn/bitcode",
+)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A parsed ``--target``: the TVM target plus what this machine can do with it."""
+
+    kind: str
+    target: "tvm.target.Target"
+    can_run: bool  # the local TVM runtime can execute code for this target (device present and supported)
+    note: str = ""  # why it cannot run, for messages and report.json
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("cuda", "rocm")
+
+
+def host_cpu() -> str:
+    """The host CPU name as LLVM knows it (``znver5``, ``skylake-avx512``...), ``generic`` if unknown."""
+    from tvm.target import codegen
+
+    cpu = str(codegen.llvm_get_system_cpu())
+    return cpu if cpu and codegen.llvm_is_valid_cpu(cpu, "") else "generic"
+
+
+def default_threads() -> int:
+    """Cores this process may use (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def llvm_target(threads: int | None = None) -> "tvm.target.Target":
+    import tvm
+
+    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": int(threads or default_threads())})
+
+
+def _split(name: str) -> tuple[str, str | None]:
+    """``cuda:sm_90`` / ``rocm:gfx90a`` -> (kind, arch)."""
+    kind, _, arch = name.strip().lower().partition(":")
+    return kind, (arch or None)
+
+
+def _cuda_spec(arch: str | None) -> TargetSpec:
+    import tvm
+
+    can_run, note = False, ""
+    dev = tvm.cuda(0) if tvm.runtime.enabled("cuda") else None
+    if dev is not None and dev.exist:
+        can_run = True
+        arch = arch or "sm_" + str(dev.compute_version).replace(".", "")
+    elif not tvm.runtime.enabled("cuda"):
+        note = "this TVM runtime has no CUDA support: the model compiles but cannot run here"
+    else:
+        note = "no CUDA GPU found: the model compiles but cannot run here"
+    target = tvm.target.Target({"kind": "cuda", "arch": arch or DEFAULT_CUDA_ARCH}, host=llvm_target())
+    return TargetSpec("cuda", target, can_run, note)
+
+
+def rocm_bitcode_dir() -> str | None:
+    """The directory holding the ROCm device bitcode (``ocml.bc``), if installed."""
+    env = os.environ.get("ROCM_PATH")
+    candidates = [os.path.join(env, "amdgcn", "bitcode")] if env else []
+    for pattern in _ROCM_BITCODE_GLOBS:
+        candidates.extend(sorted(glob.glob(pattern)))
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "ocml.bc")) or os.path.isfile(os.path.join(d, "ocml.amdgcn.bc")):
+            return d
+    return None
+
+
+def find_lld() -> str | None:
+    from tvm.target import codegen
+
+    major = codegen.llvm_version_major()
+    for name in (f"ld.lld-{major}", "ld.lld", "/opt/rocm/llvm/bin/ld.lld"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _rocm_spec(arch: str | None) -> TargetSpec:
+    missing = []
+    if find_lld() is None:
+        missing.append("ld.lld (package lld)")
+    bitcode = rocm_bitcode_dir()
+    if bitcode is None:
+        missing.append("the ROCm device bitcode ocml.bc (package rocm-device-libs)")
+    if missing:
+        raise UserError(f"--target rocm needs {' and '.join(missing)} to link AMDGPU code objects: run "
+                        f"`{ROCM_INSTALL_HINT}` (or set ROCM_PATH to a ROCm install)")
+    import tvm
+
+    # TVM's bitcode lookup reads $ROCM_PATH/amdgcn/bitcode; point it at what we found.
+    os.environ.setdefault("ROCM_PATH", os.path.dirname(os.path.dirname(bitcode)))
+    target = tvm.target.Target({"kind": "rocm", "mcpu": arch or DEFAULT_ROCM_ARCH}, host=llvm_target())
+    can_run = tvm.runtime.enabled("rocm") and tvm.rocm(0).exist
+    note = "" if can_run else ("this TVM runtime cannot run ROCm code: the code object is built here; running "
+                               "or tuning it needs a ROCm-enabled TVM runtime (e.g. through --rpc)")
+    return TargetSpec("rocm", target, can_run, note)
+
+
+def check_name(name: str) -> tuple[str, str | None]:
+    """Validate the ``--target`` spelling without loading TVM (so a typo fails fast)."""
+    kind, arch = _split(name)
+    if kind not in KINDS:
+        raise UserError(f"unknown target {name!r}: use one of {', '.join(KINDS)} (e.g. --target llvm)")
+    if kind == "llvm" and arch:
+        raise UserError(f"--target {name!r}: llvm takes no architecture, it compiles for this host's CPU")
+    return kind, arch
+
+
+def parse_target(name: str, threads: int | None = None) -> TargetSpec:
+    """Parse ``llvm``, ``cuda[:sm_XX]`` or ``rocm[:gfxNNN]``; anything else is a :class:`UserError`."""
+    kind, arch = check_name(name)
+    if kind == "cuda":
+        return _cuda_spec(arch)
+    if kind == "rocm":
+        return _rocm_spec(arch)
+    return TargetSpec("llvm", llvm_target(threads), True)

@@ -1,0 +1,121 @@
+"""Measurer: parallel builds in reusable workers, timed runs, failures recorded without stopping, wrong
+kernels caught by the reference check."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import tvm
+
+from kerneltune import templates
+from kerneltune.measure import Measurer, _run_in_worker, numpy_gflops
+from kerneltune.task import build_func, make_task
+
+LLVM = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+
+
+@pytest.fixture(scope="module")
+def measurer():
+    with Measurer(LLVM, number=2, repeat=2, build_timeout=120, run_timeout=60, workers=1) as m:
+        yield m
+
+
+def test_measure_valid_invalid_and_broken_configs(measurer):
+    task = make_task("matmul", "32,48,64")
+    good = templates.default_config(task, LLVM)
+    space = templates.space_for(task, LLVM)
+    other = space.from_dict({**space.as_dict(good), "tile_k": (48, 1), "unroll": 0})
+    results = measurer.measure(task, [good, good[:-1], other])
+    assert [r.config for r in results] == [good, good[:-1], other]
+    assert results[0].error is None and results[0].gflops > 0 and results[0].latency_s > 0
+    assert results[0].gflops == pytest.approx(task.flops / results[0].latency_s / 1e9)
+    assert results[1].error.startswith("invalid config") and results[1].gflops == 0
+    assert results[2].error is None and results[2].gflops > 0     # the config after a failure still runs
+
+    # A task whose anchor block does not exist fails inside the build worker: recorded, not raised.
+    broken = dataclasses.replace(task, anchor="no_such_block")
+    bad, after = measurer.measure(broken, [good])[0], measurer.measure(task, [good])[0]
+    assert bad.error.startswith("build failed") and bad.gflops == 0 and bad.latency_s is None
+    assert after.error is None and after.gflops > 0
+
+    # Builders never import the slow tensor intrinsics module.
+    status, modules = measurer._builders.call("modules", (), 60)
+    assert status == "ok" and "tvm.s_tir.tensor_intrin" not in modules and "tvm" in modules
+
+
+def test_build_and_run_timeouts_do_not_stop_tuning(measurer):
+    task = make_task("matmul", "16,16,32")
+    good = templates.default_config(task, LLVM)
+    measurer.build_timeout = 0.001  # nothing builds this fast: the worker is killed and replaced
+    try:
+        timed_out = measurer.measure(task, [good])[0]
+    finally:
+        measurer.build_timeout = 120
+    assert timed_out.error == "build timeout" and timed_out.gflops == 0
+    measurer.run_timeout = 0.001
+    try:
+        run_out = measurer.measure(task, [good])[0]
+    finally:
+        measurer.run_timeout = 60
+    assert run_out.error == "run timeout" and run_out.gflops == 0
+    again = measurer.measure(task, [good])[0]
+    assert again.error is None and again.gflops > 0
+
+
+def test_wrong_kernel_is_caught(tmp_path):
+    """A library computing A @ B^T instead of A @ B is flagged by the reference check."""
+    task = make_task("matmul", "16,16,16")
+    wrong_task = make_task("matmul", "16,16,16", transpose_b=True)
+    path = str(tmp_path / "wrong.so")
+    build_func(templates.apply(wrong_task, templates.default_config(wrong_task, LLVM), LLVM), LLVM).export_library(path)
+    latency, error = _run_in_worker(task, path, "cpu", 1, 1, None, None, 60)
+    assert latency > 0 and error is not None and error.startswith("wrong result: max err")
+    right = str(tmp_path / "right.so")
+    build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM).export_library(right)
+    assert _run_in_worker(task, right, "cpu", 1, 1, None, None, 60)[1] is None
+    # Above the best so far -> checked; at or below it -> not re-checked (the check costs a run).
+    assert _run_in_worker(task, path, "cpu", 1, 1, float("inf"), None, 60)[1] is None
+
+
+def test_numpy_gflops_positive():
+    g = numpy_gflops(64, 64, 64, min_seconds=0.05, repeat=3)
+    assert np.isfinite(g) and g > 0
+
+
+def test_bad_target_kind_is_user_error():
+    from graphopt.errors import UserError
+
+    with pytest.raises(UserError):
+        Measurer(tvm.target.Target({"kind": "c"}))
+
+
+def test_rpc_server_uses_same_path(tmp_path):
+    """A TVM RPC server (here on localhost) measures through the same upload/load/time_evaluator path."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TVM_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--host", "127.0.0.1",
+                               "--port", str(port), "--port-end", str(port + 1)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.5)
+        task = make_task("matmul", "16,32,16")
+        with Measurer(LLVM, number=2, repeat=2, workers=1, rpc=f"127.0.0.1:{port}") as m:
+            result = m.measure(task, [templates.default_config(task, LLVM)])[0]
+        assert result.error is None and result.gflops > 0
+    finally:
+        server.kill()
+        server.wait()

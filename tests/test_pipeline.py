@@ -1,0 +1,308 @@
+"""pipeline: ONNX -> Relax -> fused tasks -> scheduled build, checked against onnxruntime.
+
+Models are tiny (the bundled bert-tiny and a 3-layer conv net built here) and each is compiled once per
+module, so the whole file runs in well under a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+os.environ.setdefault("TVM_NUM_THREADS", "2")
+
+from graphopt.errors import UserError  # noqa: E402
+from graphopt.feeds import random_inputs, run_ort  # noqa: E402
+
+BERT_TINY = Path(__file__).resolve().parents[1] / "models" / "bert_tiny.onnx"
+
+
+def conv_net() -> onnx.ModelProto:
+    """Conv(3->16, 3x3) + Relu, grouped Conv (4 groups, stride 2) + Add, GlobalAveragePool, Flatten, Gemm."""
+    rng = np.random.default_rng(0)
+    w = lambda name, *shape: numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32), name)  # noqa: E731
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], group=4),
+        helper.make_node("Add", ["c2", "b2"], ["a2"]),
+        helper.make_node("GlobalAveragePool", ["a2"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], transB=1),
+    ]
+    inits = [w("w1", 16, 3, 3, 3), w("b1", 16), w("w2", 16, 4, 3, 3), w("b2", 1, 16, 1, 1), w("wf", 10, 16),
+             w("bf", 10)]
+    g = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.fixture(scope="module")
+def llvm():
+    from pipeline.targets import parse_target
+
+    return parse_target("llvm", 2)
+
+
+@pytest.fixture(scope="module")
+def bert(llvm):
+    """(imported, partition, compiled) for the bundled bert-tiny, built once."""
+    from pipeline.compile import compile_partition
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+
+    imported = import_model(BERT_TINY)
+    part = partition(imported.mod)
+    return imported, part, compile_partition(imported, part, llvm)
+
+
+@pytest.fixture(scope="module")
+def conv(llvm):
+    from pipeline.compile import compile_partition
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+
+    imported = import_model(conv_net())
+    part = partition(imported.mod)
+    return imported, part, compile_partition(imported, part, llvm)
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+def test_llvm_target_uses_host_cpu_and_threads(llvm):
+    from pipeline.targets import host_cpu
+
+    assert llvm.target.kind.name == "llvm"
+    assert str(llvm.target.attrs["mcpu"]) == host_cpu() != "generic"
+    assert int(llvm.target.attrs["num-cores"]) == 2
+    assert llvm.can_run
+
+
+@pytest.mark.parametrize("name", ["x86", "llvm:znver5", "metal", ""])
+def test_bad_target_names(name):
+    from pipeline.targets import parse_target
+
+    with pytest.raises(UserError):
+        parse_target(name)
+
+
+def test_rocm_names_what_to_install_or_builds():
+    from pipeline.targets import find_lld, parse_target, rocm_bitcode_dir
+
+    if find_lld() and rocm_bitcode_dir():
+        spec = parse_target("rocm")
+        assert spec.target.kind.name == "rocm" and str(spec.target.attrs["mcpu"]).startswith("gfx")
+    else:
+        with pytest.raises(UserError, match="apt-get install lld rocm-device-libs"):
+            parse_target("rocm")
+
+
+# ------------------------------------------------------------------------------------------------ partition
+
+def test_bert_tasks_are_fused_merged_and_classified(bert):
+    from pipeline.partition import _call_sites
+
+    _, part, _ = bert
+    tasks = part.tasks
+    kinds = {t.kind for t in tasks}
+    assert {"matmul", "batch_matmul", "other"} <= kinds
+    # Every kernel call is accounted to exactly one task, and identical kernels are merged.
+    assert sum(t.weight for t in tasks) == sum(1 for _ in _call_sites(part.mod))
+    assert len({t.name for t in tasks}) == len(tasks)
+    qkv = [t for t in tasks if t.kind == "matmul" and t.shapes[0] == (1, 128, 128) and t.shapes[1] == (128, 128)
+           and len(t.shapes) == 4]
+    assert qkv and qkv[0].weight == 6  # Q, K, V projections of 2 layers
+    assert qkv[0].flops == 2 * 128 * 128 * 128
+    # Epilogues are fused into the matmul (bias + GELU), not separate kernels.
+    assert any(t.kind == "matmul" and "erf" in t.name for t in tasks)
+    assert all(t.task is not None for t in tasks if t.kind != "other")
+
+
+def test_conv_tasks(conv):
+    _, part, _ = conv
+    convs = [t for t in part.tasks if t.kind == "conv2d"]
+    assert len(convs) == 2
+    grouped = next(t for t in convs if t.shapes[1] == (16, 4, 3, 3))
+    assert grouped.flops == 2 * 16 * 8 * 8 * 4 * 3 * 3
+
+
+def test_select_tasks(bert):
+    from pipeline.partition import select_tasks
+
+    tasks = bert[1].tasks
+    assert [t.index for t in select_tasks(tasks, "0,3")] == [0, 3]
+    assert {t.kind for t in select_tasks(tasks, "batch_matmul")} == {"batch_matmul"}
+    assert all("matmul" in t.name for t in select_tasks(tasks, "fused_matmul*"))
+    assert all(t.task is not None for t in select_tasks(tasks, None))
+    for bad in ("999", "nosuch_*"):
+        with pytest.raises(UserError):
+            select_tasks(tasks, bad)
+
+
+# ------------------------------------------------------------------------------------------------ compile
+
+def test_bert_compiles_with_schedules_and_matches_onnxruntime(bert):
+    from pipeline.compile import check_outputs
+
+    imported, part, compiled = bert
+    for t in part.tasks:
+        want = "template" if t.task is not None else "cpu-rule"
+        assert compiled.schedules[t.name] == want, (t.name, compiled.schedules[t.name])
+    res = check_outputs(compiled, imported.graph, imported.onnx_model)
+    assert res.ok and res.max_abs_err <= 1e-4
+
+
+def test_conv_net_matches_onnxruntime(conv):
+    from pipeline.compile import check_outputs
+
+    imported, _, compiled = conv
+    res = check_outputs(compiled, imported.graph, imported.onnx_model, seed=3)
+    assert res.max_abs_err <= 1e-4
+
+
+def test_exported_library_runs(conv, tmp_path):
+    import tvm
+    from tvm import relax
+
+    from pipeline.compile import outputs_numpy
+
+    imported, _, compiled = conv
+    path = compiled.export(tmp_path / "model.so")
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
+    feeds = random_inputs(imported.graph, 1)
+    got = outputs_numpy(vm["main"](tvm.runtime.tensor(feeds["x"])))
+    np.testing.assert_allclose(got[0], run_ort(imported.onnx_model, feeds)[0], atol=1e-4)
+
+
+def test_unsupported_operator_is_a_user_error():
+    from pipeline.relax_import import import_model
+
+    g = helper.make_graph([helper.make_node("Foo", ["x"], ["y"], domain="my.ops")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.ops", 1)])
+    m.ir_version = 8
+    with pytest.raises(UserError, match="Foo"):
+        import_model(m)
+
+
+# ------------------------------------------------------------------------------------------------ CLIs
+
+def test_optimize_model_writes_outputs(tmp_path):
+    from pipeline.cli import optimize_model_main
+
+    out = tmp_path / "out"
+    assert optimize_model_main([str(BERT_TINY), "--target", "llvm", "--threads", "2", "--skip-graph",
+                                "-o", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "model.so").stat().st_size > 0
+    onnx.checker.check_model(onnx.load(str(out / "optimized.onnx")))
+    assert report["stages"]["compile"]["max_abs_err"] <= 1e-4
+    assert {"graph", "partition", "compile"} <= set(report["stages"])
+    assert any(t["kind"] == "matmul" and t["schedule"] == "template" for t in report["tasks"])
+
+
+def test_bench_model_json_and_plot(tmp_path, capsys):
+    from pipeline.cli import bench_model_main
+
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert bench_model_main([str(BERT_TINY), "--runs", "3", "--threads", "2", "--json", str(js),
+                             "--plot", str(png)]) == 0
+    data = json.loads(js.read_text())
+    assert data["ort_ms"] > 0 and data["tvm_ms"] > 0 and data["max_abs_err"] <= 1e-4
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "onnxruntime" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ tuning stage
+
+class FakeMeasurer:
+    """Deterministic latencies (a function of the config) so the stage's bookkeeping can be checked exactly."""
+
+    calls: list = []
+
+    def __init__(self, target, rpc):
+        self.target = target
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def measure(self, task, configs):
+        from types import SimpleNamespace
+
+        from kerneltune import templates
+
+        default = templates.default_config(task, self.target)
+        out = []
+        for c in configs:
+            FakeMeasurer.calls.append((task.key, c))
+            lat = 1e-3 if c == default else (0.4 + (zlib.crc32(repr(c).encode()) % 1000) / 1000) * 1e-3
+            out.append(SimpleNamespace(gflops=task.flops / lat / 1e9, latency_s=lat, error=None))
+        return out
+
+
+@pytest.mark.parametrize("scheduler", ["gradient", "round-robin"])
+def test_tuning_stage_budget_records_resume(bert, llvm, tmp_path, scheduler):
+    from pipeline.compile import check_outputs, compile_partition
+    from pipeline.partition import select_tasks
+    from pipeline.tuning import tune_model
+
+    imported, part, _ = bert
+    tasks = select_tasks(part.tasks, "matmul")
+    rec = tmp_path / "r.jsonl"
+    FakeMeasurer.calls = []
+    res = tune_model(tasks, llvm, 40, rec, scheduler, "random", measure_factory=FakeMeasurer, progress=False)
+    assert res.trials == 40 and sum(t.trials for t in res.tasks) == 40
+    assert len(rec.read_text().splitlines()) == 40
+    # Every task was measured at its default, and only improvements over the default are kept.
+    for t in res.tasks:
+        assert t.default_ms == pytest.approx(1.0)
+        if t.key in res.best_configs:
+            assert t.best_ms < t.default_ms
+    assert res.best_configs
+    objective = [y for _, y in res.objective]
+    assert objective == sorted(objective, reverse=True)
+    # Tuned configs compile into a correct model.
+    compiled = compile_partition(imported, part, llvm, res.best_configs)
+    assert "tuned" in compiled.schedules.values()
+    assert check_outputs(compiled, imported.graph, imported.onnx_model).ok
+    # Resume: the same budget again measures nothing new (only the default baselines).
+    FakeMeasurer.calls = []
+    again = tune_model(tasks, llvm, 40, rec, scheduler, "random", measure_factory=FakeMeasurer, progress=False)
+    assert again.trials == 40 and len(FakeMeasurer.calls) == len(tasks)
+    assert len(rec.read_text().splitlines()) == 40
+
+
+def test_gradient_scheduler_favours_heavy_tasks(bert, llvm, tmp_path):
+    from pipeline.partition import select_tasks
+    from pipeline.tuning import tune_model
+
+    tasks = select_tasks(bert[1].tasks, "matmul")
+    res = tune_model(tasks, llvm, 96, tmp_path / "g.jsonl", "gradient", "random", measure_factory=FakeMeasurer,
+                     progress=False)
+    by_weight = sorted(res.tasks, key=lambda t: -t.weight)
+    assert by_weight[0].trials >= max(t.trials for t in res.tasks if t.weight == 1)
+
+
+@pytest.mark.slow
+def test_optimize_model_tunes_for_real(tmp_path):
+    from pipeline.cli import optimize_model_main
+
+    out = tmp_path / "t"
+    assert optimize_model_main([str(BERT_TINY), "--skip-graph", "--threads", "2", "--trials", "16",
+                                "--kernels", "matmul", "-o", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"]["tune"]["trials"] == 16
+    assert (out / "tuning.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((out / "records.jsonl").read_text().splitlines()) == 16

@@ -1,0 +1,162 @@
+"""Records and the tuning loop: durable appends, tolerant loading, resume without re-measuring, SIGKILL
+survival, and failures that do not stop tuning (synthetic measurers, no TVM)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from kerneltune.records import Record, RecordLog
+from kerneltune.searchers import make_searcher
+from kerneltune.space import FactorKnob, SearchSpace
+from kerneltune.tune import tune
+
+SPACE = SearchSpace([FactorKnob("i", 64, 3), FactorKnob("k", 32, 2)])
+
+
+@dataclass
+class Result:
+    gflops: float
+    latency_s: float | None
+    error: str | None = None
+
+
+def synthetic(configs):
+    return [Result(float(c[0][-1] * c[1][-1]), 1.0 / (c[0][-1] * c[1][-1])) for c in configs]
+
+
+def test_append_load_roundtrip_and_filter(tmp_path):
+    path = tmp_path / "r.jsonl"
+    with RecordLog(path) as log:
+        log.append([Record("t1", "llvm", {"i": [4, 4, 4]}, 10.0, 0.1, None, 1.0, {"build_s": 0.5}),
+                    Record("t2", "llvm", {"i": [64, 1, 1]}, 0.0, None, "build failed: x", 2.0)])
+    recs = RecordLog(path).load()
+    assert [r.task for r in recs] == ["t1", "t2"] and recs[0].extra == {"build_s": 0.5}
+    assert recs[1].error == "build failed: x"
+    assert [r.task for r in RecordLog(path).load(task="t2", target="llvm")] == ["t2"]
+    assert RecordLog(path).load(target="cuda") == []
+
+
+def test_corrupt_trailing_line_is_skipped_and_isolated(tmp_path, caplog):
+    path = tmp_path / "r.jsonl"
+    RecordLog(path).append([Record("t", "llvm", {"i": [1]}, 1.0, 1.0)])
+    with open(path, "ab") as fh:
+        fh.write(b'{"task": "t", "target": "llvm", "conf')   # a write cut short by a kill
+    with caplog.at_level(logging.WARNING):
+        assert len(RecordLog(path).load()) == 1
+    assert "line 2 is not a complete tuning record" in caplog.text
+    with RecordLog(path) as log:
+        log.append([Record("t", "llvm", {"i": [2]}, 2.0, 0.5)])
+    assert [r.config for r in RecordLog(path).load()] == [{"i": [1]}, {"i": [2]}]
+
+
+def test_resume_measures_only_new_configs(tmp_path):
+    path = tmp_path / "r.jsonl"
+    measured = []
+
+    def measure(configs):
+        measured.extend(configs)
+        return synthetic(configs)
+
+    def go(trials):
+        with RecordLog(path) as log:
+            return tune(SPACE, make_searcher("opevo", SPACE, 0), measure, trials, task_key="t", target="llvm",
+                        records=log, progress=False)
+
+    first = go(20)
+    assert first.measured_now == 20 and len(measured) == 20
+    second = go(40)
+    assert second.trials == 40 and second.measured_now == 20
+    assert len(measured) == len(set(measured)) == 40      # nothing measured twice
+    assert second.best_gflops >= first.best_gflops
+    assert go(40).measured_now == 0 and len(measured) == 40
+    assert len(RecordLog(path).load()) == 40
+
+
+def test_failures_do_not_stop_tuning(tmp_path):
+    """Per-config failures become fitness 0 with their reason; a measurer that raises loses only its batch."""
+    calls = {"n": 0}
+
+    def flaky(configs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("worker pool died")
+        return [Result(0.0, None, "build failed: too many registers") if c[1][-1] == 32 else r
+                for c, r in zip(configs, synthetic(configs))]
+
+    path = tmp_path / "r.jsonl"
+    with RecordLog(path) as log:
+        res = tune(SPACE, make_searcher("random", SPACE, 0), flaky, 40, task_key="t", target="llvm", records=log,
+                   progress=False)
+    assert res.trials == 40 and res.best_gflops > 0 and res.failures >= 8
+    recs = RecordLog(path).load()
+    assert len(recs) == 40
+    assert sum("worker pool died" in (r.error or "") for r in recs) == 8
+    assert all(r.gflops == 0 and r.latency_s is None for r in recs if r.error)
+
+
+def test_measurer_that_always_raises_is_reported():
+    def broken(configs):
+        raise ValueError("no such target")
+
+    with pytest.raises(ValueError, match="no such target"):
+        tune(SPACE, make_searcher("random", SPACE, 0), broken, 40, task_key="t", target="llvm", progress=False)
+
+
+SLOW_TUNER = textwrap.dedent("""
+    import sys, time
+    from dataclasses import dataclass
+    from kerneltune.records import RecordLog
+    from kerneltune.searchers import make_searcher
+    from kerneltune.space import FactorKnob, SearchSpace
+    from kerneltune.tune import tune
+
+    @dataclass
+    class R:
+        gflops: float
+        latency_s: float
+        error: str = None
+
+    space = SearchSpace([FactorKnob("i", 64, 3), FactorKnob("k", 32, 2)])
+    def measure(configs):
+        time.sleep(float(sys.argv[3]))
+        return [R(float(c[0][-1] * c[1][-1]), 1.0) for c in configs]
+    with RecordLog(sys.argv[1]) as log:
+        res = tune(space, make_searcher("opevo", space, 0), measure, int(sys.argv[2]), task_key="t",
+                   target="llvm", records=log, progress=False)
+    print(res.measured_now)
+""")
+
+
+def test_sigkill_loses_at_most_the_inflight_batch(tmp_path):
+    path = tmp_path / "r.jsonl"
+    script = tmp_path / "slow_tuner.py"
+    script.write_text(SLOW_TUNER)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.Popen([sys.executable, str(script), str(path), "60", "0.15"], env=env)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not path.exists() or path.read_bytes().count(b"\n") < 16):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = path.read_bytes()
+    n_before = before.count(b"\n")
+    assert 16 <= n_before < 60, "the run was not killed mid-way"
+    assert n_before % 8 == 0 or not before.endswith(b"\n")   # whole batches, or one cut inside a line
+    out = subprocess.run([sys.executable, str(script), str(path), "60", "0"], env=env, capture_output=True,
+                         text=True, check=True)
+    after = path.read_bytes()
+    assert after.startswith(before.rsplit(b"\n", 1)[0])       # nothing written before the kill was lost
+    recs = RecordLog(path).load()
+    configs = [json.dumps(r.config, sort_keys=True) for r in recs]
+    assert len(configs) == len(set(configs)) == 60              # no duplicates, budget completed
+    kept = sum(1 for line in before.split(b"\n") if line.strip().endswith(b"}"))
+    assert int(out.stdout.strip()) == 60 - kept                  # only the missing trials were measured

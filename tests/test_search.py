@@ -1,0 +1,158 @@
+"""The backtracking search (graphopt.search) and the cost models (graphopt.cost)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from graphopt.cost import AnalyticCost, CostModel, MeasuredCost, constant_tensors
+from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.match import GraphIndex
+from graphopt.onnx_io import export_onnx, import_onnx
+from graphopt.rewrite import fold_constants
+from graphopt.search import Searcher, search
+from models.bert import BertConfig, build_bert
+from test_match import merge_bias, merge_matmul, three_projections
+
+TINY_BERT = BertConfig(layers=2, hidden=32, heads=2, intermediate=64, vocab=50, max_positions=16, seq=8)
+
+
+class LaunchCost(CostModel):
+    """Every matmul costs ``f(N)`` for its output width N, layout ops are free: a cost model under which
+    merging is only worth it once three matmuls are merged (2 widths cost ``pair`` > 2 singles); a bias add
+    costs 0.1 whatever its size."""
+
+    name = "launch"
+
+    def __init__(self, single: float = 1.0, pair: float = 2.05, triple: float = 2.5, unit: int = 16):
+        self.table = {1: single, 2: pair, 3: triple}
+        self.unit = unit
+
+    def op_cost(self, op, params, in_shapes, dtype="float32"):
+        if op == "matmul":
+            k = in_shapes[1][1] // self.unit
+            return self.table.get(k, float(k))
+        return 0.1 if op == "bias_add" else 0.0
+
+    def opaque_cost(self, node, graph):
+        return 0.0
+
+
+def _matmuls(graph) -> int:
+    return sum(n.op_type == "MatMul" for n in graph.nodes)
+
+
+def test_backtracking_passes_a_worse_graph_to_reach_a_better_one():
+    g = import_onnx(three_projections())
+    greedy = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.0, budget=50)
+    assert greedy.cost_after == greedy.cost_before == pytest.approx(3.3) and greedy.applied == {}
+    res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.05, budget=50)
+    assert res.cost_after == pytest.approx(2.8)
+    assert res.applied == {"merge_matmul_r2": 2} and _matmuls(res.graph) == 1
+    assert res.graphs_explored >= 2 and res.stopped_by == "queue empty"
+    out = res.graph.copy()
+    fold_constants(out)
+    feeds = random_inputs(g)
+    assert max_abs_err(run_ort(export_onnx(g), feeds), run_ort(export_onnx(out), feeds)) < 1e-5
+
+
+def test_budget_and_time_limit_stop_the_search():
+    g = import_onnx(three_projections())
+    res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, budget=2)
+    assert res.stopped_by == "budget" and res.dequeued == 2
+    res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, time_limit=0.0)
+    assert res.stopped_by == "time limit" and res.graphs_explored == 1
+
+
+def test_incremental_matches_equal_full_rematching_on_bert():
+    """Children inherit matches and re-match only around the rewrite; that must equal matching from scratch."""
+    g = import_onnx(build_bert(TINY_BERT, 0, "tiny"))
+    s = Searcher([merge_matmul(3), merge_bias(3), merge_matmul(2)], LaunchCost(unit=32))
+    state = s.root(g)
+    rnd = random.Random(0)
+    steps = 0
+    while state.matches and steps < 6:
+        m = rnd.choice(state.matches)[0]
+        state = s.child(state, m)
+        steps += 1
+        fresh = GraphIndex(state.graph, s.views)
+        full = {m.key: d for m, d in s._priced(s.rules.all_matches(fresh), fresh, state.node_cost, state.constants)}
+        assert {m.key: d for m, d in state.matches} == full
+        assert state.cost == pytest.approx(sum(state.node_cost.values()))
+        assert set(state.node_cost) == {n.name for n in state.graph.nodes}
+    assert steps >= 4
+
+
+def test_bert_qkv_merge_with_hand_rules_keeps_outputs():
+    proto = build_bert(TINY_BERT, 0, "tiny")
+    g = import_onnx(proto)
+    res = search(g, [merge_matmul(3), merge_bias(3)], LaunchCost(1.0, 1.5, 2.0, unit=32), budget=100)
+    assert res.applied == {"merge_matmul_r3": 4, "merge_bias_r3": 4}
+    out = res.graph.copy()
+    fold_constants(out)
+    widths = sorted(out.shape(n.inputs[1])[1] for n in out.nodes
+                    if n.op_type == "MatMul" and n.inputs[1] in out.initializers)
+    # per layer: one Q|K|V matmul (96 wide) instead of three 32-wide ones; attention output and FFN stay
+    assert widths == [32, 32, 32, 32, 64, 64, 96, 96]
+    assert not any(n.op_type == "Concat" for n in out.nodes)
+    feeds = random_inputs(g)
+    assert max_abs_err(run_ort(proto, feeds), run_ort(export_onnx(out), feeds)) < 1e-4
+
+
+def test_weight_only_nodes_cost_nothing():
+    g = import_onnx(three_projections())
+    res = search(g, [merge_matmul(2)], LaunchCost(), budget=10)
+    consts = constant_tensors(res.graph)
+    concat = [n for n in res.graph.nodes if n.op_type == "Concat"]
+    assert concat and all(o in consts for n in concat for o in n.outputs)
+    cm = AnalyticCost(peak_flops=1e11, bandwidth=1e10)
+    assert cm.node_cost(concat[0], res.graph, consts) == 0.0
+    assert cm.node_cost(concat[0], res.graph, set()) > 0.0
+
+
+def test_analytic_cost_follows_flops_and_bytes():
+    cm = AnalyticCost(peak_flops=1e11, bandwidth=1e10)
+    small = cm.op_cost("matmul", {}, [(128, 256), (256, 256)])
+    big = cm.op_cost("matmul", {}, [(128, 256), (256, 1024)])
+    assert big > 3 * small
+    assert cm.op_cost("relu", {}, [(1024, 1024)]) == pytest.approx(8 * 1024 * 1024 / 1e10 + 1e-6)
+
+
+def test_measured_cost_times_once_and_caches_on_disk(tmp_path):
+    path = tmp_path / "cost.json"
+    cm = MeasuredCost("llvm", path=path, backend="ort")
+    a = cm.op_cost("matmul", {}, [(64, 128), (128, 128)])
+    b = cm.op_cost("relu", {}, [(64, 128)])
+    assert a > 0 and b > 0 and cm.measured == 2
+    assert cm.op_cost("matmul", {}, [(64, 128), (128, 128)]) == a and cm.measured == 2
+    cm.flush()
+    again = MeasuredCost("llvm", path=path, backend="ort")
+    assert again.op_cost("matmul", {}, [(64, 128), (128, 128)]) == a and again.measured == 0
+    big = again.op_cost("matmul", {}, [(64, 128), (128, 2048)])
+    assert big > a  # 16x the work
+
+
+def test_opaque_nodes_are_priced_but_identical_before_and_after():
+    proto = three_projections()
+    g = import_onnx(proto)
+    cm = AnalyticCost(peak_flops=1e11, bandwidth=1e10)
+    res = search(g, [merge_matmul(2)], cm, budget=20)
+    # Adds of two equal-shape tensors are understood; the price of the rest does not depend on the search.
+    assert res.cost_before == pytest.approx(cm.graph_cost(g))
+    assert np.isfinite(res.cost_after)
+
+
+def test_rules_also_apply_right_to_left():
+    """A library may keep only ``split(x + concat(b1,b2)) => split(x).0 + b1, split(x).1 + b2``; the search
+    reads verified rules both ways, so it can still merge the bias adds."""
+    from graphopt.rules import Rule
+
+    merge = merge_bias(2)
+    distribute = Rule("distribute_bias", merge.dst, merge.src, True)
+    g = import_onnx(three_projections())
+    cost = LaunchCost(1.0, 1.5, 2.0)
+    one_way = Searcher([merge_matmul(2), distribute], cost, budget=100, reverse=False).run(g)
+    both = Searcher([merge_matmul(2), distribute], cost, budget=100).run(g)
+    assert "distribute_bias~rev" not in one_way.applied
+    assert both.applied.get("distribute_bias~rev") == 2 and both.cost_after < one_way.cost_after

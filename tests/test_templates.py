@@ -1,0 +1,218 @@
+"""Schedule templates: numerically correct for every operator form, fused epilogues, invalid configs
+rejected before building, cuda code generated for sm_90 without a GPU."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import tvm
+
+from kerneltune import templates
+from kerneltune.task import build_func, make_task, run_func, task_from_primfunc
+
+LLVM = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+
+
+def _run(task, config):
+    lib = build_func(templates.apply(task, config, LLVM), LLVM)
+    inputs = task.make_inputs(seed=1)
+    return inputs, run_func(lib, task, inputs, tvm.cpu())
+
+
+def _configs(task, n_random=2, seed=0):
+    space = templates.space_for(task, LLVM)
+    rng = random.Random(seed)
+    return [templates.default_config(task, LLVM)] + [space.sample(rng) for _ in range(n_random)]
+
+
+def _np_matmul(a, b, ta, tb):
+    a = np.swapaxes(a, -1, -2) if ta else a
+    b = np.swapaxes(b, -1, -2) if tb else b
+    return a @ b
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_matmul_matches_numpy(ta, tb):
+    task = make_task("matmul", "24,40,32", transpose_a=ta, transpose_b=tb)
+    assert task.kind == "matmul" and task.dims == {"M": 24, "K": 40, "N": 32, "ta": int(ta), "tb": int(tb)}
+    assert task.flops == 2 * 24 * 40 * 32
+    for config in _configs(task):
+        (a, b), (out,) = _run(task, config)
+        np.testing.assert_allclose(out, _np_matmul(a, b, ta, tb), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True)])
+def test_batch_matmul_matches_numpy(ta, tb):
+    task = make_task("batch_matmul", "3,12,20,16", transpose_a=ta, transpose_b=tb)
+    assert task.kind == "batch_matmul" and task.dims["B"] == 3
+    for config in _configs(task):
+        (a, b), (out,) = _run(task, config)
+        np.testing.assert_allclose(out, _np_matmul(a, b, ta, tb), rtol=1e-4, atol=1e-4)
+
+
+def _np_conv(x, w, stride, pad, groups):
+    n, c, h, wd = x.shape
+    f, cg, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    oh, ow = (h + 2 * pad - kh) // stride + 1, (wd + 2 * pad - kw) // stride + 1
+    out = np.zeros((n, f, oh, ow), np.float64)
+    fg = f // groups
+    for ff in range(f):
+        g = ff // fg
+        for ry in range(kh):
+            for rx in range(kw):
+                patch = xp[:, g * cg:(g + 1) * cg, ry:ry + stride * oh:stride, rx:rx + stride * ow:stride]
+                out[:, ff] += np.einsum("nchw,c->nhw", patch, w[ff, :, ry, rx])
+    return out
+
+
+@pytest.mark.parametrize("stride,pad,groups", [(1, 1, 1), (2, 1, 2), (1, 0, 4)])
+def test_conv2d_matches_numpy(stride, pad, groups):
+    task = make_task("conv2d", "2,8,9,10,8,3,3", stride=stride, pad=pad, groups=groups)
+    assert task.kind == "conv2d" and task.dims["G"] == groups
+    space = templates.space_for(task, LLVM)
+    configs = _configs(task)
+    # both ways of handling the pad block: inlined into the conv and kept as its own parallel stage
+    configs.append(space.from_dict({**space.as_dict(configs[0]), "pad": "inline"}))
+    for config in configs:
+        (x, w), (out,) = _run(task, config)
+        np.testing.assert_allclose(out, _np_conv(x, w, stride, pad, groups), rtol=1e-4, atol=1e-4)
+
+
+def _fused_model_funcs():
+    """PrimFuncs exactly as the pipeline gets them: ONNX -> from_onnx -> LegalizeOps .. FuseTIR."""
+    import onnx  # noqa: F401 - the frontend needs it
+    from onnx import TensorProto, helper, numpy_helper
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    rng = np.random.default_rng(0)
+
+    def w(name, shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.1, name)
+
+    const = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["m1"]), helper.make_node("Add", ["m1", "b1"], ["a1"]),
+        helper.make_node("Relu", ["a1"], ["r1"]),                                     # matmul+add+relu
+        helper.make_node("MatMul", ["r1", "W2"], ["m2"]), helper.make_node("Add", ["m2", "b2"], ["a2"]),
+        helper.make_node("Add", ["a2", "x"], ["res"]),                                # residual add
+        helper.make_node("Reshape", ["res", "shp"], ["q"]),
+        helper.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["q"], ["kt"], perm=[0, 2, 3, 1]),
+        helper.make_node("MatMul", ["qt", "kt"], ["s"]),                              # rank-4 QK^T
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "qt"], ["o"]),                               # rank-4 PV
+        helper.make_node("MatMul", ["y", "W3"], ["m3"]), helper.make_node("Add", ["m3", "b3"], ["a3"]),
+        helper.make_node("Div", ["a3", "sq2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["a3", "e1"], ["g0"]),
+        helper.make_node("Mul", ["g0", "half"], ["g"]),                               # erf gelu (HF export)
+        helper.make_node("Gemm", ["y", "W4"], ["gm"], transB=1),
+        helper.make_node("Conv", ["img", "CW", "CB"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["cr"]),                                      # conv+bias+relu
+        helper.make_node("Conv", ["img", "GW"], ["gc"], strides=[2, 2], group=2),     # grouped, strided
+    ]
+    inits = [w("W1", (32, 64)), w("b1", (64,)), w("W2", (64, 32)), w("b2", (32,)), w("W3", (32, 48)),
+             w("b3", (48,)), w("W4", (40, 32)), w("CW", (8, 4, 3, 3)), w("CB", (8,)), w("GW", (6, 2, 1, 1)),
+             numpy_helper.from_array(np.array([1, 16, 4, 8], np.int64), "shp"),
+             const("sq2", 1.4142135), const("one", 1.0), const("half", 0.5)]
+    outs = ["o", "g", "gm", "cr", "gc"]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 32]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 32]),
+         helper.make_tensor_value_info("img", TensorProto.FLOAT, [1, 4, 10, 10])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    mod = from_onnx(model, keep_params_in_input=False)
+    mod = tvm.transform.Sequential([
+        relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
+        relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
+    return {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fused_pipeline_funcs_classified_and_scheduled():
+    funcs = _fused_model_funcs()
+    tasks = {name: task_from_primfunc(name, f) for name, f in funcs.items()}
+    kinds = sorted(t.kind for t in tasks.values() if t is not None)
+    # two rank-4 attention matmuls, four dense ones (relu, residual, gelu, Gemm transB), two convs
+    assert kinds == ["batch_matmul"] * 2 + ["conv2d"] * 2 + ["matmul"] * 4, {n: t and t.key for n, t in tasks.items()}
+    assert all(tasks[n] is None for n in funcs if n.startswith(("softmax", "transpose", "reshape")))
+    epilogues = {t.epilogue for t in tasks.values() if t is not None}
+    assert ("T_add", "compute") in epilogues            # bias + relu (matmul and conv)
+    assert ("T_add", "T_add") in epilogues              # bias + residual
+    bmm = [t for t in tasks.values() if t is not None and t.kind == "batch_matmul"]
+    assert {t.dims["B"] for t in bmm} == {4} and {t.dims["M"] for t in bmm} == {16}
+    for name, task in tasks.items():
+        if task is None:
+            continue
+        inputs = task.make_inputs(seed=2)
+        ref = task.reference(inputs)
+        lib = build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM)
+        out = run_func(lib, task, inputs, tvm.cpu())
+        for o, r in zip(out, ref):
+            np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_scheduled_func_is_marked_and_vectorized():
+    task = make_task("matmul", "64,64,64")
+    func = templates.apply(task, templates.default_config(task, LLVM), LLVM)
+    assert bool(func.attrs["tirx.is_scheduled"])
+    text = func.script()
+    assert "T.parallel" in text and "T.vectorized" in text and "pragma_auto_unroll_max_step" in text
+
+
+def test_default_config_uses_avx512_lanes_and_both_cores():
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver5", "num-cores": 2})
+    task = make_task("matmul", "128,768,768")
+    cfg = templates.space_for(task, target).as_dict(templates.default_config(task, target))
+    assert cfg["tile_j"][3] % 16 == 0                      # whole zmm vectors innermost
+    assert cfg["tile_i"][0] * cfg["tile_j"][0] >= 2          # parallel loop has work for 2 cores
+
+
+def test_invalid_configs_rejected_before_build():
+    task = make_task("matmul", "64,64,64")
+    space = templates.space_for(task, LLVM)
+    good = templates.default_config(task, LLVM)
+    with pytest.raises(templates.InvalidConfig):
+        templates.apply(task, good[:-1], LLVM)                        # wrong arity
+    with pytest.raises(templates.InvalidConfig):
+        templates.apply(task, ((64, 1, 1, 2),) + good[1:], LLVM)      # factors do not multiply to 64
+    gspace = templates.space_for(task, CUDA)
+    d = gspace.as_dict(templates.default_config(task, CUDA))
+    too_many_threads = gspace.from_dict({**d, "tile_i": (1, 1, 64, 1), "tile_j": (1, 1, 64, 1)})
+    with pytest.raises(templates.InvalidConfig, match="threads"):
+        templates.apply(task, too_many_threads, CUDA)
+    big = make_task("matmul", "256,1024,256")
+    gd = templates.space_for(big, CUDA).as_dict(templates.default_config(big, CUDA))
+    too_much_shared = templates.space_for(big, CUDA).from_dict(
+        {**gd, "tile_i": (1, 1, 16, 16), "tile_j": (1, 1, 16, 16), "tile_k": (1, 1024, 1)})
+    with pytest.raises(templates.InvalidConfig, match="shared memory"):
+        templates.apply(big, too_much_shared, CUDA)
+    assert space.contains(good)
+
+
+@pytest.mark.parametrize("kind,shape,kw", [
+    ("matmul", "64,48,32", {"transpose_b": True}),
+    ("batch_matmul", "2,32,16,32", {}),
+    ("conv2d", "1,8,12,12,16,3,3", {"stride": 2, "pad": 1, "groups": 2}),
+])
+def test_cuda_template_builds_for_sm90_without_gpu(kind, shape, kw):
+    task = make_task(kind, shape, **kw)
+    space = templates.space_for(task, CUDA)
+    rng = random.Random(0)
+    configs = [templates.default_config(task, CUDA)] + [space.sample(rng) for _ in range(6)]
+    built = 0
+    for config in configs:
+        try:
+            func = templates.apply(task, config, CUDA)
+        except templates.InvalidConfig:
+            continue
+        lib = build_func(func, CUDA)
+        src = lib.imports[0].inspect_source()
+        assert str(lib.imports[0].kind) == "cuda" and "__global__" in src and "__shared__" in src
+        built += 1
+    assert built >= 2
