@@ -20,7 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-ops", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--timeout-ms", type=int, default=3000)
+    ap.add_argument("--timeout-ms", type=int, default=1500)
     ap.add_argument("-o", "--output", default=str(LIBRARY_PATH))
     ap.add_argument("--json", default="bench/results/rules_generate.json")
     args = ap.parse_args()

@@ -555,3 +555,14 @@ def _make_rule(en: Enumeration, g1, g2):
     if len(set(sh)) != len(sh):
         return None
     return src, (dst[0], tuple(dst[1][dh.index(h)] for h in sh))
+
+
+def evaluate_pattern(pattern: Pattern, inputs: dict[str, np.ndarray], arith=FLOAT) -> list[np.ndarray]:
+    """Run a rule pattern on concrete inputs ``{"x0": array, ...}`` (split sizes bound from their shapes)."""
+    dims = {k: np.shape(v) for k, v in inputs.items()}
+    vals: dict[str, np.ndarray] = dict(inputs)
+    for k, n in enumerate(pattern.nodes):
+        outs = ops.evaluate(n.op, ops.bind_params(n.param_dict, dims), [vals[i] for i in n.inputs], arith)
+        for j, o in enumerate(outs):
+            vals[f"n{k}:{j}"] = o
+    return [vals[o] for o in pattern.outputs]

@@ -45,7 +45,7 @@ def _enumerate(args: tuple[Any, int]) -> tuple[str, dict[str, int], list[Rule]]:
     return domain.name, {"graphs": en.graphs, **vars(st)}, rules
 
 
-def generate(max_ops: int = 3, jobs: int = 2, timeout_ms: int = 3000, progress: bool = True,
+def generate(max_ops: int = 3, jobs: int = 2, timeout_ms: int = 1500, progress: bool = True,
              ) -> tuple[list[Rule], dict[str, Any]]:
     """Build the library from scratch; returns (verified rules, meta with statistics)."""
     from tqdm import tqdm
@@ -160,7 +160,7 @@ def add_rules_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-ops", type=int, default=3, help="operators per graph (default 3)")
     g.add_argument("-o", "--output", default=str(LIBRARY_PATH), help="library file (default: the shipped one)")
     g.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
-    g.add_argument("--timeout-ms", type=int, default=3000, help="Z3 time limit per rule")
+    g.add_argument("--timeout-ms", type=int, default=1500, help="Z3 time limit per rule")
     g.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
     g.set_defaults(run=_run_generate)
     s = rs.add_parser("stats", help="statistics of a library")

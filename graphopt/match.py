@@ -185,8 +185,28 @@ class _Compiled:
         self.symbolic = [any(_is_symbolic(v) for _, v in pn.params) for pn in pattern.nodes]
         self.static = [{k: v for k, v in pn.params if not _is_symbolic(v)} for pn in pattern.nodes]
         self.param_keys = [{k for k, _ in pn.params} for pn in pattern.nodes]
+        # immediate neighbours of each pattern node, for a cheap test of a seed before full matching
+        self.in_ops = [[(pos, pattern.nodes[ref[0]].op, ref[1]) for pos, (_, ref) in enumerate(refs) if ref]
+                       for refs in self.refs]
+        self.user_ops = [[(port, pattern.nodes[u].op, pos) for (u, pos, port) in users] for users in self.users]
+
+    def plausible(self, j: int, name: str, index: "GraphIndex") -> bool:
+        """Does graph node ``name`` have the producers and readers pattern node ``j`` needs?"""
+        v = index.view[name]
+        for pos, op, port in self.in_ops[j]:
+            prod = index.producer.get(v.inputs[pos]) if pos < len(v.inputs) else None
+            if prod is None or prod[1] != port or (index.view.get(prod[0]) or _NO_VIEW).op != op:
+                return False
+        outs = index.nodes[name].outputs
+        for port, op, pos in self.user_ops[j]:
+            t = outs[port] if port < len(outs) else None
+            if not any((cv := index.view.get(c)) is not None and cv.op == op and pos < len(cv.inputs)
+                       and cv.inputs[pos] == t for c in index.consumers.get(t, ())):
+                return False
+        return True
 
 
+_NO_VIEW = OpView("", (), (), 0)
 _COMPILED: dict[int, tuple[Pattern, _Compiled]] = {}
 
 
@@ -355,22 +375,6 @@ def find_matches(index: GraphIndex, rule: Rule, anchors: Iterable[str] | None = 
             for a, b in results]
 
 
-def still_valid(match: Match, index: GraphIndex) -> bool:
-    """Re-check a match found in an ancestor graph against this graph (nodes may be gone or rewired)."""
-    if any(n not in index.view for n in match.nodes):
-        return False
-    m = _Matcher(match.rule.src, index)
-    assign: dict[int, str] = {}
-    bind: dict[str, str] = {}
-    for j, name in enumerate(match.nodes):
-        new = m._fits(j, name, assign, bind)
-        if new is None:
-            return False
-        assign[j] = name
-        bind = new
-    return bind == match.binding() and m._valid(assign, bind)
-
-
 def connected(pattern: Pattern) -> bool:
     """True when every pattern node is linked to the others by edges or shared pattern inputs.
 
@@ -459,7 +463,7 @@ class RuleIndex:
             if v is None:
                 continue
             for i, j in self.exact.get((v.op, v.params), []) + self.loose.get(v.op, []):
-                if self.ops[i] <= present:
+                if self.ops[i] <= present and _compile(self.rules[i].src).plausible(j, a, index):
                     seeds.setdefault(i, []).append((j, a))
         out: list[Match] = []
         for i in sorted(seeds):

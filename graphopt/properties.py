@@ -67,11 +67,13 @@ class Property:
     z3_cond: Any = None   # z3: (dict param -> z3 Int, rank fn) -> BoolRef
     tree_vars: tuple[str, ...] = ()
     origin: str = "taso"  # "taso" (TASO's table 2) or "ours" (transformer and bias ops)
+    triggers: tuple = ()  # extra Z3 multi-patterns (tuples of terms), e.g. "both halves of a split exist"
 
 
-def P(name, lhs, rhs, origin="taso", guard=(), cond=None, z3_cond=None, tree_vars=(), **ranks) -> Property:
+def P(name, lhs, rhs, origin="taso", guard=(), cond=None, z3_cond=None, tree_vars=(), triggers=(),
+      **ranks) -> Property:
     return Property(name, lhs, rhs, tuple(sorted(ranks.items())), tuple(guard), cond, z3_cond, tuple(tree_vars),
-                    origin)
+                    origin, tuple(triggers))
 
 
 N = dict(act="none")
@@ -155,6 +157,8 @@ def _build() -> list[Property]:
     add(P("conv_iconv", conv("x", E("Iconv", "w"), stride=(1, 1), pad="SAME", groups=1), "x", x=4, w=4))
     add(P("conv_iconv_relu", conv("x", E("Iconv", "w"), act="relu", stride=(1, 1), pad="SAME", groups=1),
           E("relu", "x"), x=4, w=4, origin="ours"))
+    add(P("smul_pool_avg", E("pool2d_avg", E("smul", "x", "w"), kernel="$k", stride="$s", pad="$p"),
+          E("smul", E("pool2d_avg", "x", kernel="$k", stride="$s", pad="$p"), "w"), x=4, w=0, origin="ours"))
     for pool in ("pool2d_max", "pool2d_avg"):
         add(P(f"{pool}_concat", E(pool, E("concat", "x", "y", axis="$a"), kernel="$k", stride="$s", pad="$p"),
               E("concat", E(pool, "x", kernel="$k", stride="$s", pad="$p"),
@@ -217,18 +221,21 @@ def _build() -> list[Property]:
     add(P("split0_concat", E("split", E("concat", "x", "y", axis="$a"), axis="$a", out=0), "x", x=2, y=2))
     add(P("split1_concat", E("split", E("concat", "x", "y", axis="$a"), axis="$a", out=1), "y", x=2, y=2))
     add(P("concat_split", E("concat", E("split", "x", axis="$a", out=0), E("split", "x", axis="$a", out=1),
-                            axis="$a"), "x", x=2, tree_vars=("x",), origin="ours"))
+                            axis="$a"), "x", x=2, tree_vars=("x",), origin="ours",
+          triggers=((E("split", "x", axis="$a", out=0), E("split", "x", axis="$a", out=1)),)))
     # ---- bias add (broadcast) ------------------------------------------------------------------------
     add(P("bias_concat", E("concat", E("bias_add", "x", "b"), E("bias_add", "y", "d"), axis="$a"),
           E("bias_add", E("concat", "x", "y", axis="$a"), E("concat", "b", "d", axis="$b")),
-          guard=("x", "b"), x=3, y=3, b=1, d=1,
+          x=3, y=3, b=1, d=1,
           cond=lambda v: v["$a"] - v["$b"] == 2, z3_cond=lambda v, rank: v["$a"] - v["$b"] == rank("x") - rank("b"),
           origin="ours"))
     add(P("bias_concat_shared", E("concat", E("bias_add", "x", "b"), E("bias_add", "y", "b"), axis="$a"),
-          E("bias_add", E("concat", "x", "y", axis="$a"), "b"), guard=("x", "b"), x=3, y=3, b=1,
+          E("bias_add", E("concat", "x", "y", axis="$a"), "b"), x=3, y=3, b=1,
           cond=lambda v: v["$a"] < 2, z3_cond=lambda v, rank: v["$a"] < rank("x") - rank("b"), origin="ours"))
     add(P("bias_ewadd", E("bias_add", E("ewadd", "x", "y"), "b"), E("ewadd", E("bias_add", "x", "b"), "y"),
           x=3, y=3, b=1, origin="ours"))
+    add(P("bias_comm", E("bias_add", E("bias_add", "x", "b"), "d"), E("bias_add", E("bias_add", "x", "d"), "b"),
+          x=3, b=1, d=1, origin="ours"))
     add(P("bias_smul", E("smul", E("bias_add", "x", "b"), "w"), E("bias_add", E("smul", "x", "w"), E("smul", "b", "w")),
           x=3, b=1, w=0, origin="ours"))
     return props
@@ -330,15 +337,23 @@ def z3_axiom(prop: Property, env: Any):
     names = tensor_vars(prop.lhs) + [v for v in tensor_vars(prop.rhs) if v not in tensor_vars(prop.lhs)]
     tvars = {n: z3.Const(f"{prop.name}_{n}", env.T) for n in names}
     pv = param_vars(prop.lhs) + [v for v in param_vars(prop.rhs) if v not in param_vars(prop.lhs)]
-    ivars = {p: z3.Int(f"{prop.name}_{p[1:]}") for p in pv}
+    ivars = {p: z3.Int(f"{prop.name}_p{p[1:]}") for p in pv}
     lhs, rhs = z3_term(prop.lhs, env, tvars, ivars), z3_term(prop.rhs, env, tvars, ivars)
     conds = [env.rank(tvars[v]) == dict(prop.ranks)[v] for v in prop.guard]
+    # operands the shape rules force to one rank (ewadd(x, y): rank x == rank y) get an explicit guard:
+    # unguarded, ewadd(x, y) == ewadd(y, x) would equate ranks of *all* tensors, and with Imatmul (rank 2)
+    # and Cpool (rank 4) the axioms would be inconsistent - every rule "provable"
+    parent: dict[str, str] = {}
+    _equal_rank_vars(prop.lhs, parent)
+    _equal_rank_vars(prop.rhs, parent)
+    conds += [env.rank(tvars[v]) == env.rank(tvars[_find(parent, v)]) for v in parent if _find(parent, v) != v]
     if prop.z3_cond is not None:
         conds.append(prop.z3_cond(ivars, lambda v: env.rank(tvars[v])))
     body = lhs == rhs if not conds else z3.Implies(z3.And(*conds), lhs == rhs)
     patterns = [s for s, side in ((lhs, prop.lhs), (rhs, prop.rhs))
                 if isinstance(side, Term) and set(tensor_vars(side)) == set(names)
                 and set(param_vars(side)) == set(pv)]
+    patterns += [z3.MultiPattern(*(z3_term(t, env, tvars, ivars) for t in group)) for group in prop.triggers]
     bound = list(tvars.values()) + list(ivars.values())
     return z3.ForAll(bound, body, patterns=patterns) if patterns else z3.ForAll(bound, body)
 

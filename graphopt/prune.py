@@ -8,7 +8,8 @@
   between those inputs (enumerated as smaller graphs), so it is dropped.
 * **equal up to renaming**: rules that differ only in the names of their inputs (or the order of the
   arguments of commutative ops, or the order of their outputs) are one rule; :func:`canonical` computes a
-  renaming-invariant key.
+  renaming-invariant key.  A multi-output rule whose target is its own source renamed (outputs permuted)
+  only reorders a concat and is dropped (:func:`only_reorders`).
 """
 from __future__ import annotations
 
@@ -134,11 +135,29 @@ def canonical(rule: Rule) -> str:
     return best
 
 
+def only_reorders(rule: Rule) -> bool:
+    """A multi-output rule whose target is its own source graph with inputs renamed and outputs permuted -
+    an isomorphic graph, e.g. merging two bias adds as concat(b1, b2) versus concat(b2, b1)."""
+    if len(rule.src.outputs) < 2 or len(rule.src.nodes) != len(rule.dst.nodes):
+        return False
+    inputs = rule.src.input_names()
+    if len(inputs) > 5:
+        return False
+    dst_terms = sorted(_terms(rule.dst, {x: x for x in inputs}))
+    for perm in itertools.permutations(inputs):
+        names = dict(zip(inputs, perm))
+        if sorted(_terms(rule.src, names)) == dst_terms:
+            return True
+    return False
+
+
 def dedup(rules: list[Rule]) -> list[Rule]:
-    """Keep the first rule of each renaming class."""
+    """Keep the first rule of each renaming class (and drop multi-output rules that only reorder)."""
     seen: set[str] = set()
     out: list[Rule] = []
     for r in rules:
+        if only_reorders(r):
+            continue
         key = canonical(r)
         if key not in seen:
             seen.add(key)

@@ -100,6 +100,28 @@ def target_plan(match: Match, index: GraphIndex, constants: set[str] | None = No
     return Plan(nodes, dtype, src_outputs)
 
 
+def creates_cycle(match: Match, index: GraphIndex) -> bool:
+    """Would the target read a value that depends on the matched nodes themselves?
+
+    The target reads only the bound pattern inputs, so the rewrite is cyclic exactly when one of them is
+    computed (transitively) from a matched node.  Only values produced after the first matched node can
+    be, so the backward walk stays inside that window - cheap next to building and sorting the graph.
+    """
+    matched = set(match.nodes)
+    first = min(index.pos[n] for n in matched)
+    stack = [index.producer[t][0] for _, t in match.bindings if t in index.producer]
+    seen: set[str] = set()
+    while stack:
+        n = stack.pop()
+        if n in matched:
+            return True
+        if n in seen or index.pos[n] < first:
+            continue
+        seen.add(n)
+        stack.extend(index.producer[t][0] for t in index.nodes[n].inputs if t in index.producer)
+    return False
+
+
 @dataclass
 class Rewrite:
     """A rewritten graph and what changed, which the search uses to re-match only locally."""

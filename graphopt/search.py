@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from graphopt.cost import CostModel, constant_tensors, foldable
 from graphopt.ir import Graph
 from graphopt.match import GraphIndex, Match, RuleIndex, ViewCache, with_reverses
-from graphopt.rewrite import Rewrite, RewriteError, apply_match, target_plan
+from graphopt.rewrite import Rewrite, RewriteError, apply_match, creates_cycle, target_plan
 from graphopt.rules import Rule
 
 
@@ -75,6 +75,8 @@ class Searcher:
         try:
             plan = target_plan(match, state_index, constants)
         except RewriteError:
+            return None
+        if creates_cycle(match, state_index):
             return None
         new = sum(self.cost.op_cost(t.op, t.params, t.in_shapes, plan.dtype) for t in plan.nodes if not t.constant)
         return new - sum(node_cost[n] for n in match.nodes)

@@ -2,14 +2,17 @@
 
 API::
 
-    m = Measurer(target, number=10, repeat=3, build_timeout=60, run_timeout=30, workers=2, rpc=None)
+    m = Measurer(target, number=10, repeat=3, build_timeout=60, run_timeout=30, workers=2, rpc=None,
+                 session_timeout=60, min_repeat_ms=0)
     results = m.measure(task, configs)      # list[MeasureResult], same order as configs
     m.close()                               # or use ``with Measurer(...) as m:``
 
-``MeasureResult``: ``latency_s`` (median of ``repeat`` timings, each the mean of ``number`` calls; None on
-failure), ``gflops`` (0 on failure), ``error`` (None, or one of ``"invalid config: ..."``, ``"build failed:
-..."``, ``"build timeout"``, ``"run timeout"``, ``"run failed: ..."``, ``"wrong result: max err ..."``),
-``build_s`` and ``run_s`` (wall seconds spent building / running this config).
+``MeasureResult``: ``config``, ``latency_s`` (median of ``repeat`` timings, each the mean of ``number``
+calls, or of enough calls to last ``min_repeat_ms``; None on failure), ``gflops`` (0 on failure),
+``error`` (None, or one of ``"invalid config: ..."``, ``"build failed: ..."``, ``"build timeout"``,
+``"run timeout"``, ``"run failed: ..."``, ``"wrong result: max err ..."``), ``build_s`` (seconds the
+worker spent scheduling + compiling + exporting) and ``run_s`` (wall seconds of the timed run).
+``Measurer.measure`` never raises for a bad config; the tuner just reads ``error``.
 
 Why processes, and why two phases:
 
@@ -140,7 +143,7 @@ def _prepare_in_worker(task) -> None:
 
 
 def _run_in_worker(task, lib_path: str, device: str, number: int, repeat: int, check_above: float | None,
-                   rpc: str | None, session_timeout: int) -> tuple[float, str | None]:
+                   rpc: str | None, session_timeout: int, min_repeat_ms: int = 0) -> tuple[float, str | None]:
     """(median latency, error or None).  Checks the output when the config's GFLOPS beat ``check_above``."""
     _prepare_in_worker(task)
     inputs, ref = _RUN_CACHE[task.key]
@@ -152,7 +155,7 @@ def _run_in_worker(task, lib_path: str, device: str, number: int, repeat: int, c
 
     args = [tvm.runtime.tensor(x, dev) for x in inputs]
     outs = [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs]
-    timer = lib.time_evaluator("main", dev, number=number, repeat=repeat)
+    timer = lib.time_evaluator("main", dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
     latency = float(np.median(timer(*args, *outs).results))
     gflops = task.flops / latency / 1e9
     if check_above is not None and gflops <= check_above:
@@ -259,7 +262,7 @@ class Measurer:
 
     def __init__(self, target, number: int = 10, repeat: int = 3, build_timeout: float = 60.0,
                  run_timeout: float = 30.0, workers: int | None = None, rpc: str | None = None,
-                 session_timeout: int = 60):
+                 session_timeout: int = 60, min_repeat_ms: int = 0):
         import tvm
 
         self.target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
@@ -269,7 +272,7 @@ class Measurer:
 
             raise UserError(f"cannot measure on target kind {kind!r}; use llvm, cuda or rocm")
         self.device = _DEVICES[kind]
-        self.number, self.repeat = number, repeat
+        self.number, self.repeat, self.min_repeat_ms = number, repeat, min_repeat_ms
         self.build_timeout, self.run_timeout = build_timeout, run_timeout
         if rpc is not None and len(rpc.split(":")) not in (2, 3):
             from graphopt.errors import UserError
@@ -340,7 +343,8 @@ class Measurer:
             self._prepared = (task.key, runner.generation)
         t0 = time.perf_counter()
         status, value = self._runner.call(
-            "run", (task, lib_path, self.device, self.number, self.repeat, best, self.rpc, self.session_timeout),
+            "run", (task, lib_path, self.device, self.number, self.repeat, best, self.rpc, self.session_timeout,
+                    self.min_repeat_ms),
             self.run_timeout)
         run_s = time.perf_counter() - t0
         if status == "timeout":

@@ -1,8 +1,10 @@
 """``bench-model``: onnxruntime vs the TVM-compiled model, interleaved in one process.
 
-Both engines run the same seeded inputs with the same thread count.  Runs alternate (ORT, TVM, ORT, ...)
-so a noisy neighbour on this shared 2-core machine slows both alike instead of whichever ran second; the
-median is the headline and the min shows the floor.
+Engines: onnxruntime, TVM with default schedules, TVM + graphopt, TVM + graphopt + our tuning, TVM +
+MetaSchedule (the last two with the same ``--trials``).  All run the same seeded inputs with the same
+thread count, alternating run by run (ORT, TVM, ..., ORT, TVM, ...) so a noisy neighbour on this shared
+2-core machine slows every engine alike instead of whichever ran last; the median is the headline and the
+min shows the floor.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from graphopt.feeds import max_abs_err, ort_session, random_inputs
+from graphopt.feeds import max_abs_err, random_inputs
 
 
 @dataclass
@@ -75,6 +77,23 @@ def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int
     return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
 
 
+def quiet_ort_session(model, threads: int):
+    """onnxruntime with the same threads but without spin-waiting after a run.
+
+    ORT's idle intra-op threads spin for a while after each run; in an interleaved loop that spinning
+    steals the core TVM's next parallel kernel needs, and TVM's run after ORT measured 90 ms instead of
+    1.3 ms on bert-tiny (2 cores).  Without spinning ORT's own latency is unchanged within noise.
+    """
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
           trials: int = 0) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
@@ -82,7 +101,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
     from pipeline.compile import device_for, outputs_numpy, to_device
 
     feeds = random_inputs(imported.graph, seed)
-    sess = ort_session(imported.onnx_model, threads)
+    sess = quiet_ort_session(imported.onnx_model, threads)
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
     reference = sess.run(None, ort_feeds)

@@ -14,7 +14,9 @@ than a slow one.
 """
 from __future__ import annotations
 
+import logging
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,8 @@ from graphopt.ir import Graph
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 from pipeline.targets import TargetSpec
+
+log = logging.getLogger(__name__)
 
 # Output check tolerance (issue 6): fp32 kernels that re-associate sums differ from onnxruntime by ~1e-6.
 ATOL = 1e-4
@@ -50,10 +54,34 @@ class CompiledModel:
         return relax.VirtualMachine(self.executable, device_for(self.spec))
 
     def export(self, path: str | os.PathLike) -> Path:
+        """Write the shared library; for rocm also the AMDGPU code object next to it (``.hsaco``), which is
+        what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         self.executable.export_library(str(p))
+        if self.spec.kind == "rocm":
+            objs = amdgpu_code_objects(p.read_bytes())
+            if objs:
+                p.with_suffix(".hsaco").write_bytes(objs[0])
         return p
+
+
+EM_AMDGPU = 224  # ELF e_machine of AMD GPU code objects
+
+
+def amdgpu_code_objects(blob: bytes) -> list[bytes]:
+    """The AMDGPU ELF code objects embedded in a host library (found by their ELF header and cut at the
+    end of their section header table, which the AMDGPU linker puts last)."""
+    out, i = [], blob.find(b"\x7fELF", 1)
+    while i >= 0:
+        if len(blob) >= i + 64 and struct.unpack_from("<H", blob, i + 18)[0] == EM_AMDGPU:
+            shoff = struct.unpack_from("<Q", blob, i + 0x28)[0]
+            shentsize, shnum = struct.unpack_from("<HH", blob, i + 0x3A)
+            end = i + shoff + shentsize * shnum
+            if end <= len(blob):
+                out.append(blob[i:end])
+        i = blob.find(b"\x7fELF", i + 4)
+    return out
 
 
 def device_for(spec: TargetSpec):
@@ -115,17 +143,25 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
         if "tirx.is_scheduled" in current.attrs and bool(current.attrs["tirx.is_scheduled"]):
             how[task.name] = "metaschedule"  # scheduled before we got here (MetaSchedule's database)
             continue
-        func, source = None, "none"
+        func, source, note = None, "none", ""
         key = getattr(task.task, "key", None)
+        attempts = []
         if task.task is not None and key in tuned:
-            func, source = _template_schedule(task, tuned[key], target), "tuned"
-        elif task.task is not None and not spec.is_gpu:
-            func, source = _template_schedule(task, None, target), "template"
+            attempts.append(("tuned", tuned[key]))
+        if task.task is not None and not spec.is_gpu:
+            attempts.append(("template", None))
+        for label, config in attempts:
+            try:
+                func, source = _template_schedule(task, config, target), label
+                break
+            except Exception as exc:  # noqa: BLE001 - a template bug must cost speed, not the build
+                note += f" ({label} failed: {type(exc).__name__}: {str(exc).strip()[:120]})"
+                log.warning("warning: %s schedule of %s failed (%s); falling back", label, task.name, exc)
         if func is None:
             with target:
                 func = _apply_rules(task.func, target, rules)
             source = ("dlight" if spec.is_gpu else "cpu-rule") if func is not None else "none"
-        how[task.name] = source
+        how[task.name] = source + note
         if func is None:
             continue
         func = func.with_attr("tirx.is_scheduled", True)

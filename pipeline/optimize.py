@@ -1,8 +1,8 @@
-"""``optimize-model``: graph stage -> Relax import -> partition -> compile -> check -> write DIR.
+"""``optimize-model``: graph stage -> Relax import -> partition -> tuning -> compile -> check -> write DIR.
 
-Each stage is timed into report.json.  The graph stage calls :func:`graphopt.search.optimize` when the
-graph optimizer is installed (``--skip-graph`` skips it); otherwise the model is imported and exported
-through the graph IR unchanged, so DIR/optimized.onnx is always the graph the library was compiled from.
+Each stage is timed into report.json.  The graph stage is :func:`graphopt.search.optimize`
+(TASO-style substitutions, measured cost); with ``--skip-graph`` the model is imported and exported through
+the graph IR unchanged, so DIR/optimized.onnx is always the graph the library was compiled from.
 """
 from __future__ import annotations
 
@@ -34,26 +34,17 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     """The model the compiler sees: graphopt's optimized graph, or the imported graph re-exported."""
     t0 = time.perf_counter()
     graph = import_onnx(model, input_shapes, require_static=True)
-    optimizer = None if skip else _graph_optimizer()
-    if optimizer is None:
-        out = export_onnx(graph)
-        log.add("graph", time.perf_counter() - t0, skipped=True,
-                reason="--skip-graph" if skip else "graphopt.search not available", nodes=len(graph.nodes))
-        return out
-    result = optimizer(graph, target=target, threads=threads, progress=progress)
+    if skip:
+        log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
+        return export_onnx(graph)
+    from graphopt.search import optimize
+
+    result = optimize(graph, target=target, threads=threads, progress=progress)
     optimized = result.graph
     facts = {k: getattr(result, k) for k in ("cost_before", "cost_after", "applied", "stopped_by")}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(optimized.nodes), **facts)
     return export_onnx(optimized)
-
-
-def _graph_optimizer():
-    try:
-        from graphopt.search import optimize
-    except ImportError:
-        return None
-    return optimize
 
 
 @dataclass
@@ -142,6 +133,8 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     onnx.save(optimized, str(out / "optimized.onnx"))
     lib = compiled.export(out / "model.so")
     files = {"optimized": "optimized.onnx", "library": lib.name, "report_md": "report.md"}
+    if lib.with_suffix(".hsaco").exists():
+        files["code_object"] = lib.with_suffix(".hsaco").name
     if tune_result is not None:
         from pipeline.tuning import plot_tuning
 

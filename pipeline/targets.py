@@ -113,19 +113,42 @@ def rocm_bitcode_dir() -> str | None:
 
 
 def find_lld() -> str | None:
+    """The newest ``ld.lld`` not newer than TVM's LLVM: an old lld (Debian's default 14) rejects the code
+    object ABI version that TVM's LLVM emits ("unknown abi version")."""
     from tvm.target import codegen
 
-    major = codegen.llvm_version_major()
-    for name in (f"ld.lld-{major}", "ld.lld", "/opt/rocm/llvm/bin/ld.lld"):
+    major = int(codegen.llvm_version_major())
+    names = [f"ld.lld-{v}" for v in range(major, 13, -1)] + ["ld.lld", "/opt/rocm/llvm/bin/ld.lld"]
+    for name in names:
         path = shutil.which(name)
         if path:
             return path
     return None
 
 
+def _use_lld(lld: str) -> None:
+    """Make TVM's AMDGPU link step use ``lld`` (its own lookup stops at the unversioned, possibly old one)."""
+    import tvm_ffi
+    from tvm.support import rocm
+
+    def link(obj_bin):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            obj, cobj = os.path.join(d, "kernel.o"), os.path.join(d, "kernel.co")
+            with open(obj, "wb") as fh:
+                fh.write(bytes(obj_bin))
+            rocm.rocm_link(obj, cobj, lld=lld)
+            with open(cobj, "rb") as fh:
+                return bytearray(fh.read())
+
+    tvm_ffi.register_global_func("tvm_callback_rocm_link", link, override=True)
+
+
 def _rocm_spec(arch: str | None) -> TargetSpec:
     missing = []
-    if find_lld() is None:
+    lld = find_lld()
+    if lld is None:
         missing.append("ld.lld (package lld)")
     bitcode = rocm_bitcode_dir()
     if bitcode is None:
@@ -135,6 +158,7 @@ def _rocm_spec(arch: str | None) -> TargetSpec:
                         f"`{ROCM_INSTALL_HINT}` (or set ROCM_PATH to a ROCm install)")
     import tvm
 
+    _use_lld(lld)
     # TVM's bitcode lookup reads $ROCM_PATH/amdgcn/bitcode; point it at what we found.
     os.environ.setdefault("ROCM_PATH", os.path.dirname(os.path.dirname(bitcode)))
     target = tvm.target.Target({"kind": "rocm", "mcpu": arch or DEFAULT_ROCM_ARCH}, host=llvm_target())

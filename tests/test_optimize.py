@@ -154,3 +154,19 @@ def test_library_merges_parallel_inception_convs(tmp_path):
     assert set(rep) >= {"cost_before", "cost_after", "applied", "graphs_explored", "seconds", "max_abs_err"}
     out = onnx.load(str(out_path))
     assert _ops(out).count("Conv") <= _ops(proto).count("Conv")
+
+
+def test_pipeline_entry_point_returns_an_exportable_graph():
+    """``pipeline.optimize`` calls ``graphopt.search.optimize(graph)`` and exports ``result.graph``."""
+    from graphopt.feeds import max_abs_err, random_inputs, run_ort
+    from graphopt.onnx_io import export_onnx
+    from graphopt.search import optimize as graph_stage
+
+    proto = opaque_model()
+    g = import_onnx(proto)
+    res = graph_stage(g, cost=LaunchCost(1.0, 1.5, 2.0), rules=HAND, budget=20)
+    assert res.cost_after < res.cost_before and res.applied == {"merge_matmul_r2": 1}
+    feeds = random_inputs(g)
+    exported = export_onnx(res.graph)
+    assert "Concat" not in _ops(exported)
+    assert max_abs_err(run_ort(proto, feeds), run_ort(exported, feeds)) < 1e-5

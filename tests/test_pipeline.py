@@ -94,15 +94,23 @@ def test_bad_target_names(name):
         parse_target(name)
 
 
-def test_rocm_names_what_to_install_or_builds():
+def test_rocm_builds_an_amdgpu_code_object_or_names_what_to_install(tmp_path):
+    from pipeline.compile import EM_AMDGPU, compile_partition
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
     from pipeline.targets import find_lld, parse_target, rocm_bitcode_dir
 
-    if find_lld() and rocm_bitcode_dir():
-        spec = parse_target("rocm")
-        assert spec.target.kind.name == "rocm" and str(spec.target.attrs["mcpu"]).startswith("gfx")
-    else:
+    if not (find_lld() and rocm_bitcode_dir()):
         with pytest.raises(UserError, match="apt-get install lld rocm-device-libs"):
             parse_target("rocm")
+        return
+    spec = parse_target("rocm")
+    assert not spec.can_run and "ROCm-enabled TVM runtime" in spec.note
+    imported = import_model(conv_net())
+    compiled = compile_partition(imported, partition(imported.mod), spec)
+    lib = compiled.export(tmp_path / "model.so")
+    code = lib.with_suffix(".hsaco").read_bytes()
+    assert code[:4] == b"\x7fELF" and int.from_bytes(code[18:20], "little") == EM_AMDGPU
 
 
 # ------------------------------------------------------------------------------------------------ partition
@@ -168,6 +176,20 @@ def test_conv_net_matches_onnxruntime(conv):
     assert res.max_abs_err <= 1e-4
 
 
+def test_template_failure_falls_back_to_default_rules(conv, llvm, monkeypatch):
+    import pipeline.compile as C
+
+    def broken(task, config, target):
+        raise RuntimeError("template bug")
+
+    monkeypatch.setattr(C, "_template_schedule", broken)
+    imported, part, _ = conv
+    compiled = C.compile_partition(imported, part, llvm)
+    convs = [t for t in part.tasks if t.kind == "conv2d"]
+    assert all(compiled.schedules[t.name].startswith("cpu-rule (template failed") for t in convs)
+    assert C.check_outputs(compiled, imported.graph, imported.onnx_model).ok
+
+
 def test_exported_library_runs(conv, tmp_path):
     import tvm
     from tvm import relax
@@ -214,12 +236,29 @@ def test_bench_model_json_and_plot(tmp_path, capsys):
     from pipeline.cli import bench_model_main
 
     js, png = tmp_path / "b.json", tmp_path / "b.png"
-    assert bench_model_main([str(BERT_TINY), "--runs", "3", "--threads", "2", "--json", str(js),
+    assert bench_model_main([str(BERT_TINY), "--runs", "3", "--threads", "2", "--skip-graph", "--json", str(js),
                              "--plot", str(png)]) == 0
     data = json.loads(js.read_text())
     assert data["ort_ms"] > 0 and data["tvm_ms"] > 0 and data["max_abs_err"] <= 1e-4
+    assert data["graphopt_ms"] is None and data["tuned_ms"] is None and data["metaschedule_ms"] is None
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "onnxruntime" in capsys.readouterr().out
+
+
+def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatch):
+    """The tuned engine compiles the configs the tuning stage picked and still matches onnxruntime."""
+    import pipeline.tuning as tuning
+    from pipeline import benchmark
+
+    real = tuning.tune_model
+    monkeypatch.setattr(tuning, "tune_model", lambda *a, **k: real(*a, **k, measure_factory=FakeMeasurer))
+    opts = benchmark.BenchOptions(trials=16, skip_graph=True, skip_metaschedule=True, kernels="matmul",
+                                  searcher="random", work_dir=str(tmp_path), progress=False)
+    imported, engines = benchmark.compile_engines(str(BERT_TINY), llvm, 2, None, opts)
+    assert set(engines) == {"tvm", "tuned"}
+    assert "tuned" in engines["tuned"].schedules.values()
+    res = benchmark.bench(imported, engines, 2, 2, trials=16)
+    assert res.to_json()["tuned_ms"] > 0 and res.max_abs_err <= 1e-4
 
 
 # ------------------------------------------------------------------------------------------------ tuning stage
@@ -306,3 +345,14 @@ def test_optimize_model_tunes_for_real(tmp_path):
     assert report["stages"]["tune"]["trials"] == 16
     assert (out / "tuning.png").read_bytes()[:4] == b"\x89PNG"
     assert len((out / "records.jsonl").read_text().splitlines()) == 16
+
+
+def test_tune_kernels_model_list(capsys):
+    from kerneltune.cli import main
+
+    assert main([str(BERT_TINY), "--list"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln[:3].strip().isdigit()]
+    assert len(lines) >= 10 and lines[0].split()[0] == "0"
+    assert any(" matmul " in ln and "fused_matmul" in ln for ln in lines)
+    assert main([str(BERT_TINY)]) == 2  # without --list: one-line hint, exit 2

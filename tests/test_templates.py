@@ -11,7 +11,7 @@ import tvm
 from kerneltune import templates
 from kerneltune.task import build_func, make_task, run_func, task_from_primfunc
 
-LLVM = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+LLVM = templates.host_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
 
@@ -216,3 +216,16 @@ def test_cuda_template_builds_for_sm90_without_gpu(kind, shape, kw):
         assert str(lib.imports[0].kind) == "cuda" and "__global__" in src and "__shared__" in src
         built += 1
     assert built >= 2
+
+
+def test_host_target_gets_avx512_code_and_bare_llvm_does_not():
+    task = make_task("matmul", "32,32,64")
+    host = templates.host_target(2)
+    assert str(host.attrs["mcpu"]) != ""
+    asm_host = build_func(templates.apply(task, templates.default_config(task, host), host), host).inspect_source("asm")
+    bare = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    asm_bare = build_func(templates.apply(task, templates.default_config(task, bare), bare), bare).inspect_source("asm")
+    assert "vfmadd" not in asm_bare                      # baseline x86-64: SSE only
+    from tvm.target import codegen
+    if codegen.target_has_features("avx512f", host):    # this Zen 5
+        assert "zmm" in asm_host and "vfmadd" in asm_host

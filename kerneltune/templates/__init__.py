@@ -11,6 +11,9 @@ API used by the searchers, the measurer and the pipeline:
   default for every matmul/conv task).
 
 ``llvm`` -> :mod:`.cpu` (Ansor SSRSRS multi-level tiling), ``cuda``/``rocm`` -> :mod:`.gpu`.
+
+``host_target(num_cores)``: the llvm target for this CPU (with ``mcpu``; a bare ``llvm`` target gets no
+AVX/FMA code at all -- use this, or name ``mcpu`` yourself).
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ from ..space import SearchSpace
 from ..task import Task
 from . import cpu, gpu
 from .common import InvalidConfig
+from .cpu import host_target
 
-__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for"]
+__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for", "host_target"]
 
 
 def template_for(target: tvm.target.Target):

@@ -15,7 +15,9 @@ the anchor or kept as a separate parallel, vectorized copy (knob ``pad``); other
 into the write-back.  ``decompose_reduction`` comes last, splitting the accumulator's init out of the k-loops.
 
 Knobs: ``tile_<role>`` (factor, 4 levels spatial / 2 levels reduction) per axis of extent > 1, ``unroll``
-(0/16/64/512), and ``pad`` (stage/inline) for convs.
+(0/16/64/512); with two or more spatial axes ``s1_order`` (axis/reversed: which operand's panel stays in
+cache across the S1 loops); for the matmul family ``pack`` (none/panel: copy B's column panel contiguous at
+the outermost S1 loop); for convs ``pad`` (stage/inline).
 """
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ def has_producers(task: Task) -> bool:
 
 def space(task: Task) -> SearchSpace:
     knobs = tile_knobs(task, 4, 2) + [unroll_knob(UNROLL)]
+    multi_spatial = sum(1 for a in task.axes if not a.reduce and a.extent > 1) > 1
+    if multi_spatial:
+        # Order of the S1 loops (which operand panel stays in cache across the other's tiles):
+        # "axis" = output order (rows outer: an A panel is reused, B streams), "reversed" (B panel reused).
+        knobs.append(ChoiceKnob("s1_order", ("axis", "reversed")))
+    if task.kind != "conv2d" and multi_spatial:
+        knobs.append(ChoiceKnob("pack", ("none", "panel")))
     if has_producers(task):
         # inline: no extra pass, but a bounds check per load; stage: one parallel copy, branch-free inner loop.
         knobs.append(ChoiceKnob("pad", ("stage", "inline")))
@@ -43,13 +52,41 @@ def space(task: Task) -> SearchSpace:
 
 
 def vector_lanes(target: tvm.target.Target, dtype: str) -> int:
-    """fp32 lanes of the widest vector unit: 16 with AVX-512, else 8 (AVX2); scaled by element size."""
-    mcpu = str(target.attrs.get("mcpu", "")) if "mcpu" in target.attrs else ""
-    mattr = [str(a) for a in target.attrs.get("mattr", [])] if "mattr" in target.attrs else []
-    avx512 = mcpu in ("znver4", "znver5", "skylake-avx512", "cascadelake", "icelake-server", "sapphirerapids",
-                      "cooperlake", "tigerlake", "icelake-client", "graniterapids") or "+avx512f" in mattr
-    bits = 512 if avx512 else 256
+    """Lanes of ``dtype`` in the target's widest vector register: 512-bit with AVX-512, 256 with AVX2,
+    else 128.  Follows the target's ``mcpu``/``mattr``: a bare ``llvm`` target emits SSE2 code only."""
+    from tvm.target import codegen
+
+    if codegen.target_has_features("avx512f", target):
+        bits = 512
+    elif codegen.target_has_features("avx2", target):
+        bits = 256
+    else:
+        bits = 128
     return max(1, bits // tvm.DataType(dtype).bits)
+
+
+def host_target(num_cores: int = 2) -> tvm.target.Target:
+    """LLVM target for this machine's CPU (``mcpu`` from LLVM's host detection, e.g. znver5 here).
+
+    Without ``mcpu`` LLVM generates baseline x86-64 code: no AVX, no FMA (4x fewer FLOPs per instruction).
+    """
+    from tvm.target import codegen
+
+    return tvm.target.Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": num_cores})
+
+
+def _vector_operand(sch, anchor, task: Task) -> str:
+    """Name of the input the anchor reads along the vector axis (B of a matmul)."""
+    from tvm.tirx.analysis import undefined_vars
+
+    var = task.axis(task.vector_axis).var
+    block = sch.get(anchor)
+    out = block.writes[0].source.name
+    for region in block.reads:
+        used = {v.name for rng in region.region for v in undefined_vars(rng.min)}
+        if region.source.name != out and var in used:
+            return region.source.name
+    raise ValueError(f"no operand of {task.anchor} is indexed by {var}")
 
 
 def num_cores(target: tvm.target.Target) -> int:
@@ -73,6 +110,8 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
     lvl = lambda ls, i, n: (ls[i] if len(ls) == n else (ls[0] if i == 0 else None))  # noqa: E731
     s = [[x for x in (lvl(ls, i, 4) for ls in spatial) if x is not None] for i in range(4)]
     r = [[x for x in (lvl(ls, i, 2) for ls in reduction) if x is not None] for i in range(2)]
+    if cfg.get("s1_order") == "reversed":
+        s[1] = s[1][::-1]
     sch.reorder(*s[0], *s[1], *r[0], *s[2], *r[1], *s[3])
     outer = sch.fuse(*s[0]) if len(s[0]) > 1 else s[0][0]
     sch.parallel(outer)
@@ -80,6 +119,17 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
         sch.annotate(outer, "pragma_auto_unroll_max_step", cfg["unroll"])
         sch.annotate(outer, "pragma_unroll_explicit", 1)
     sch.vectorize(s[3][-1])
+    if cfg.get("pack") == "panel":
+        # Copy the vector-indexed operand's panel (B[:, j-tile]) into a contiguous buffer at the outermost
+        # S1 loop: its rows are then adjacent in memory instead of one row stride (often a multiple of 4 KiB
+        # -> same cache set, new TLB page) apart.
+        packed = sch.cache_read(p.anchor, _vector_operand(sch, p.anchor, task), "global")
+        if task.dims.get("tb"):
+            # B is stored [.., N, K]: the packed copy is transposed to [.., K, N] so the vector loads along
+            # j are contiguous instead of strided gathers.
+            sch.transform_layout(packed, ("write", 0), lambda *idx: (*idx[:-2], idx[-1], idx[-2]))
+        sch.compute_at(packed, s[1][0])
+        sch.vectorize(sch.get_loops(packed)[-1])
     sch.reverse_compute_at(p.writeback, s[1][-1])
     sch.vectorize(sch.get_loops(p.writeback)[-1])
     sch.decompose_reduction(p.anchor, r[0][0])
@@ -108,15 +158,18 @@ def rows_axis(task: Task) -> str | None:
 
 
 def default_config(task: Task, target: tvm.target.Target):
-    """Heuristic tiles without tuning, chosen from a sweep on 128x768x768 (see the module docstring).
+    """Heuristic tiles without tuning, from interleaved best-of-N sweeps on this Zen 5 (noisy, shared).
 
     * vector axis: S3 = whole vectors (up to 4: 64 fp32 lanes with AVX-512), else the largest divisor that
       fits one vector (a 56-wide conv row: 4 x 14 lanes, 105 GFLOP/s, vs 7 x 8 lanes 69, vs 2 x 28 lanes 7);
-    * rows axis: S3 = 16 / vectors -> 16 vector accumulators (of 32 zmm); matmuls reuse the tile twice
-      per k-block (S2 = 2); convs take 8 filters x 2 output rows so each weight broadcast feeds 2 FMAs
-      (measured 52 vs 44 GFLOP/s for 16 filters x 1 row on a 56x56x64 3x3 conv; NCHW stays load-bound);
+    * rows axis: S3 = 16 / (vectors x conv rows) -> 16 vector accumulators (of 32 zmm).  Matmuls repeat the
+      register tile 4x down the rows inside one k-block (S2 = 4) so the 64x64 B block is reused from L1
+      (1 thread, 128x768x768: 157 vs 135 GFLOP/s for S2 = 2).  Convs take 2 output rows (y) and 8 filters,
+      so each weight broadcast feeds 2 FMAs (52 vs 44 GFLOP/s for 16 filters x 1 row; NCHW stays load-bound);
     * reductions: R1 (inner) = 64 deep along ``k`` / ``rc*ry*rx`` so operand panels stay in L1;
-    * parallel: prime factors move from S1 (then S2, S3) of the outer axes to S0 until every core has work.
+    * parallel: prime factors move from S1 (then S2, S3) of the outer axes to S0 until every core has work;
+    * a conv's padding stays a separate stage (bounds checks in the inner loop cost ~10x), a pad of 0 is
+      inlined; unroll 64.
     """
     sp = space(task)
     lanes = vector_lanes(target, task.dtype)
@@ -143,7 +196,7 @@ def default_config(task: Task, target: tvm.target.Target):
             s3 = vec_s3
         elif a.role == rows:
             s3 = _largest_divisor_at_most(e, max(1, 16 // (nvec * y_s3)))
-            s2 = _largest_divisor_at_most(e // s3, 2) if task.kind != "conv2d" else 1
+            s2 = _largest_divisor_at_most(e // s3, 4) if task.kind != "conv2d" else 1
         elif task.kind == "conv2d" and a.role == "y":
             s3 = y_s3
         else:
@@ -152,6 +205,11 @@ def default_config(task: Task, target: tvm.target.Target):
     _balance_parallel(cfg, [a.role for a in task.axes if not a.reduce and a.extent > 1], num_cores(target))
     values = {f"tile_{k}": tuple(v) for k, v in cfg.items()}
     values["unroll"] = 64
+    # Dense matmuls: pack each B panel once (reversed S1 order puts the panel loop outermost).  1 thread,
+    # 128x768x3072: 66 vs 53 GFLOP/s median, neutral on 128x768x768; batch matmuls (small K) leave it.
+    dense = task.kind == "matmul"
+    values["s1_order"] = "reversed" if dense else "axis"
+    values["pack"] = "panel" if dense else "none"
     # A padding pad block has bounds checks (if_then_else) that cost ~10x inside the conv's inner loop; a
     # pad of 0 is a plain copy, better inlined.
     values["pad"] = "stage" if "if_then_else" in task.func.script() else "inline"
@@ -184,4 +242,4 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int) -> None:
                 cfg[r][0] *= p
 
 
-__all__ = ["space", "apply", "default_config", "InvalidConfig", "vector_lanes"]
+__all__ = ["space", "apply", "default_config", "InvalidConfig", "vector_lanes", "host_target"]
