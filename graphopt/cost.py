@@ -104,10 +104,16 @@ class CostModel:
         """Persist anything measured (no-op for models without a cache)."""
 
     # ---- derived -----------------------------------------------------------------------------------------
-    def node_cost(self, node: Node, graph: Graph, constants: set[str] | None = None) -> float:
+    fusion = True  # price element-wise epilogues as fused into their producer (see fused_epilogue)
+
+    def node_cost(self, node: Node, graph: Graph, constants: set[str] | None = None, index: Any = None) -> float:
+        """Seconds ``node`` adds to a run: nothing if it is folded away (``constants``) or fused into its
+        producer's kernel (needs ``index``, a :class:`graphopt.match.GraphIndex` of ``graph``)."""
         from graphopt import ops
 
         if constants is not None and foldable(node, graph, constants):
+            return 0.0
+        if self.fusion and index is not None and fused_epilogue(node, index):
             return 0.0
         view = ops.from_onnx(node, graph)
         if view is not None:
@@ -120,10 +126,42 @@ class CostModel:
         return self.opaque_cost(node, graph)
 
     def graph_cost(self, graph: Graph) -> float:
+        from graphopt.match import GraphIndex
+
         constants = constant_tensors(graph)
-        total = sum(self.node_cost(n, graph, constants) for n in graph.nodes)
+        index = GraphIndex(graph)
+        total = sum(self.node_cost(n, graph, constants, index) for n in graph.nodes)
         self.flush()
         return total
+
+
+# ---- fusion -----------------------------------------------------------------------------------------------
+
+# Both backends run an element-wise op that reads the single-use output of a conv, matmul or another
+# element-wise op inside the producer's kernel (TVM's FuseOps epilogues; onnxruntime's Conv/MatMul + Add /
+# activation fusions), so it costs (almost) nothing there.  Pricing it separately would make the search
+# blind to what a rewrite does to fusion: merging two Conv+bias+Relu branches into one conv followed by a
+# Split turns two free epilogues into real kernels, because a split output cannot be fused back.
+ELEMENTWISE_ONNX = frozenset({"Add", "Sub", "Mul", "Div", "Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Neg", "Sqrt",
+                              "Pow", "Clip", "LeakyRelu", "HardSigmoid", "Abs"})
+FUSION_ANCHORS_ONNX = frozenset({"MatMul", "Conv", "Gemm"}) | ELEMENTWISE_ONNX
+ELEMENTWISE_OPS = frozenset({"relu", "ewadd", "ewmul", "smul", "bias_add"})
+FUSION_ANCHOR_OPS = frozenset({"matmul", "bmatmul", "conv2d"}) | ELEMENTWISE_OPS
+
+
+def fused_epilogue(node: Node, index: Any) -> bool:
+    """Is ``node`` an element-wise op reading the only use of a fusable producer's output?"""
+    if node.op_type not in ELEMENTWISE_ONNX or node.domain not in ("", "ai.onnx"):
+        return False
+    for t in node.inputs:
+        prod = index.producer.get(t) if t else None
+        if prod is None:
+            continue
+        p = index.nodes[prod[0]]
+        if (p.op_type in FUSION_ANCHORS_ONNX and p.domain in ("", "ai.onnx") and t not in index.graph_outputs
+                and len(index.consumers.get(t, ())) == 1):
+            return True
+    return False
 
 
 def _itemsize(dtype: str) -> int:

@@ -102,7 +102,7 @@ def generate(max_ops: int = 3, jobs: int = 2, timeout_ms: int = 1500, progress: 
             "pruned_common_subgraph": tot("common_subgraph"),
             "pruned_common_final_op": tot("common_final_op"),
             "not_a_rule": tot("not_a_rule"),
-            "renaming_duplicates": len(candidates) - len(unique),
+            "renaming_duplicates_and_reorderings": len(candidates) - len(unique),
             "sent_to_z3": len(unique),
             "reduction_factor": round(stats["candidate_pairs"] / max(1, len(rules)), 1),
             "properties_taso": sum(1 for p in PROPERTIES if p.origin == "taso"),

@@ -20,11 +20,12 @@ from graphopt.cost import CostModel, make_cost_model
 from graphopt.errors import UserError
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
-from graphopt.rewrite import fold_constants, fuse_conv_bias, split_conv_bias
+from graphopt.rewrite import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 from graphopt.rules import LIBRARY_PATH, Rule, load_rules
 from graphopt.search import SearchResult, search
 
 TOLERANCE = 1e-4
+TARGETS = ("llvm", "cuda", "rocm")
 
 
 def library() -> list[Rule]:
@@ -44,6 +45,8 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
              tolerance: float = TOLERANCE, backend: str = "tvm", threads: int = 1) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Optimize ``model``; returns the optimized ONNX model and the stage report (see module docstring)."""
     start = time.perf_counter()
+    if target.split(":")[0] not in TARGETS:
+        raise UserError(f"unknown --target {target!r}: use one of {', '.join(TARGETS)}")
     if alpha < 1.0:
         raise UserError(f"--alpha {alpha} is below 1.0: use 1.0 (greedy) or more (1.05 as in TASO)")
     if budget < 1:
@@ -57,6 +60,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
     result: SearchResult = search(graph, rules, cost_model, alpha, budget, time_limit, progress)
     best = result.graph.copy()
     folded = fold_constants(best)
+    deduplicated = eliminate_common_subexpressions(best)
     fuse_conv_bias(best)
     optimized = export_onnx(best)
     cost_before = cost_model.graph_cost(graph)
@@ -81,6 +85,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
         "nodes_before": nodes_before,
         "nodes_after": len(best.nodes),
         "folded_nodes": folded,
+        "deduplicated_nodes": deduplicated,
         "cost_model": cost_model.name,
         "rules": len(rules),
     }

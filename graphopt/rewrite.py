@@ -45,6 +45,7 @@ class TargetNode:
     in_shapes: list[Shape]
     out_shapes: list[Shape]
     constant: bool  # computes only from weights: folded before export, so it costs nothing
+    fused: bool = False  # element-wise op on the single use of a fusable target node's output
 
 
 @dataclass
@@ -92,7 +93,7 @@ def target_plan(match: Match, index: GraphIndex, constants: set[str] | None = No
         for k, s in enumerate(outs):
             shapes[f"n{j}:{k}"] = s
             const[f"n{j}:{k}"] = is_const
-        nodes.append(TargetNode(pn.op, params, in_shapes, outs, is_const))
+        nodes.append(TargetNode(pn.op, params, in_shapes, outs, is_const, _fused_in_target(rule.dst, j)))
     for r, t in zip(rule.dst.outputs, src_outputs):
         have = graph.shape(t)
         if r not in shapes or have is None or tuple(have) != shapes[r]:
@@ -119,6 +120,25 @@ def creates_cycle(match: Match, index: GraphIndex) -> bool:
             continue
         seen.add(n)
         stack.extend(index.producer[t][0] for t in index.nodes[n].inputs if t in index.producer)
+    return False
+
+
+def _fused_in_target(pattern, j: int) -> bool:
+    """Target node ``j`` is element-wise and reads the only use of a fusable target node's output (the
+    pattern-local version of :func:`graphopt.cost.fused_epilogue`, for estimating a rewrite's cost)."""
+    from graphopt.cost import ELEMENTWISE_OPS, FUSION_ANCHOR_OPS
+
+    if pattern.nodes[j].op not in ELEMENTWISE_OPS:
+        return False
+    uses: dict[str, int] = {}
+    for pn in pattern.nodes:
+        for r in pn.inputs:
+            uses[r] = uses.get(r, 0) + 1
+    for r in pattern.nodes[j].inputs:
+        ref = _ref(r)
+        if (ref is not None and pattern.nodes[ref[0]].op in FUSION_ANCHOR_OPS and uses[r] == 1
+                and r not in pattern.outputs):
+            return True
     return False
 
 
@@ -360,3 +380,33 @@ def fuse_conv_bias(graph: Graph) -> int:
     graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in drop]
     prune(graph)
     return len(replace)
+
+
+def eliminate_common_subexpressions(graph: Graph) -> int:
+    """Merge nodes that compute the same op with the same attributes on the same inputs (rewrites applied
+    independently, e.g. one merge per RNN gate, each build their own ``concat(x0, x1)``); returns the
+    number of nodes removed.  Nodes producing graph outputs keep their names and are left alone."""
+    from graphopt.ir import _attrs_key
+
+    outputs = set(graph.output_names)
+    seen: dict[tuple, Node] = {}
+    rename: dict[str, str] = {}
+    kept: list[Node] = []
+    for n in graph.nodes:
+        if rename and any(t in rename for t in n.inputs):
+            n = Node(n.op_type, [rename.get(t, t) for t in n.inputs], list(n.outputs), n.attrs, n.name, n.domain,
+                     n.attr_types)
+        deterministic = not n.op_type.startswith("Random") and n.inputs and not any(
+            hasattr(v, "node") and hasattr(v, "initializer") for v in n.attrs.values())
+        key = (n.domain, n.op_type, _attrs_key(n.attrs), tuple(n.inputs), len(n.outputs))
+        first = seen.get(key) if deterministic else None
+        if first is not None and not any(o in outputs for o in n.outputs):
+            rename.update({o: f for o, f in zip(n.outputs, first.outputs) if o})
+            continue
+        if deterministic:
+            seen.setdefault(key, n)
+        kept.append(n)
+    removed = len(graph.nodes) - len(kept)
+    graph.nodes = kept
+    prune(graph)
+    return removed

@@ -78,7 +78,8 @@ class Searcher:
             return None
         if creates_cycle(match, state_index):
             return None
-        new = sum(self.cost.op_cost(t.op, t.params, t.in_shapes, plan.dtype) for t in plan.nodes if not t.constant)
+        new = sum(self.cost.op_cost(t.op, t.params, t.in_shapes, plan.dtype) for t in plan.nodes
+                  if not t.constant and not (self.cost.fusion and t.fused))
         return new - sum(node_cost[n] for n in match.nodes)
 
     def _priced(self, matches: list[Match], index: GraphIndex, node_cost: dict[str, float],
@@ -93,7 +94,7 @@ class Searcher:
     def root(self, graph: Graph) -> State:
         index = GraphIndex(graph, self.views)
         constants = constant_tensors(graph)
-        node_cost = {n.name: self.cost.node_cost(n, graph, constants) for n in graph.nodes}
+        node_cost = {n.name: self.cost.node_cost(n, graph, constants, index) for n in graph.nodes}
         matches = self._priced(self.rules.all_matches(index), index, node_cost, constants)
         return State(graph, index, sum(node_cost.values()), node_cost, constants, matches)
 
@@ -107,16 +108,18 @@ class Searcher:
         cost = parent.cost
         for n in rw.removed:
             cost -= node_cost.pop(n)
-        for n in rw.rewired:
-            cost -= node_cost.pop(n)
-        for n in rw.added + rw.rewired:
-            c = self.cost.node_cost(index.nodes[n], g, constants)
-            node_cost[n] = c
-            cost += c
-        # What the rewrite touched: new and rewired nodes, and the producers of every tensor they read or
-        # that lost a reader (a match previously invalid for an outside reader may now be valid).
+        # What the rewrite touched: new and rewired nodes, and every tensor they read or that lost a reader.
         changed = set(rw.added) | set(rw.rewired)
         read = {t for n in changed for t in index.nodes[n].inputs if t} | set(match.binding().values())
+        # Re-price the changed nodes and the readers of every value whose producer or readers changed
+        # (whether an element-wise reader is fused into its producer depends on both).
+        src_outputs = [match.tensor(o, parent.index) for o in match.rule.src.outputs]
+        reprice = changed | {c for t in read.union(src_outputs) for c in index.consumers.get(t, ())}
+        for n in reprice:
+            cost -= node_cost.pop(n, 0.0)
+            c = self.cost.node_cost(index.nodes[n], g, constants, index)
+            node_cost[n] = c
+            cost += c
         near = {index.producer[t][0] for t in read if t in index.producer}
         anchors = changed | near
         drop = set(rw.removed) | anchors
@@ -178,7 +181,8 @@ class Searcher:
             if state.cost < best.cost:
                 best = state
             trace.append(best.cost)
-            expand(state)
+            if state.cost < self.alpha * best.cost:  # the estimate that queued it can be off (fusion)
+                expand(state)
             if len(heap) > 2 * self.max_queue:
                 heap = heapq.nsmallest(self.max_queue, heap)
                 heapq.heapify(heap)
@@ -221,7 +225,7 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     fold weight-only subgraphs so the returned ``result.graph`` is ready to export."""
     from graphopt.cost import make_cost_model
     from graphopt.optimize import library
-    from graphopt.rewrite import fold_constants, fuse_conv_bias, split_conv_bias
+    from graphopt.rewrite import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 
     model = make_cost_model(cost, target, backend, threads) if isinstance(cost, str) else cost
     graph = graph.copy()
@@ -229,6 +233,7 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     result = search(graph, library() if rules is None else rules, model, alpha, budget, time_limit, progress)
     best = result.graph.copy()
     fold_constants(best)
+    eliminate_common_subexpressions(best)
     fuse_conv_bias(best)
     result.graph = best
     return result

@@ -13,6 +13,13 @@ import sys
 from graphopt.errors import UserError, cli_entry
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one-line UserErrors (exit 2) like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
@@ -34,7 +41,7 @@ def set_threads(threads: int | None) -> int:
 
 @cli_entry
 def optimize_model_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
+    p = _Parser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
     _common(p)
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json")
@@ -49,7 +56,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     t.add_argument("--records", metavar="FILE", help="tuning records to resume from / append to "
                                                      "(default DIR/records.jsonl)")
     t.add_argument("--rpc", metavar="HOST:PORT:KEY", help="measure on a remote device through a TVM RPC tracker")
-    t.add_argument("--skip-tune", action="store_true", help="no tuning: default schedules (+ nothing else)")
+    t.add_argument("--skip-tune", action="store_true", help="no tuning even with --trials: default schedules")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.trials < 0:
@@ -73,7 +80,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
 
 @cli_entry
 def bench_model_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench-model", description="Latency of onnxruntime vs the TVM-compiled "
+    p = _Parser(prog="bench-model", description="Latency of onnxruntime vs the TVM-compiled "
                                 "model (default schedules, + graphopt, + tuning, MetaSchedule).")
     _common(p)
     p.add_argument("--runs", type=int, default=30, help="timed runs per engine (default 30)")

@@ -10,7 +10,8 @@ the package to install rather than an error from deep inside LLVM at the end of 
 * ``cuda``: the wheel emits CUDA source compiled when the module is loaded; building works without a GPU,
   running needs a GPU and NVRTC (``cuda-bindings``) or nvcc.
 * ``rocm``: the wheel's LLVM emits AMDGPU code objects, but linking them needs ``ld.lld`` and the ROCm device
-  bitcode (``ocml``...): Debian packages ``lld`` and ``rocm-device-libs``.  The wheel's runtime cannot run
+  bitcode (``ocml``...): Debian packages ``lld-19`` (older lld rejects the code-object ABI version TVM's
+  LLVM emits) and ``rocm-device-libs``.  The wheel's runtime cannot run
   ROCm code (built without ROCm), so running or tuning needs a ROCm-enabled TVM runtime, e.g. over RPC.
 """
 from __future__ import annotations
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
 KINDS = ("llvm", "cuda", "rocm")
 DEFAULT_CUDA_ARCH = "sm_80"
 DEFAULT_ROCM_ARCH = "gfx942"
-ROCM_INSTALL_HINT = "apt-get install lld rocm-device-libs"
+ROCM_INSTALL_HINT = "apt-get install lld-19 rocm-device-libs"
+# Debian's default lld (14) rejects the code-object ABI version TVM 0.27's LLVM emits ("unknown abi
+# version"); lld 19 links it (checked with lld-19 19.1 on bookworm).
+MIN_LLD = 19
 
 # Where Debian and ROCm installs put the device bitcode (ocml.bc, oclc_*.bc); TVM looks under
 # $ROCM_PATH/amdgcn/bitcode, so the directory two levels up is what ROCM_PATH must name.
@@ -112,16 +116,28 @@ def rocm_bitcode_dir() -> str | None:
     return None
 
 
+def lld_version(path: str) -> int:
+    """Major version of an ``ld.lld`` binary (0 when it cannot be told)."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    m = re.search(r"LLD (\d+)", out)
+    return int(m.group(1)) if m else 0
+
+
 def find_lld() -> str | None:
-    """The newest ``ld.lld`` not newer than TVM's LLVM: an old lld (Debian's default 14) rejects the code
-    object ABI version that TVM's LLVM emits ("unknown abi version")."""
+    """The newest ``ld.lld`` (version >= MIN_LLD, not newer than TVM's LLVM) on this machine."""
     from tvm.target import codegen
 
     major = int(codegen.llvm_version_major())
-    names = [f"ld.lld-{v}" for v in range(major, 13, -1)] + ["ld.lld", "/opt/rocm/llvm/bin/ld.lld"]
+    names = [f"ld.lld-{v}" for v in range(major, MIN_LLD - 1, -1)] + ["ld.lld", "/opt/rocm/llvm/bin/ld.lld"]
     for name in names:
         path = shutil.which(name)
-        if path:
+        if path and lld_version(path) >= MIN_LLD:
             return path
     return None
 
@@ -149,7 +165,7 @@ def _rocm_spec(arch: str | None) -> TargetSpec:
     missing = []
     lld = find_lld()
     if lld is None:
-        missing.append("ld.lld (package lld)")
+        missing.append(f"ld.lld {MIN_LLD} or newer (package lld-{MIN_LLD})")
     bitcode = rocm_bitcode_dir()
     if bitcode is None:
         missing.append("the ROCm device bitcode ocml.bc (package rocm-device-libs)")

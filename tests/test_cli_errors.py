@@ -77,3 +77,8 @@ def test_unsupported_dtype(files, tmp_path):
 def test_unknown_model_name(tmp_path):
     assert_user_error(run([sys.executable, "-m", "models", "build", "bert-huge", "-o", str(tmp_path / "m.onnx")]),
                       "bert-huge")
+
+
+def test_bad_option_is_one_line(tmp_path):
+    assert_user_error(run([str(BIN / "optimize-model"), str(BERT_TINY), "-o", str(tmp_path), "--scheduler", "fifo"]),
+                      "scheduler")

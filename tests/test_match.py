@@ -207,3 +207,22 @@ def test_disconnected_source_patterns_are_not_matched():
     assert not connected(pair)
     assert connected(merge_matmul(2).src) and connected(merge_bias(2).src)
     assert RuleIndex([Rule("pair", pair, pair, True), merge_matmul(2)]).skipped == 1
+
+
+def test_common_subexpressions_are_merged_once():
+    from graphopt.rewrite import eliminate_common_subexpressions
+
+    b = GraphBuilder("cse", seed=8)
+    x, y = b.input("x", (2, 4)), b.input("y", (2, 4))
+    c1 = b.op("Concat", [x, y], "c1", axis=0)
+    c2 = b.op("Concat", [x, y], "c2", axis=0)
+    c3 = b.op("Concat", [x, y], "c3", axis=0, out="out2")
+    b.op("Add", [b.op("Relu", [c1], "r1"), b.op("Relu", [c2], "r2")], "add", out="out")
+    b.output("out", (4, 4))
+    b.output("out2", (4, 4))
+    proto = b.model()
+    g = import_onnx(proto)
+    assert eliminate_common_subexpressions(g) == 2  # c2 and then r2 (now reading c1); c3 is a graph output
+    assert [n.op_type for n in g.nodes].count("Concat") == 2
+    feeds = random_inputs(g)
+    assert max_abs_err(run_ort(proto, feeds), run_ort(export_onnx(g), feeds)) == 0.0

@@ -101,7 +101,7 @@ def test_rocm_builds_an_amdgpu_code_object_or_names_what_to_install(tmp_path):
     from pipeline.targets import find_lld, parse_target, rocm_bitcode_dir
 
     if not (find_lld() and rocm_bitcode_dir()):
-        with pytest.raises(UserError, match="apt-get install lld rocm-device-libs"):
+        with pytest.raises(UserError, match="apt-get install lld-19 rocm-device-libs"):
             parse_target("rocm")
         return
     spec = parse_target("rocm")

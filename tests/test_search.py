@@ -24,6 +24,7 @@ class LaunchCost(CostModel):
     costs 0.1 whatever its size."""
 
     name = "launch"
+    fusion = False
 
     def __init__(self, single: float = 1.0, pair: float = 2.05, triple: float = 2.5, unit: int = 16):
         self.table = {1: single, 2: pair, 3: triple}
@@ -156,3 +157,41 @@ def test_rules_also_apply_right_to_left():
     both = Searcher([merge_matmul(2), distribute], cost, budget=100).run(g)
     assert "distribute_bias~rev" not in one_way.applied
     assert both.applied.get("distribute_bias~rev") == 2 and both.cost_after < one_way.cost_after
+
+
+def test_incremental_costs_equal_full_repricing_with_fusion():
+    """Children re-price only around the rewrite; with fusion-aware pricing that must still equal pricing
+    the whole child graph from scratch."""
+    g = import_onnx(build_bert(TINY_BERT, 0, "tiny"))
+    cm = AnalyticCost(peak_flops=1e11, bandwidth=1e10)
+    s = Searcher([merge_matmul(3), merge_bias(3)], cm)
+    state = s.root(g)
+    rnd = random.Random(1)
+    for _ in range(5):
+        state = s.child(state, rnd.choice(state.matches)[0])
+        ix = GraphIndex(state.graph)
+        consts = constant_tensors(state.graph)
+        full = {n.name: cm.node_cost(n, state.graph, consts, ix) for n in state.graph.nodes}
+        assert state.node_cost == pytest.approx(full)
+        assert state.cost == pytest.approx(sum(full.values()))
+
+
+def test_fusion_aware_cost_charges_epilogues_that_lose_their_producer():
+    """Bias adds after matmuls are fused (free); after a merge they read a Split output and cost again,
+    which is why merging does not pay on a backend that fuses epilogues unless the matmul gets cheaper."""
+    from graphopt.match import find_matches
+    from graphopt.rewrite import apply_match
+
+    g = import_onnx(three_projections())
+    cm = AnalyticCost(peak_flops=1e11, bandwidth=1e10)
+    ix = GraphIndex(g)
+    adds = {n.name for n in g.nodes if n.name.endswith(("add0", "add1", "add2"))}
+    assert len(adds) == 3 and all(cm.node_cost(ix.nodes[n], g, None, ix) == 0.0 for n in adds)
+    m = next(m for m in find_matches(ix, merge_matmul(2)) if m.nodes[0].endswith("mm0") and m.nodes[1].endswith("mm1"))
+    g2 = apply_match(m, ix).graph
+    ix2 = GraphIndex(g2)
+    priced = {n: cm.node_cost(ix2.nodes[n], g2, None, ix2) for n in adds}
+    assert priced[next(n for n in adds if n.endswith("add2"))] == 0.0  # still after its own matmul
+    assert sum(v > 0 for v in priced.values()) == 2
+    res = search(g, [merge_matmul(2)], cm, alpha=1.0, budget=20)
+    assert res.applied == {} and res.cost_after == res.cost_before

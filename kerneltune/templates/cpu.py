@@ -129,7 +129,20 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
             # j are contiguous instead of strided gathers.
             sch.transform_layout(packed, ("write", 0), lambda *idx: (*idx[:-2], idx[-1], idx[-2]))
         sch.compute_at(packed, s[1][0])
-        sch.vectorize(sch.get_loops(packed)[-1])
+        loops = sch.get_loops(packed)
+        import os
+        v = os.environ.get("KT_TB", "a")
+        if task.dims.get("tb") and v == "b":
+            sch.reorder(loops[-1], loops[-2])
+        elif task.dims.get("tb") and v == "c":
+            sch.reorder(loops[-1], loops[-2])
+            sch.vectorize(loops[-2])
+        elif task.dims.get("tb") and v == "d":
+            ko, ki = sch.split(loops[-1], [None, 16])
+            sch.reorder(ko, loops[-2], ki)
+            sch.unroll(ki)
+        else:
+            sch.vectorize(loops[-1])
     sch.reverse_compute_at(p.writeback, s[1][-1])
     sch.vectorize(sch.get_loops(p.writeback)[-1])
     sch.decompose_reduction(p.anchor, r[0][0])
