@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=1000)
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tvm", action="store_true", help="also compile and time both models with TVM")
     p.add_argument("--json", default="bench/results/graphopt_models.json")

@@ -12,7 +12,14 @@ that make sense on them.  A depth-first search adds one operator at a time up to
 * split follows TASO's split-tree semantics: a tensor may only be split along an axis where a concat put a
   boundary, and the split sizes are the symbolic dims (``"x1.0"``) of the concatenated tensors, tracked
   through the operators that preserve that axis;
-* enlarge and the constants only apply to domain inputs (TASO's restriction against junk rules).
+* enlarge and the constants only apply to domain inputs (TASO's restriction against junk rules);
+* binary data ops never read one tensor twice (the rule over two inputs also covers that case), images
+  and kernels keep their roles (a 4x4x3x3 kernel is never convolved as an image: identities that only hold
+  for such tiny shapes would follow), and a graph that recomputes a value it already has inside (e.g.
+  ``matmul(transpose(transpose(x)), y)``) is cut: its rules follow from the collapsing rule plus a smaller one;
+* a two-output graph must share an ancestor between its outputs, and a two-output pair only becomes a
+  rule when one side shares work between the outputs (that side is the target: TASO's "merge two matmuls");
+  otherwise it is just two single-output rules.
 
 A graph's outputs are the tensors no other op of the graph consumes (at most two are kept: single- and
 two-output rules).  Its fingerprint is a symmetric hash over the hashes (shape + int64 contents, see
@@ -109,6 +116,14 @@ def default_domains() -> list[Domain]:
                               DomainInput("s", ())),
                tuple(_conv_variants(strides=((1, 1),)) + [_v("relu"), _v("ewadd"), _v("ewmul"), _v("smul")]
                      + pools + split_concat), BIG),
+        # conv biases as the search sees them (Conv(x, w, b) -> conv2d + bias_add of a [C,1,1] bias); t is the
+        # output of two merged convs (split tree on channels) so their bias adds can be merged too
+        Domain("conv-bias", (DomainInput("x", img, role="img"), DomainInput("w", k3, role="kernel"),
+                             DomainInput("b", (4, 1, 1)), DomainInput("d", (4, 1, 1)),
+                             DomainInput("t", (2, 8, 5, 5), tree=(1, ("b", 0), ("d", 0)), role="img")),
+               tuple(_conv_variants(strides=((1, 1),), pads=("SAME",)) + [
+                   _v("bias_add"), _v("relu"), _v("concat", axis=0), _v("concat", axis=1), _v("split", axis=1)]),
+               BIG),
         # transformer projections: [B,S,H] activation, [H,H] weights, [H] biases; t is a concat of two
         # H-wide projections (split tree on its last axis) so bias adds can be merged across a split
         Domain("linear", (DomainInput("x", (2, 3, 4)), DomainInput("w", (4, 4)), DomainInput("v", (4, 4)),
@@ -526,7 +541,8 @@ def _anon_term(en: Enumeration, t: str) -> str:
 
 
 def _shares_work(en: Enumeration, graph) -> bool:
-    """True when some op of a two-output graph is an ancestor of both outputs."""
+    """True when some op of a two-output graph, other than the split that separates them, is an ancestor of
+    both outputs: (split -> bias_add, bias_add) shares nothing, split(bias_add(t, concat(b, d))) does."""
     def ancestors(t: str) -> set[str]:
         seen, stack = set(), [t]
         while stack:
@@ -536,7 +552,7 @@ def _shares_work(en: Enumeration, graph) -> bool:
                 stack.extend(en.apps[x.op_key].inputs)
         return seen
     a, b = graph[1]
-    return bool(ancestors(a) & ancestors(b))
+    return any(en.apps[k].op != "split" for k in ancestors(a) & ancestors(b))
 
 
 def _make_rule(en: Enumeration, g1, g2):

@@ -87,6 +87,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
         "folded_nodes": folded,
         "deduplicated_nodes": deduplicated,
         "cost_model": cost_model.name,
+        "root_candidates": result.root_candidates,
         "rules": len(rules),
     }
     return optimized, report

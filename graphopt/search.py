@@ -12,7 +12,15 @@ Two things make it fast enough for BERT-base (~1000 nodes, hundreds of matches p
   parent's cost plus the rewrite's cost delta (target nodes priced from inferred shapes minus the matched
   nodes' costs) - only dequeued entries are built, copied and hashed;
 * *incremental matching*: a child inherits its parent's matches except those touching what the rewrite
-  changed, and re-matches only around the changed nodes (:meth:`RuleIndex.matches_around`).
+  changed, and re-matches only around the changed nodes (:meth:`RuleIndex.matches_around`); costs are
+  re-priced only for the changed nodes and the readers of values whose producer or readers changed;
+* matches whose target would read a value computed from the matched nodes (a cycle) are dropped when they
+  are priced, by a backward walk over the few nodes after the match, instead of being built and sorted.
+
+Beyond TASO: verified rules are also applied right to left (an equivalence holds both ways; see
+:func:`graphopt.match.with_reverses`), and the cost model prices element-wise epilogues as fused into their
+producer (:func:`graphopt.cost.fused_epilogue`), which is what both backends do and what decides whether a
+merge that puts a ``Split`` between a kernel and its epilogue pays.
 """
 from __future__ import annotations
 
@@ -54,6 +62,9 @@ class SearchResult:
     seconds: float
     stopped_by: str
     trace: list[float] = field(default_factory=list)  # best cost after each dequeue
+    # the cheapest way to apply each rule on the input graph and what it would change the cost by: the
+    # record of why a substitution (e.g. BERT's Q/K/V merge) was not taken on this target
+    root_candidates: list[dict] = field(default_factory=list)
 
 
 class Searcher:
@@ -195,7 +206,18 @@ class Searcher:
         return SearchResult(
             graph=best.graph, cost_before=root.cost, cost_after=best.cost, applied=dict(Counter(best.path)),
             path=list(best.path), graphs_explored=explored + 1, dequeued=dequeued,
-            seconds=time.perf_counter() - start, stopped_by=stopped_by, trace=trace)
+            seconds=time.perf_counter() - start, stopped_by=stopped_by, trace=trace,
+            root_candidates=_best_per_rule(root))
+
+
+def _best_per_rule(state: State, limit: int = 8) -> list[dict]:
+    best: dict[str, tuple[float, Match]] = {}
+    for m, d in state.matches:
+        if m.rule.name not in best or d < best[m.rule.name][0]:
+            best[m.rule.name] = (d, m)
+    ranked = sorted(best.items(), key=lambda kv: kv[1][0])[:limit]
+    return [{"rule": name, "delta_s": d, "rendered": m.rule.render(), "nodes": list(m.nodes)}
+            for name, (d, m) in ranked]
 
 
 def _derive_constants(parent: State, rw: Rewrite, index: GraphIndex) -> set[str]:

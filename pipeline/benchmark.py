@@ -66,13 +66,20 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int = 3) -> dict[str, Timing]:
-    """Time each engine ``runs`` times, alternating between them after ``warmup`` untimed rounds."""
+    """Time each engine ``runs`` times, alternating between them after ``warmup`` untimed rounds.
+
+    Each timed run follows one untimed run of the same engine: a thread pool that just served another
+    engine is cold (TVM's idle workers sleep), and whichever engine came right after onnxruntime measured
+    2-5x slower than the same build placed after another TVM engine.  Priming gives every engine the
+    steady state of back-to-back inference.
+    """
     for _ in range(warmup):
         for fn in engines.values():
             fn()
     samples: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(runs):
         for name, fn in engines.items():
+            fn()
             samples[name].append(_timed(fn))
     return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
 

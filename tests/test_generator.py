@@ -5,7 +5,6 @@ import json
 import time
 
 import numpy as np
-import pytest
 
 from graphopt import generator as G
 from graphopt import prune

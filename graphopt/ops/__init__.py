@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -14,7 +14,7 @@ import numpy as np
 from graphopt.ops.base import OpSpec, check
 from graphopt.ops.onnx_util import const, dtype_of, intermediate, node, static_shape
 
-from graphopt.ops.base import ACT_CODES as ACTS, PAD_CODES as PADS
+from graphopt.ops.base import ACT_CODES as ACTS
 
 
 def same_pads(pad: str, kh: int, kw: int) -> tuple[int, int]:
