@@ -47,6 +47,12 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["tvm", "ort"], default="tvm",
                    help="what runs the timed operators: TVM with the pipeline's schedules, or onnxruntime")
     p.add_argument("--threads", type=int, default=1, help="threads for the timed operators")
+    p.add_argument("--no-e2e-check", action="store_true",
+                   help="keep the search's graph without timing both whole models (with --cost analytic nothing "
+                        "is timed anyway)")
+    p.add_argument("--e2e-margin", type=float, default=0.02,
+                   help="keep the optimized graph only if it runs at least this fraction faster end to end")
+    p.add_argument("--e2e-runs", type=int, default=20, help="interleaved runs per model for the end-to-end check")
     p.add_argument("--json", help="also write the report as JSON to this file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
@@ -61,7 +67,8 @@ def _run_optimize(args: argparse.Namespace) -> int:
     _, report = optimize(args.model, args.output, target=args.target, alpha=args.alpha, budget=args.budget,
                          time_limit=args.time_limit, cost=args.cost,
                          input_shapes=parse_input_shapes(args.input_shape), seed=args.seed,
-                         progress=not args.no_progress, backend=args.backend, threads=args.threads)
+                         progress=not args.no_progress, backend=args.backend, threads=args.threads,
+                         e2e_check=not args.no_e2e_check, e2e_margin=args.e2e_margin, e2e_runs=args.e2e_runs)
     text = json.dumps(report)
     print(text)
     if args.json:

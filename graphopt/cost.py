@@ -27,7 +27,8 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -102,6 +103,11 @@ class CostModel:
 
     def flush(self) -> None:
         """Persist anything measured (no-op for models without a cache)."""
+
+    def time_models(self, graphs: Sequence[Graph], runs: int = 20) -> ModelTimes | None:
+        """Seconds per end-to-end run of each whole graph, timed with the engine this model prices for;
+        ``None`` when the model measures nothing (analytic), so the caller cannot check its predictions."""
+        return None
 
     # ---- derived -----------------------------------------------------------------------------------------
     fusion = True  # price element-wise epilogues as fused into their producer (see fused_epilogue)
@@ -424,10 +430,10 @@ class MeasuredCost(CostModel):
     def _run_time(self, graph: Graph) -> float:
         if self.backend == "tvm":
             try:
-                return self._tvm_run_time(graph)
+                return _best_time(self._tvm_runner(graph))
             except Exception:  # noqa: BLE001 - an op TVM cannot build alone is still priced, by onnxruntime
                 pass
-        return self._ort_run_time(graph)
+        return _best_time(self._ort_runner(graph))
 
     @staticmethod
     def _feeds(graph: Graph) -> dict[str, np.ndarray]:
@@ -441,15 +447,17 @@ class MeasuredCost(CostModel):
                 feeds[i.name] = np.zeros(i.shape, dtype=dt)  # valid index / mask for any gather-like op
         return feeds
 
-    def _ort_run_time(self, graph: Graph) -> float:
+    def _ort_runner(self, graph: Graph) -> Callable[[], object]:
+        """One call of ``graph`` in an onnxruntime session with this model's thread count."""
         from graphopt.feeds import ort_session
         from graphopt.onnx_io import export_onnx
 
         sess = ort_session(export_onnx(graph, check=False), threads=self.threads)
         feeds = self._feeds(graph)
-        return _best_time(lambda: sess.run(None, feeds))
+        return lambda: sess.run(None, feeds)
 
-    def _tvm_run_time(self, graph: Graph) -> float:
+    def _tvm_runner(self, graph: Graph) -> Callable[[], object]:
+        """One synchronised call of ``graph`` compiled by the pipeline (import, partition, default schedules)."""
         os.environ.setdefault("TVM_NUM_THREADS", str(self.threads))
         from graphopt.onnx_io import export_onnx
         from pipeline.compile import compile_partition, device_for, to_device
@@ -469,9 +477,21 @@ class MeasuredCost(CostModel):
             main(*args)
             dev.sync()
 
-        return _best_time(once)
+        return once
 
-
+    def time_models(self, graphs: Sequence[Graph], runs: int = 20) -> ModelTimes:
+        """Whole models, timed with this model's backend; if TVM cannot build one of them, all of them are
+        timed in onnxruntime, so the comparison is always between like and like."""
+        backend = self.backend
+        runners: list[Callable[[], object]] = []
+        if backend == "tvm":
+            try:
+                runners = [self._tvm_runner(g) for g in graphs]
+            except Exception:  # noqa: BLE001 - fall back to the engine that runs every ONNX model
+                backend, runners = "ort", []
+        if not runners:
+            runners = [self._ort_runner(g) for g in graphs]
+        return ModelTimes(interleaved_medians(runners, runs), backend)
 
     def _time(self, graph: Graph) -> float:
         if self._baseline is None:
@@ -483,6 +503,29 @@ class MeasuredCost(CostModel):
                 self._dirty = True
             self._baseline = self._cache[key]
         return max(self._run_time(graph) - self._baseline, 0.0) + LAUNCH_OVERHEAD_S
+
+
+@dataclass
+class ModelTimes:
+    """Median seconds per run of each timed model, in the order given, and the engine that ran them."""
+
+    seconds: list[float]
+    backend: str
+
+
+def interleaved_medians(runners: Sequence[Callable[[], object]], runs: int = 20, warmup: int = 2) -> list[float]:
+    """Median seconds per call of each runner, alternating between them call by call so that machine noise
+    (other processes, frequency changes) hits every model alike."""
+    for _ in range(warmup):
+        for run in runners:
+            run()
+    samples: list[list[float]] = [[] for _ in runners]
+    for _ in range(max(1, runs)):
+        for run, out in zip(runners, samples):
+            t = time.perf_counter()
+            run()
+            out.append(time.perf_counter() - t)
+    return [float(np.median(s)) for s in samples]
 
 
 def _best_time(run) -> float:

@@ -6,17 +6,26 @@ rules are written in) and fused back afterwards, so the exported model keeps ONN
 Only the verified rule library (:func:`graphopt.rules.load_rules`) is used by default; every result is
 checked by running the input and the output model in onnxruntime on the same seeded random inputs, so a
 wrong rewrite shows up as ``outputs_equal: false`` rather than as a silently different model.
+
+The search adds up per-operator timings, which cannot see how the backend fuses and schedules the merged
+kernels (an Inception block whose 1x1 convs were merged is cheaper by that sum but slower end to end in both
+onnxruntime and TVM).  So when a substitution was applied and the cost model measures (``time_models``),
+the whole input and the whole candidate are timed with the same engine, interleaved, and the candidate is
+kept only if it is at least ``e2e_margin`` faster; otherwise the input graph is handed back unchanged
+(:func:`check_end_to_end`).
 """
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
 from graphopt.cost import CostModel, make_cost_model
+from graphopt.ir import Graph
 from graphopt.errors import UserError
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
@@ -26,6 +35,48 @@ from graphopt.search import SearchResult, search
 
 TOLERANCE = 1e-4
 TARGETS = ("llvm", "cuda", "rocm")
+E2E_MARGIN = 0.02  # the candidate must be this much faster end to end, beyond timing noise, to be kept
+E2E_RUNS = 20
+
+
+@dataclass
+class E2ECheck:
+    """The end-to-end verdict on a search result: which graph is handed back, and why."""
+
+    kept: str  # "optimized" or "original"
+    status: str  # "measured", "disabled", or "skipped: <reason>"
+    margin: float
+    ms_before: float | None = None
+    ms_after: float | None = None
+    backend: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {"kept": self.kept, "e2e_check": self.status, "e2e_ms_before": self.ms_before,
+                "e2e_ms_after": self.ms_after, "e2e_backend": self.backend, "e2e_margin": self.margin}
+
+
+def check_margin(margin: float) -> None:
+    if not 0.0 <= margin < 1.0:
+        raise UserError(f"--e2e-margin {margin} must be a fraction in [0, 1), e.g. 0.02 for 2%")
+
+
+def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, applied: dict[str, int],
+                     enabled: bool = True, margin: float = E2E_MARGIN, runs: int = E2E_RUNS) -> E2ECheck:
+    """Time both whole graphs with the cost model's engine and keep ``candidate`` only if it is faster by
+    ``margin`` (a fraction of the original's time).  Nothing is timed when the check is disabled, when no
+    substitution was applied (folding alone never slows a model down), or when the cost model measures
+    nothing (analytic): then the candidate is kept, and ``status`` says the check was not made."""
+    check_margin(margin)
+    if not enabled:
+        return E2ECheck("optimized", "disabled", margin)
+    if not any(applied.values()):
+        return E2ECheck("optimized", "skipped: no substitution applied", margin)
+    times = cost_model.time_models([original, candidate], runs)
+    if times is None:
+        return E2ECheck("optimized", f"skipped: the {cost_model.name} cost model measures nothing", margin)
+    before, after = times.seconds
+    kept = "optimized" if after <= before * (1.0 - margin) else "original"
+    return E2ECheck(kept, "measured", margin, before * 1e3, after * 1e3, times.backend)
 
 
 def library() -> list[Rule]:
@@ -42,8 +93,13 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
              target: str = "llvm", alpha: float = 1.05, budget: int = 1000, time_limit: float = 60.0,
              cost: str | CostModel = "measured", input_shapes: InputShapes | None = None,
              rules: list[Rule] | None = None, seed: int = 0, progress: bool = False,
-             tolerance: float = TOLERANCE, backend: str = "tvm", threads: int = 1) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """Optimize ``model``; returns the optimized ONNX model and the stage report (see module docstring)."""
+             tolerance: float = TOLERANCE, backend: str = "tvm", threads: int = 1, e2e_check: bool = True,
+             e2e_margin: float = E2E_MARGIN, e2e_runs: int = E2E_RUNS) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Optimize ``model``; returns the optimized ONNX model and the stage report (see module docstring).
+
+    When the end-to-end check rejects the search's graph, the input model itself is returned (and written),
+    ``applied`` is empty and ``cost_after`` equals ``cost_before``; ``candidate_applied`` and
+    ``candidate_cost_after`` still say what the search had found."""
     start = time.perf_counter()
     if target.split(":")[0] not in TARGETS:
         raise UserError(f"unknown --target {target!r}: use one of {', '.join(TARGETS)}")
@@ -51,9 +107,11 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
         raise UserError(f"--alpha {alpha} is below 1.0: use 1.0 (greedy) or more (1.05 as in TASO)")
     if budget < 1:
         raise UserError(f"--budget {budget} must be at least 1")
+    check_margin(e2e_margin)
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
     graph = import_onnx(proto, input_shapes)
     nodes_before = len(graph.nodes)
+    original = graph.copy()
     split_conv_bias(graph)
     cost_model = make_cost_model(cost, target, backend, threads) if isinstance(cost, str) else cost
     rules = library() if rules is None else rules
@@ -62,11 +120,15 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
     folded = fold_constants(best)
     deduplicated = eliminate_common_subexpressions(best)
     fuse_conv_bias(best)
-    optimized = export_onnx(best)
     cost_before = cost_model.graph_cost(graph)
     canonical = best.copy()
     split_conv_bias(canonical)  # priced in the form the search saw, like cost_before
-    cost_after = cost_model.graph_cost(canonical)
+    candidate_cost = cost_model.graph_cost(canonical)
+    check = check_end_to_end(original, best, cost_model, result.applied, e2e_check, e2e_margin, e2e_runs)
+    if check.kept == "optimized":
+        optimized, cost_after, applied, nodes_after = export_onnx(best), candidate_cost, result.applied, len(best.nodes)
+    else:
+        optimized, cost_after, applied, nodes_after = proto, cost_before, {}, nodes_before
     feeds = random_inputs(graph, seed)
     err = max_abs_err(run_ort(proto, feeds), run_ort(optimized, feeds))
     if output is not None:
@@ -75,7 +137,10 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
     report = {
         "cost_before": cost_before,
         "cost_after": cost_after,
-        "applied": result.applied,
+        "applied": applied,
+        **check.report(),
+        "candidate_applied": result.applied,
+        "candidate_cost_after": candidate_cost,
         "graphs_explored": result.graphs_explored,
         "seconds": time.perf_counter() - start,
         "search_seconds": result.seconds,
@@ -83,7 +148,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
         "max_abs_err": err,
         "outputs_equal": err <= tolerance,
         "nodes_before": nodes_before,
-        "nodes_after": len(best.nodes),
+        "nodes_after": nodes_after,
         "folded_nodes": folded,
         "deduplicated_nodes": deduplicated,
         "cost_model": cost_model.name,

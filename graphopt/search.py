@@ -65,6 +65,9 @@ class SearchResult:
     # the cheapest way to apply each rule on the input graph and what it would change the cost by: the
     # record of why a substitution (e.g. BERT's Q/K/V merge) was not taken on this target
     root_candidates: list[dict] = field(default_factory=list)
+    # graphopt.optimize.optimize / search.optimize only: the end-to-end check's verdict (E2ECheck.report())
+    # and, when it handed the input back, what the search had found
+    e2e: dict = field(default_factory=dict)
 
 
 class Searcher:
@@ -242,14 +245,22 @@ def search(graph: Graph, rules: list[Rule], cost: CostModel, alpha: float = 1.05
 
 def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measured", alpha: float = 1.05,
              budget: int = 1000, time_limit: float = 60.0, rules: list[Rule] | None = None,
-             backend: str = "tvm", threads: int = 1, progress: bool = False) -> SearchResult:
+             backend: str = "tvm", threads: int = 1, progress: bool = False, e2e_check: bool = True,
+             e2e_margin: float | None = None, e2e_runs: int | None = None) -> SearchResult:
     """Graph in, graph out (the pipeline's graph stage): search with the shipped verified library, then
-    fold weight-only subgraphs so the returned ``result.graph`` is ready to export."""
+    fold weight-only subgraphs so the returned ``result.graph`` is ready to export.
+
+    The result then goes through :func:`graphopt.optimize.check_end_to_end`: if it is not measurably faster
+    end to end, ``result.graph`` is a copy of the input, ``applied`` is empty, ``cost_after == cost_before``,
+    and ``result.e2e`` holds both timings and what the search had applied."""
     from graphopt.cost import make_cost_model
-    from graphopt.optimize import library
+    from graphopt.optimize import E2E_MARGIN, E2E_RUNS, check_end_to_end, check_margin, library
     from graphopt.rewrite import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 
+    margin = E2E_MARGIN if e2e_margin is None else e2e_margin
+    check_margin(margin)
     model = make_cost_model(cost, target, backend, threads) if isinstance(cost, str) else cost
+    original = graph.copy()
     graph = graph.copy()
     split_conv_bias(graph)
     result = search(graph, library() if rules is None else rules, model, alpha, budget, time_limit, progress)
@@ -257,5 +268,12 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     fold_constants(best)
     eliminate_common_subexpressions(best)
     fuse_conv_bias(best)
-    result.graph = best
+    check = check_end_to_end(original, best, model, result.applied, e2e_check, margin,
+                             E2E_RUNS if e2e_runs is None else e2e_runs)
+    result.e2e = check.report()
+    if check.kept == "optimized":
+        result.graph = best
+    else:
+        result.e2e.update(candidate_applied=result.applied, candidate_cost_after=result.cost_after)
+        result.graph, result.applied, result.cost_after = original, {}, result.cost_before
     return result

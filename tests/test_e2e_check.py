@@ -1,0 +1,128 @@
+"""The graph stage's end-to-end guard: a search result that is not measurably faster as a whole model than
+the input is rejected, and the input handed back unchanged (graphopt.optimize.check_end_to_end)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from graphopt.cli import main
+from graphopt.cost import AnalyticCost, MeasuredCost, ModelTimes, interleaved_medians
+from graphopt.errors import UserError
+from graphopt.onnx_io import import_onnx
+from graphopt.optimize import check_end_to_end, optimize
+from graphopt.search import optimize as graph_stage
+from models.builder import GraphBuilder
+from test_match import merge_bias, merge_matmul, three_projections
+from test_search import LaunchCost
+
+HAND = [merge_matmul(2), merge_matmul(3), merge_bias(2), merge_bias(3)]
+
+
+class TimedLaunchCost(LaunchCost):
+    """LaunchCost (under which merging the three projections pays) whose whole-model "timings" are given:
+    stands in for a backend on which the merged graph fuses worse than the per-operator sum predicts."""
+
+    def __init__(self, before_ms: float, after_ms: float):
+        super().__init__(1.0, 1.5, 2.0)
+        self.ms = (before_ms, after_ms)
+        self.timed: list[list[int]] = []  # MatMul count of each graph timed, per call
+
+    def time_models(self, graphs, runs=20):
+        self.timed.append([sum(n.op_type == "MatMul" for n in g.nodes) for g in graphs])
+        return ModelTimes([self.ms[0] / 1e3, self.ms[1] / 1e3], "fake")
+
+
+def _matmuls(model: onnx.ModelProto) -> int:
+    return sum(n.op_type == "MatMul" for n in model.graph.node)
+
+
+def test_slower_end_to_end_hands_back_the_input():
+    proto = three_projections()
+    cost = TimedLaunchCost(before_ms=1.0, after_ms=1.1)
+    out, rep = optimize(proto, cost=cost, rules=HAND, budget=60)
+    assert cost.timed == [[3, 1]]  # the input and the merged candidate, in that order
+    assert rep["candidate_applied"] and rep["candidate_cost_after"] < rep["cost_before"]
+    assert out is proto and _matmuls(out) == 3
+    assert rep["kept"] == "original" and rep["applied"] == {} and rep["cost_after"] == rep["cost_before"]
+    assert rep["e2e_check"] == "measured" and (rep["e2e_ms_before"], rep["e2e_ms_after"]) == (1.0, 1.1)
+    assert rep["outputs_equal"] and rep["nodes_after"] == rep["nodes_before"]
+
+
+def test_faster_end_to_end_keeps_the_optimized_graph():
+    proto = three_projections()
+    out, rep = optimize(proto, cost=TimedLaunchCost(1.0, 0.8), rules=HAND, budget=60)
+    assert rep["kept"] == "optimized" and rep["applied"] == rep["candidate_applied"] != {}
+    assert _matmuls(out) == 1 and rep["outputs_equal"]
+
+
+def test_a_gain_inside_the_margin_is_not_enough():
+    proto = three_projections()
+    _, rep = optimize(proto, cost=TimedLaunchCost(1.0, 0.99), rules=HAND, budget=60)
+    assert rep["kept"] == "original"
+    _, rep = optimize(proto, cost=TimedLaunchCost(1.0, 0.99), rules=HAND, budget=60, e2e_margin=0.0)
+    assert rep["kept"] == "optimized"
+    with pytest.raises(UserError):
+        optimize(proto, cost=TimedLaunchCost(1.0, 0.99), rules=HAND, e2e_margin=1.5)
+
+
+def test_disabled_check_times_nothing():
+    cost = TimedLaunchCost(1.0, 2.0)
+    out, rep = optimize(three_projections(), cost=cost, rules=HAND, budget=60, e2e_check=False)
+    assert cost.timed == [] and rep["e2e_check"] == "disabled" and rep["kept"] == "optimized"
+    assert _matmuls(out) == 1 and rep["e2e_ms_before"] is None
+
+
+def test_pipeline_entry_point_is_guarded_too():
+    """``graphopt.search.optimize`` (what pipeline/ calls) hands back the input graph when it is slower."""
+    g = import_onnx(three_projections())
+    res = graph_stage(g, cost=TimedLaunchCost(1.0, 1.2), rules=HAND, budget=60)
+    assert res.applied == {} and res.cost_after == res.cost_before
+    assert [n.op_type for n in res.graph.nodes] == [n.op_type for n in g.nodes]
+    assert res.e2e["kept"] == "original" and res.e2e["candidate_applied"]
+    res = graph_stage(g, cost=TimedLaunchCost(1.0, 0.5), rules=HAND, budget=60)
+    assert res.e2e["kept"] == "optimized" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == 1
+
+
+def test_analytic_cost_model_skips_the_check_and_says_so():
+    g = import_onnx(three_projections())
+    check = check_end_to_end(g, g, AnalyticCost(1e11, 1e10), {"merge_matmul_r2": 1})
+    assert check.kept == "optimized" and check.status.startswith("skipped") and "analytic" in check.status
+    assert check.ms_before is None
+    check = check_end_to_end(g, g, TimedLaunchCost(1.0, 2.0), {})
+    assert check.status == "skipped: no substitution applied"
+
+
+def test_cli_flags_reach_the_json(tmp_path):
+    path, js = tmp_path / "in.onnx", tmp_path / "r.json"
+    onnx.save(three_projections(), str(path))
+    args = ["optimize", str(path), "-o", str(tmp_path / "o.onnx"), "--cost", "analytic", "--budget", "20",
+            "--no-progress", "--json", str(js)]
+    assert main(args + ["--no-e2e-check"]) == 0
+    rep = json.loads(js.read_text())
+    assert rep["e2e_check"] == "disabled" and rep["kept"] == "optimized"
+    assert main(args) == 0
+    assert json.loads(js.read_text())["e2e_check"].startswith("skipped")
+
+
+def _matmul_model(n: int) -> onnx.ModelProto:
+    b = GraphBuilder(f"mm{n}", seed=0)
+    x = b.input("x", (n, n))
+    b.op("MatMul", [x, b.normal("w", (n, n), 0.1)], "mm", out="y")
+    b.output("y", (n, n))
+    return b.model()
+
+
+def test_measured_cost_times_whole_models_with_its_backend(tmp_path):
+    """Real onnxruntime timing of two whole models, interleaved: a 256^3 matmul is slower than an 8^3 one."""
+    cost = MeasuredCost(threads=1, path=tmp_path / "cost.json", backend="ort")
+    times = cost.time_models([import_onnx(_matmul_model(8)), import_onnx(_matmul_model(256))], runs=9)
+    assert times.backend == "ort" and 0 < times.seconds[0] < times.seconds[1]
+
+
+def test_interleaved_medians_are_per_runner():
+    calls: list[str] = []
+    meds = interleaved_medians([lambda: calls.append("a"), lambda: np.linalg.inv(np.eye(200))], runs=5, warmup=1)
+    assert calls == ["a"] * 6 and meds[0] < meds[1]
