@@ -317,6 +317,9 @@ class MeasuredCost(CostModel):
     Timing: warm up, then batches of runs of ~20 ms, best of 3 batches; the time of a trivial model (the
     fixed cost of one call from Python) is subtracted so that graphs with more, smaller nodes are not
     overcharged for Python overhead that the real run does not pay.
+
+    :meth:`time_models` times whole graphs with the same engine, interleaved (median of N), so the optimizer
+    can check that a graph the per-operator sum prefers really runs faster end to end.
     """
 
     name = "measured"

@@ -51,6 +51,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kerneltune.native_log import quiet_native_stderr
+
 # Tolerance of the correctness check, relative to the reference's largest magnitude: a different summation
 # order of fp32 dot products differs by ~1e-6 of it; a wrong kernel by O(1).
 REL_TOL = 1e-4
@@ -149,7 +151,8 @@ def _run_in_worker(task, lib_path: str, device: str, number: int, repeat: int, c
     inputs, ref = _RUN_CACHE[task.key]
     sess = _session(rpc, session_timeout)
     sess.upload(lib_path)
-    lib = sess.load_module(os.path.basename(lib_path))
+    with quiet_native_stderr():  # the RPC layer logs every load_module on fd 2
+        lib = sess.load_module(os.path.basename(lib_path))
     dev = sess.device(device, 0)
     import tvm
 

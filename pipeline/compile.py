@@ -33,6 +33,7 @@ from graphopt.ir import Graph
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 from pipeline.targets import TargetSpec
+from kerneltune.native_log import quiet_native_stderr
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class CompiledModel:
         what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        self.executable.export_library(str(p))
+        with quiet_native_stderr():  # one 'Scope Saving' warning per kernel otherwise
+            self.executable.export_library(str(p))
         if self.spec.kind == "rocm":
             objs = amdgpu_code_objects(p.read_bytes())
             if objs:

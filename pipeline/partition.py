@@ -20,6 +20,7 @@ import tvm_ffi
 from tvm import relax
 
 from graphopt.errors import UserError
+from kerneltune.native_log import quiet_native_stderr
 
 KINDS = ("matmul", "batch_matmul", "conv2d", "other")
 
@@ -73,7 +74,8 @@ class Partition:
 def fuse(mod: tvm.IRModule) -> tvm.IRModule:
     """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out)."""
     seq = tvm.transform.Sequential([getattr(relax.transform, p)() for p in FUSION_PASSES])
-    return seq(mod)
+    with quiet_native_stderr():  # TOPI's fast take warns once per Gather
+        return seq(mod)
 
 
 def _shape(ty) -> tuple[int, ...]:
