@@ -159,10 +159,10 @@ class Graph:
         return g
 
     def remove_unused(self) -> int:
-        """Drop nodes and weights that no graph output depends on; returns the number of nodes removed.
+        """Drop nodes, weights and tensor types that no graph output depends on (one linear pass).
 
-        Nodes are only dead when none of their outputs reaches a graph output, so an opaque node with
-        side-effect-free semantics (all ONNX ops are) is safe to remove.
+        Returns the number of nodes removed.  Nodes are only dead when none of their outputs reaches a
+        graph output, and ONNX ops have no side effects, so opaque nodes are as safe to remove as any.
         """
         needed = set(self.output_names)
         keep: list[Node] = []
@@ -175,7 +175,8 @@ class Graph:
         self.nodes = list(reversed(keep))
         for w in [w for w in self.initializers if w not in needed and w not in self.input_names]:
             del self.initializers[w]
-        for v in [v for v in self.value_info if v not in needed and v not in self.producers()]:
+        produced = {o for n in self.nodes for o in n.outputs}
+        for v in [v for v in self.value_info if v not in needed and v not in produced]:
             del self.value_info[v]
         return removed
 

@@ -281,7 +281,7 @@ def fold_constants(graph: Graph) -> int:
     outputs = set(graph.output_names)
     fold = [n for n in graph.nodes if foldable(n, graph, constants) and not any(o in outputs for o in n.outputs)]
     if not fold:
-        prune(graph)
+        graph.remove_unused()
         return 0
     fold_names = {n.name for n in fold}
     produced = {o for n in fold for o in n.outputs if o}
@@ -300,28 +300,8 @@ def fold_constants(graph: Graph) -> int:
         for t, v in zip(needed, values):
             graph.initializers[t] = np.asarray(v)
     graph.nodes = [n for n in graph.nodes if n.name not in fold_names]
-    prune(graph)
+    graph.remove_unused()
     return len(fold)
-
-
-def prune(graph: Graph) -> None:
-    """Drop nodes no output depends on, unused weights and stale tensor types (one linear pass)."""
-    needed = set(graph.output_names)
-    keep: list[Node] = []
-    for n in reversed(graph.nodes):
-        if any(o in needed for o in n.outputs if o):
-            keep.append(n)
-            needed.update(t for t in n.inputs if t)
-            for v in n.attrs.values():  # control-flow bodies capture outer tensors by name
-                if hasattr(v, "node") and hasattr(v, "initializer"):
-                    needed.update(t for sub in v.node for t in sub.input)
-    graph.nodes = list(reversed(keep))
-    inputs = set(graph.input_names)
-    for w in [w for w in graph.initializers if w not in needed and w not in inputs]:
-        del graph.initializers[w]
-    produced = {o for n in graph.nodes for o in n.outputs}
-    for v in [v for v in graph.value_info if v not in produced and v not in needed]:
-        del graph.value_info[v]
 
 
 # ---- canonical form around the search ---------------------------------------------------------------------
@@ -378,7 +358,7 @@ def fuse_conv_bias(graph: Graph) -> int:
             drop.add(id(add))
             break
     graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in drop]
-    prune(graph)
+    graph.remove_unused()
     return len(replace)
 
 
@@ -408,5 +388,5 @@ def eliminate_common_subexpressions(graph: Graph) -> int:
         kept.append(n)
     removed = len(graph.nodes) - len(kept)
     graph.nodes = kept
-    prune(graph)
+    graph.remove_unused()
     return removed
