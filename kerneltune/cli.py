@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--threads", type=int, help="CPU threads for the kernels (default: all this process may use)")
     tune.add_argument("--rpc", help="measure on a remote device: TRACKER_HOST:PORT:KEY")
     tune.add_argument("--workers", type=int, help="parallel build processes (default: cores, at most 4)")
+    tune.add_argument("--cache-flush", action="store_true",
+                      help="time each call with the operands other than the first flushed from the CPU caches, as "
+                           "a weight is inside a model (optimize-model tunes this way; default: warm caches, "
+                           "comparable with numpy's repeated calls)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -110,17 +114,18 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     searcher = make_searcher(args.searcher, space, args.seed, fixed=fixed)
     np_gflops = numpy_gflops(task.dims["M"], task.dims["K"], task.dims["N"]) if task.kind == "matmul" else None
     target_key = str(spec.target)
+    cache_flush = args.cache_flush and spec.target.kind.name == "llvm"  # a CPU-cache flush; GPUs ignore it
     records = RecordLog(args.records) if args.records else None
     measurer: list[Measurer] = []   # started on the first batch: a finished, resumed run spawns no workers
 
     def measure(configs):
         if not measurer:
-            measurer.append(Measurer(spec.target, rpc=args.rpc, workers=args.workers))
+            measurer.append(Measurer(spec.target, rpc=args.rpc, workers=args.workers, cache_flush=cache_flush))
         return measurer[0].measure(task, configs)
 
     try:
         res = tune(space, searcher, measure, args.trials, task_key=task.key, target=target_key, records=records,
-                   progress=not args.no_progress, desc=task.name)
+                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm")
     finally:
         for m in measurer:
             m.close()

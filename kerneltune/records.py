@@ -5,7 +5,8 @@ Every line is flushed and fsync'd as soon as its result is known, so a run kille
 the batch that was being measured.  A kill can leave a half-written last line; loading skips any line that
 is not a complete record (with a warning) and the next append starts on a fresh line so the damage never
 spreads to new records.  One file may hold many tasks and targets (a model's tuning run): readers filter by
-``(task, target)``.
+``(task, target, timing)``: latencies taken with warm caches and with flushed ones (``timing`` "warm" /
+"cold", see :mod:`kerneltune.measure`) are not comparable, so one never resumes the other.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class Record:
     error: str | None = None        # why it failed, None when it ran
     time: float = 0.0               # unix time the result was recorded
     extra: dict[str, Any] = field(default_factory=dict)   # build_s, run_s, searcher, ...
+    timing: str = "warm"            # "warm" or "cold" (caches flushed before each call)
 
     def to_line(self) -> str:
         d = asdict(self)
@@ -39,7 +41,8 @@ class Record:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Record":
-        known = {k: d[k] for k in ("task", "target", "config", "gflops", "latency_s", "error", "time") if k in d}
+        known = {k: d[k] for k in ("task", "target", "config", "gflops", "latency_s", "error", "time", "timing")
+                 if k in d}
         extra = {k: v for k, v in d.items() if k not in known}
         return cls(**known, extra=extra)
 
@@ -51,8 +54,9 @@ class RecordLog:
         self.path = Path(path)
         self._fh = None
 
-    def load(self, task: str | None = None, target: str | None = None) -> list[Record]:
-        """Records in file order, optionally only those of one task/target; bad lines skipped with a warning."""
+    def load(self, task: str | None = None, target: str | None = None, timing: str | None = None) -> list[Record]:
+        """Records in file order, optionally only those of one task/target/timing; bad lines skipped with a
+        warning."""
         if not self.path.exists():
             return []
         out = []
@@ -69,7 +73,8 @@ class RecordLog:
                     log.warning("warning: %s line %d is not a complete tuning record (%s); skipped",
                                 self.path, lineno, str(exc)[:80])
                     continue
-                if (task is None or rec.task == task) and (target is None or rec.target == target):
+                if ((task is None or rec.task == task) and (target is None or rec.target == target)
+                        and (timing is None or rec.timing == timing)):
                     out.append(rec)
         return out
 

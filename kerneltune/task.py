@@ -65,7 +65,9 @@ class Task:
     contiguous in the output (the last spatial one) -- the one CPU templates vectorize.
     ``block_names`` are the root's child blocks in order (producers such as pads, anchor, epilogue).
     ``dims`` carries the operator's logical sizes (``M, K, N, B, transpose_a, transpose_b`` or
-    ``N, C, H, W, F, KH, KW, OH, OW, groups``) for reports and heuristics.
+    ``N, C, H, W, F, KH, KW, OH, OW, groups``) for reports and heuristics.  ``weights`` names the inputs
+    that are constants in the model (their layout may be rewritten at build time, see
+    :mod:`kerneltune.prepack`).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Task:
     block_names: tuple[str, ...]
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    weights: tuple[str, ...] = ()  # input parameters the model feeds with constants (may be packed at build)
     _ref_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -139,7 +142,7 @@ def _int(x) -> int:
     return int(x.value) if hasattr(x, "value") else int(x)
 
 
-def _blocks(func: tirx.PrimFunc) -> list:
+def root_blocks(func: tirx.PrimFunc) -> list:
     """The root block's children (LegalizeOps/FuseTIR output is flat), in program order."""
     sch = s_tir.Schedule(func)
     root = sch.get_sblock(func.body.block.name_hint)
@@ -213,7 +216,7 @@ def task_from_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
     Anything else (dynamic shapes, softmax's max/sum, pooling) gives ``None``: TVM's default schedule stays.
     """
     try:
-        blocks = _blocks(func)
+        blocks = root_blocks(func)
     except Exception:  # noqa: BLE001 - not a TIR body we can walk
         return None
     reductions = [b for b in blocks if any(iv.iter_type == tirx.IterVar.CommReduce for iv in b.iter_vars)]
@@ -245,7 +248,10 @@ def task_from_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
     shash = tvm_ffi.structural_hash(func) & 0xFFFFFFFF
     key = f"{kind}_{shape_part}_{dtype}_{'+'.join(epi) or 'none'}_{shash:08x}"
     names = tuple(b.name_hint for b in blocks)
-    task = Task(name, kind, func, flops, key, anchor.name_hint, axes, dims, dtype, epi, names, ins, outs)
+    from .prepack import layout_free_params
+
+    weights = tuple(func.params[i].name for i in layout_free_params(func))
+    task = Task(name, kind, func, flops, key, anchor.name_hint, axes, dims, dtype, epi, names, ins, outs, weights)
     return task if _schedulable(task) else None
 
 

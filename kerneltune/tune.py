@@ -70,8 +70,12 @@ def replay(space: SearchSpace, records: list[Record]) -> list[tuple[Config, Reco
 
 def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, *, task_key: str,
          target: str, records: RecordLog | None = None, batch_size: int | None = None,
-         progress: bool = True, desc: str = "tuning") -> TuneResult:
-    """Measure up to ``trials`` distinct configs in total (stored ones included) and return the best."""
+         progress: bool = True, desc: str = "tuning", timing: str = "warm") -> TuneResult:
+    """Measure up to ``trials`` distinct configs in total (stored ones included) and return the best.
+
+    ``timing`` names how ``measure`` takes latencies (``Measurer.timing``): it is stored with each record and
+    only records of the same timing are resumed.
+    """
     batch_size = batch_size or searcher.batch_size
     best: tuple[float, Config | None, float | None] = (0.0, None, None)
     curve: list[float] = []
@@ -84,7 +88,7 @@ def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, 
         failures += gflops <= 0
         curve.append(best[0])
 
-    prior = replay(space, records.load(task_key, target)) if records is not None else []
+    prior = replay(space, records.load(task_key, target, timing)) if records is not None else []
     for i in range(0, len(prior), batch_size):
         chunk = prior[i:i + batch_size]
         searcher.observe([c for c, _ in chunk], [r.gflops for _, r in chunk])
@@ -120,7 +124,7 @@ def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, 
                 records.append(Record(
                     task=task_key, target=target, config=space.as_dict(c), gflops=g,
                     latency_s=getattr(r, "latency_s", None) if g > 0 else None,
-                    error=getattr(r, "error", None), time=time.time(),
+                    error=getattr(r, "error", None), time=time.time(), timing=timing,
                     extra={k: getattr(r, k) for k in ("build_s", "run_s") if getattr(r, k, None) is not None},
                 ) for c, r, g in zip(configs, results, gflops))
             searcher.observe(configs, gflops)

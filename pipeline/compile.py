@@ -174,8 +174,11 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
 
 
 def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
-    """relax.build of an already fused and scheduled module (the default pipeline only lowers it now)."""
-    return relax.build(mod, spec.target)
+    """relax.build of an already fused and scheduled module (the default pipeline only lowers it now),
+    after running the kernels' weight-packing copies on the constant weights (kerneltune.prepack)."""
+    from kerneltune.prepack import fold_weight_packing
+
+    return relax.build(fold_weight_packing(mod), spec.target)
 
 
 def compile_partition(imported: ImportedModel, part: Partition, spec: TargetSpec,

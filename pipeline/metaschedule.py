@@ -27,7 +27,9 @@ def tune(part: Partition, spec: TargetSpec, trials: int, work_dir: str | Path, s
     db = ms.relax_integration.tune_relax(
         part.mod, {}, target, str(work), trials, num_trials_per_iter=min(64, trials), seed=seed,
         builder=ms.builder.LocalBuilder(max_workers=2, timeout_sec=600),
-        runner=ms.runner.LocalRunner(timeout_sec=120),
+        # Same cold-cache timing as our tuner (kerneltune.measure): kernels run with their weights in DRAM.
+        runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=ms.runner.EvaluatorConfig(
+            number=1, repeat=15, min_repeat_ms=0, enable_cpu_cache_flush=spec.kind == "llvm")),
     )
     with target, db, tvm.transform.PassContext(opt_level=3):
         return relax.transform.MetaScheduleApplyDatabase(str(work))(part.mod)

@@ -28,8 +28,12 @@ KINDS = ("matmul", "batch_matmul", "conv2d", "other")
 # the exact ones lower to scalar libm calls, and on BERT the GELU's erf alone made the FFN1 kernel ~4x
 # slower than the same matmul without it.  The approximations are accurate to ~1e-7 relative; the whole
 # model stays within ~2e-6 of onnxruntime.
+#
+# AttachAttrLayoutFreeBuffers last: it marks each kernel's parameters that the graph feeds with constants
+# (the weights), which the CPU template may then store pre-packed (kerneltune.prepack).
 FUSION_PASSES = (
-    "FastMathTransform", "LegalizeOps", "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR", "DeadCodeElimination",
+    "FastMathTransform", "LegalizeOps", "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR",
+    "DeadCodeElimination", "CanonicalizeBindings", "AttachAttrLayoutFreeBuffers",
 )
 
 

@@ -107,13 +107,15 @@ def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_pa
     if measure_factory is None:
         from kerneltune.measure import Measurer
 
-        measure_factory = lambda target, rpc_: Measurer(target, rpc=rpc_)  # noqa: E731
+        # Cold caches (CPU): in the model a kernel's weights come from DRAM, see kerneltune.measure.
+        measure_factory = lambda target, rpc_: Measurer(target, rpc=rpc_, cache_flush=True)  # noqa: E731
     target = spec.target
     target_key = str(target)
     log = RecordLog(records_path)
     t0 = time.perf_counter()
     states: list[_State] = []
     with measure_factory(target, rpc) as m:
+        timing = getattr(m, "timing", "warm")
         spent = 0
         for t in tasks:
             space = templates.space_for(t.task, target)
@@ -126,7 +128,7 @@ def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_pa
             st = _State(t, space, srch, rep)
             # Replay stored records (resume): counts towards the budget, measures nothing.
             res = tune(space, srch, lambda cs, task=t.task: m.measure(task, cs), 0, task_key=t.task.key,
-                       target=target_key, records=log, progress=False)
+                       target=target_key, records=log, progress=False, timing=timing)
             _account(st, res, space)
             spent += res.trials
             states.append(st)
@@ -143,7 +145,8 @@ def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_pa
                     continue
                 n = min(st.searcher.batch_size, trials - spent)
                 res = tune(st.space, st.searcher, lambda cs, task=st.task.task: m.measure(task, cs), n,
-                           task_key=st.task.task.key, target=target_key, records=_NoReplay(log), progress=False)
+                           task_key=st.task.task.key, target=target_key, records=_NoReplay(log), progress=False,
+                           timing=timing)
                 st.exhausted = res.measured_now == 0
                 _account(st, res, st.space)
                 spent += res.measured_now

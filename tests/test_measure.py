@@ -119,3 +119,19 @@ def test_rpc_server_uses_same_path(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_cold_cache_timing_is_slower_on_a_weight_bound_kernel(tmp_path):
+    """``cache_flush`` times the kernel with its weight in DRAM, as in a model: on a matmul that streams an
+    8 MiB weight for 8 rows, cold calls must cost clearly more than warm ones (cache-resident weight)."""
+    task = make_task("matmul", "8,2048,1024")
+    lib_path = str(tmp_path / "k.so")
+    build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM).export_library(lib_path)
+    warm, err_w = _run_in_worker(task, lib_path, "cpu", 20, 5, None, None, 60)
+    cold, err_c = _run_in_worker(task, lib_path, "cpu", 20, 5, None, None, 60, cache_flush=True)
+    assert err_w is None and err_c is None
+    assert cold > 1.2 * warm, (cold, warm)
+    with Measurer(LLVM, workers=1, cache_flush=True) as m:
+        assert m.timing == "cold"
+        res = m.measure(task, [templates.default_config(task, LLVM)])[0]
+        assert res.error is None and res.gflops > 0

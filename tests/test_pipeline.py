@@ -176,6 +176,36 @@ def test_conv_net_matches_onnxruntime(conv):
     assert res.max_abs_err <= 1e-4
 
 
+def test_prepacked_weights_are_packed_at_build_time(bert, llvm):
+    """Every dense kernel of bert-tiny with pack=prepack: the partition marks the weights, the packing copies
+    leave the kernels and run once on the constants at build time, and the model still matches onnxruntime."""
+    import tvm
+
+    from kerneltune import prepack, templates
+    from pipeline.compile import check_outputs, compile_partition, schedule
+
+    imported, part, _ = bert
+    tuned = {}
+    for t in part.tasks:
+        if t.task is None or not t.task.weights:
+            continue
+        space = templates.space_for(t.task, llvm.target)
+        if "prepack" in next((k.values for k in space.knobs if k.name == "pack"), ()):
+            tuned[t.task.key] = space.from_dict({**space.as_dict(templates.default_config(t.task, llvm.target)),
+                                                 "pack": "prepack"})
+    assert len(tuned) >= 3  # QKV/output projections, FFN1 (+GELU), FFN2 (+residual)
+    mod, how = schedule(part, llvm, tuned)
+    assert sum(v == "tuned" for v in how.values()) == len(tuned)
+    before = sum(prepack.PREPROC in f.script() for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    assert before == len(tuned)
+    folded = prepack.fold_weight_packing(mod)
+    assert not any(prepack.PREPROC in f.script() for f in folded.functions.values()
+                   if isinstance(f, tvm.tirx.PrimFunc))
+    compiled = compile_partition(imported, part, llvm, tuned)
+    res = check_outputs(compiled, imported.graph, imported.onnx_model)
+    assert res.ok and res.max_abs_err <= 1e-4
+
+
 def test_template_failure_falls_back_to_default_rules(conv, llvm, monkeypatch):
     import pipeline.compile as C
 

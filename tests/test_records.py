@@ -160,3 +160,22 @@ def test_sigkill_loses_at_most_the_inflight_batch(tmp_path):
     assert len(configs) == len(set(configs)) == 60              # no duplicates, budget completed
     kept = sum(1 for line in before.split(b"\n") if line.strip().endswith(b"}"))
     assert int(out.stdout.strip()) == 60 - kept                  # only the missing trials were measured
+
+
+def test_resume_only_takes_records_of_the_same_timing(tmp_path):
+    """Warm-cache and cold-cache latencies are not comparable: a cold run must not resume warm records."""
+    path = tmp_path / "r.jsonl"
+    with RecordLog(path) as log:
+        tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 6, task_key="t", target="llvm", records=log,
+             progress=False, timing="warm")
+    with RecordLog(path) as log:
+        cold = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, task_key="t", target="llvm",
+                    records=log, progress=False, timing="cold")
+    assert cold.measured_now == 4
+    recs = RecordLog(path).load()
+    assert [r.timing for r in recs] == ["warm"] * 6 + ["cold"] * 4
+    assert len(RecordLog(path).load(task="t", timing="cold")) == 4
+    with RecordLog(path) as log:
+        again = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, task_key="t", target="llvm",
+                     records=log, progress=False, timing="cold")
+    assert again.measured_now == 0 and again.trials == 4

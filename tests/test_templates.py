@@ -229,3 +229,32 @@ def test_host_target_gets_avx512_code_and_bare_llvm_does_not():
     from tvm.target import codegen
     if codegen.target_has_features("avx512f", host):    # this Zen 5
         assert "zmm" in asm_host and "vfmadd" in asm_host
+
+
+@pytest.mark.parametrize("kind,shape,tb", [("matmul", "24,40,32", False), ("matmul", "24,40,32", True),
+                                           ("batch_matmul", "3,12,20,16", False)])
+def test_prepacked_weight_kernel_matches_numpy(kind, shape, tb):
+    """pack=prepack (B a model weight): the kernel without its packing copy, fed B packed as the copy would
+    have packed it, computes the same product; the packed layout really differs from B's."""
+    import dataclasses
+
+    from kerneltune import prepack
+
+    plain = make_task(kind, shape, transpose_b=tb)
+    pack_values = lambda t: next(k.values for k in templates.space_for(t, LLVM).knobs if k.name == "pack")  # noqa: E731
+    assert "prepack" not in pack_values(plain)  # B is not a weight here
+    task = dataclasses.replace(plain, weights=("B",))
+    assert "prepack" in pack_values(task)
+    space = templates.space_for(task, LLVM)
+    rng = random.Random(3)
+    configs = [space.from_dict({**space.as_dict(c), "pack": "prepack"})
+               for c in [templates.default_config(task, LLVM)] + [space.sample(rng) for _ in range(2)]]
+    for config in configs:
+        func, packings = prepack.strip(templates.apply(task, config, LLVM))
+        assert len(packings) == 1 and packings[0].param == 1
+        assert tuple(int(d) for d in func.params[1].shape) == packings[0].shape  # the kernel takes B packed
+        a, b = task.make_inputs(seed=1)
+        packed = prepack.pack_inputs([a, b], packings)
+        assert packed[1].shape == packings[0].shape and packed[1].shape != b.shape
+        (out,) = run_func(build_func(func, LLVM), task, packed, tvm.cpu())
+        np.testing.assert_allclose(out, _np_matmul(a, b, False, tb), rtol=1e-4, atol=1e-4)

@@ -17,7 +17,8 @@ into the write-back.  ``decompose_reduction`` comes last, splitting the accumula
 Knobs: ``tile_<role>`` (factor, 4 levels spatial / 2 levels reduction) per axis of extent > 1, ``unroll``
 (0/16/64/512); with two or more spatial axes ``s1_order`` (axis/reversed: which operand's panel stays in
 cache across the S1 loops); for the matmul family ``pack`` (none/panel: copy B's column panel contiguous at
-the outermost S1 loop); for convs ``pad`` (stage/inline).
+the outermost S1 loop; prepack, when B is a model weight: B stored as panels ``[N/nb, K, nb]`` once, at
+build time, see :mod:`kerneltune.prepack`); for convs ``pad`` (stage/inline).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def space(task: Task) -> SearchSpace:
         # "axis" = output order (rows outer: an A panel is reused, B streams), "reversed" (B panel reused).
         knobs.append(ChoiceKnob("s1_order", ("axis", "reversed")))
     if task.kind != "conv2d" and multi_spatial:
-        knobs.append(ChoiceKnob("pack", ("none", "panel")))
+        prepack = ("prepack",) if _vector_operand_name(task) in task.weights else ()
+        knobs.append(ChoiceKnob("pack", ("none", "panel") + prepack))
     if has_producers(task):
         # inline: no extra pass, but a bounds check per load; stage: one parallel copy, branch-free inner loop.
         knobs.append(ChoiceKnob("pad", ("stage", "inline")))
@@ -77,10 +79,23 @@ def host_target(num_cores: int = 2) -> tvm.target.Target:
 
 def _vector_operand(sch, anchor, task: Task) -> str:
     """Name of the input the anchor reads along the vector axis (B of a matmul)."""
+    return _operand_along(sch.get(anchor), task)
+
+
+def _vector_operand_name(task: Task) -> str | None:
+    from ..task import root_blocks
+
+    found = [b for b in root_blocks(task.func) if b.name_hint == task.anchor]
+    try:
+        return _operand_along(found[0], task) if found else None
+    except ValueError:
+        return None
+
+
+def _operand_along(block, task: Task) -> str:
     from tvm.tirx.analysis import undefined_vars
 
     var = task.axis(task.vector_axis).var
-    block = sch.get(anchor)
     out = block.writes[0].source.name
     for region in block.reads:
         used = {v.name for rng in region.region for v in undefined_vars(rng.min)}
@@ -137,10 +152,28 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
             sch.vectorize(loops[-2])
         else:
             sch.vectorize(loops[-1])
+    elif cfg.get("pack") == "prepack":
+        _prepack(sch, p.anchor, task, factors)
     sch.reverse_compute_at(p.writeback, s[1][-1])
     sch.vectorize(sch.get_loops(p.writeback)[-1])
     sch.decompose_reduction(p.anchor, r[0][0])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _prepack(sch, anchor, task: Task, factors) -> None:
+    """Store the weight B as panels ``[.., N/nb, K, nb]`` (nb = the S2*S3 tile of the vector axis), so the
+    k-loop over one output tile reads one contiguous stream.  The copy is a root block annotated for
+    ``RemoveWeightLayoutRewriteBlock`` (tuning) and ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (build)."""
+    from ..prepack import PREPROC
+
+    vec = [a.role for a in task.axes].index(task.vector_axis)
+    nb = factors[vec][2] * factors[vec][3]
+    packed = sch.cache_read(anchor, _vector_operand(sch, anchor, task), "global")
+    if task.dims.get("tb"):   # B[.., j, k]
+        sch.transform_layout(packed, ("write", 0), lambda *i: (*i[:-2], i[-2] // nb, i[-1], i[-2] % nb))
+    else:                     # B[.., k, j]
+        sch.transform_layout(packed, ("write", 0), lambda *i: (*i[:-2], i[-1] // nb, i[-2], i[-1] % nb))
+    sch.annotate(packed, PREPROC, True)
 
 
 def _divisors(n: int) -> list[int]:
