@@ -42,7 +42,13 @@ def objective_curve(records_path: Path, tasks, timing: str = "cold") -> list[tup
         if rec.latency_s and rec.gflops > 0 and rec.latency_s * 1e3 < best[rec.task]:
             best[rec.task] = rec.latency_s * 1e3
         curve.append((n, total()))
-    return curve
+    return _steps(curve)
+
+
+def _steps(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Only the points where the objective changes, plus the last one (a step plot needs no more)."""
+    out = [p for i, p in enumerate(curve) if i == 0 or p[1] != curve[i - 1][1]]
+    return out if out[-1] == curve[-1] else out + [curve[-1]]
 
 
 def trials_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
