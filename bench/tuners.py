@@ -129,7 +129,7 @@ def summarize(curves: list[list[float]], trials: int) -> dict[str, Any]:
     return out
 
 
-def plot(results: dict[str, Any], trials: int, path: str) -> None:
+def plot(results: dict[str, Any], trials: int, path: str, peak: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,6 +150,8 @@ def plot(results: dict[str, Any], trials: int, path: str) -> None:
             ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
         if results[op].get("numpy_gflops"):
             ax.axhline(results[op]["numpy_gflops"], color="gray", ls="--", label="numpy (OpenBLAS)")
+        if peak:
+            ax.axhline(peak, color="black", ls=":", label="peak FMA")
         ax.set_title(f"{op}: {results[op]['task']}", fontsize=8)
         ax.set_xlabel("trials")
         ax.set_ylabel("best GFLOP/s")
@@ -159,7 +161,7 @@ def plot(results: dict[str, Any], trials: int, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def print_table(results: dict[str, Any]) -> None:
+def print_table(results: dict[str, Any], peak: float | None = None) -> None:
     cols = sorted({t for op in results.values() for r in op["searchers"].values() for t in r["summary"]}, key=int)
     print(f"{'op':6} {'searcher':13} " + " ".join(f"{'@' + c:>16}" for c in cols), file=sys.stderr)
     for op, res in results.items():
@@ -169,6 +171,8 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{op:6} {name:13} " + " ".join(cells), file=sys.stderr)
         if res.get("numpy_gflops"):
             print(f"{op:6} {'numpy':13} {res['numpy_gflops']:8.1f}", file=sys.stderr)
+    if peak:
+        print(f"peak fp32 FMA throughput (bench/peak.py): {peak:.1f} GFLOP/s", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 
     target = llvm_target(args.threads)
     os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
+    from peak import fma_peak_gflops
+
+    peak = fma_peak_gflops(int(target.attrs["num-cores"]))   # measured before anything else runs
     from kerneltune.measure import Measurer, numpy_gflops
 
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-tuners-"))
@@ -220,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                                             **({"note": note} if note else {})}
             results[op] = entry
     doc = {"trials": args.trials, "seeds": args.seeds, "target": str(target), "work_dir": str(work),
-           "wall_s": time.time() - t_start, "results": results}
-    print_table(results)
+           "peak_gflops": peak["peak_gflops"] if peak else None, "wall_s": time.time() - t_start,
+           "results": results}
+    print_table(results, doc["peak_gflops"])
     for op, res in results.items():
         for name, r in res["searchers"].items():
             if "note" in r:
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n")
     if args.plot:
-        plot(results, args.trials, args.plot)
+        plot(results, args.trials, args.plot, doc["peak_gflops"])
     return 0
 
 

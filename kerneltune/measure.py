@@ -8,7 +8,8 @@ API::
     m.close()                               # or use ``with Measurer(...) as m:``
 
 ``MeasureResult``: ``config``, ``latency_s`` (median of ``repeat`` timings, each the mean of ``number``
-calls, or of enough calls to last ``min_repeat_ms``; None on failure), ``gflops`` (0 on failure),
+calls, or of enough calls to last ``min_repeat_ms``, or of fewer calls when one call is so slow that they
+would take over ``TIMING_BUDGET_S``; None on failure), ``gflops`` (0 on failure),
 ``error`` (None, or one of ``"invalid config: ..."``, ``"build failed: ..."``, ``"build timeout"``,
 ``"run timeout"``, ``"run failed: ..."``, ``"wrong result: max err ..."``), ``build_s`` (seconds the
 worker spent scheduling + compiling + exporting) and ``run_s`` (wall seconds of the timed run).
@@ -66,6 +67,9 @@ from kerneltune.native_log import quiet_native_stderr
 REL_TOL = 1e-4
 # Timed calls with cold caches (one call per timing: the flush runs before each timing, not each call).
 COLD_REPEAT = 15
+# Seconds of timed calls a config gets at most (fewer calls for slow kernels; never fewer than one per
+# repeat): without it an untiled kernel of a big operator costs 30 calls x 0.5 s.
+TIMING_BUDGET_S = 1.0
 
 
 @dataclass
@@ -159,6 +163,16 @@ def _prepare_in_worker(task) -> None:
         _RUN_CACHE[task.key] = (inputs, task.reference(inputs))
 
 
+def timing_plan(probe_s: float, number: int, repeat: int, cache_flush: bool) -> tuple[int, int]:
+    """(calls per timing, timings) for a kernel whose one call took ``probe_s``: as asked, or fewer calls
+    when they would take over ``TIMING_BUDGET_S``, but never fewer than one call per timing and ``repeat``
+    timings.  Cold timings are one call each, ``COLD_REPEAT`` of them."""
+    affordable = int(TIMING_BUDGET_S / max(probe_s, 1e-9))
+    if cache_flush:
+        return 1, max(repeat, min(max(repeat, COLD_REPEAT), affordable))
+    return max(1, min(number, affordable // max(repeat, 1))), repeat
+
+
 def _run_in_worker(task, lib_path: str, device: str, number: int, repeat: int, check_above: float | None,
                    rpc: str | None, session_timeout: int, min_repeat_ms: int = 0,
                    cache_flush: bool = False, packings: tuple = ()) -> tuple[float, str | None]:
@@ -182,9 +196,12 @@ def _run_in_worker(task, lib_path: str, device: str, number: int, repeat: int, c
 
     args = [tvm.runtime.tensor(x, dev) for x in inputs]
     outs = [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs]
+    # One probe call first: a slow kernel (G-BFS starts from untiled loops, ~0.5 s a call at 128x768x3072)
+    # gets fewer calls, so timing a config costs at most ~TIMING_BUDGET_S; it cannot be a contender anyway.
+    probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args, *outs).mean)
+    number, repeat = timing_plan(probe, number, repeat, cache_flush)
     if cache_flush:  # one call per timing, each after flushing all but the first argument (see module doc)
-        timer = lib.time_evaluator("main", dev, number=1, repeat=max(repeat, COLD_REPEAT),
-                                   f_preproc="cache_flush_cpu_non_first_arg")
+        timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
     else:
         timer = lib.time_evaluator("main", dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
     latency = float(np.median(timer(*args, *outs).results))

@@ -177,3 +177,17 @@ def test_cold_cache_timing_is_slower_on_a_weight_bound_kernel(tmp_path):
         assert m.timing == "cold"
         res = m.measure(task, [templates.default_config(task, LLVM)])[0]
         assert res.error is None and res.gflops > 0
+
+
+def test_slow_kernels_get_fewer_timed_calls():
+    """An untiled kernel (G-BFS's start) must not cost 30 calls of half a second: the calls per timing
+    shrink to fit the budget; fast kernels keep what was asked; cold timings keep one call each."""
+    from kerneltune.measure import COLD_REPEAT, TIMING_BUDGET_S, timing_plan
+
+    assert timing_plan(1e-4, 10, 3, False) == (10, 3)
+    number, repeat = timing_plan(0.05, 10, 3, False)
+    assert repeat == 3 and 1 <= number < 10 and number * repeat * 0.05 <= TIMING_BUDGET_S
+    assert timing_plan(5.0, 10, 3, False) == (1, 3)        # never below one call per timing
+    assert timing_plan(1e-4, 10, 3, True) == (1, COLD_REPEAT)
+    assert timing_plan(5.0, 10, 3, True) == (1, 3)
+

@@ -165,6 +165,29 @@ def test_scheduled_func_is_marked_and_vectorized():
     assert "T.parallel" in text and "T.vectorized" in text and "pragma_auto_unroll_max_step" in text
 
 
+def _vector_widths(func) -> list[int]:
+    """Extents of the vectorized loops of a scheduled PrimFunc (read from its TVMScript)."""
+    import re
+
+    return [int(n) for n in re.findall(r"T\.vectorized\((?:T\.int64\()?(\d+)", func.script())]
+
+
+@pytest.mark.parametrize("tb", [False, True])
+def test_one_wide_panel_vectorizes_no_strided_loop(tb):
+    """G-BFS starts from untiled configs: with a 1-wide j tile the panel copy's and the write-back's inner
+    loops run along k / the rows.  Vectorizing those made LLVM build a 768-lane gather (89 s per build at
+    128x768x3072, a build timeout per trial); no vector may be wider than the j tile there."""
+    task = make_task("matmul", "8,96,32", transpose_b=tb)
+    space = templates.space_for(task, LLVM)
+    for pack in ("panel", "none"):
+        cfg = space.from_dict({"tile_i": [8, 1, 1, 1], "tile_j": [32, 1, 1, 1], "tile_k": [96, 1], "unroll": 64,
+                               "s1_order": "reversed", "pack": pack})
+        func = templates.apply(task, cfg, LLVM)
+        assert all(w <= 1 for w in _vector_widths(func)), (pack, _vector_widths(func))
+        (a, b), (out,) = _run(task, cfg)
+        np.testing.assert_allclose(out, _np_matmul(a, b, False, tb), rtol=1e-4, atol=1e-4)
+
+
 def test_default_config_uses_avx512_lanes_and_both_cores():
     target = tvm.target.Target({"kind": "llvm", "mcpu": "znver5", "num-cores": 2})
     task = make_task("matmul", "128,768,768")

@@ -134,6 +134,10 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
         sch.annotate(outer, "pragma_auto_unroll_max_step", cfg["unroll"])
         sch.annotate(outer, "pragma_unroll_explicit", 1)
     sch.vectorize(s[3][-1])
+    # Width of the vector axis' register tile: the panel copy and the write-back are vectorized along it.
+    # With a width of 1 their innermost loop is another, strided axis (k, or the rows): vectorizing that
+    # asks LLVM for e.g. a 768-lane gather, which took it 89 s to compile (G-BFS starts from such configs).
+    nb = _panel_width(task, factors)
     if cfg.get("pack") == "panel":
         # Copy the vector-indexed operand's panel (B[:, j-tile]) into a contiguous buffer at the outermost
         # S1 loop: its rows are then adjacent in memory instead of one row stride (often a multiple of 4 KiB
@@ -148,16 +152,24 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
         if task.dims.get("tb"):
             # loop over the packed layout (k outer, j inner): vector gathers from B, contiguous stores
             # (1 thread 128x768x768^T: 93 GFLOP/s; vectorized scatter 73, scalar 85, unpacked 19)
-            sch.reorder(loops[-1], loops[-2])
-            sch.vectorize(loops[-2])
-        else:
+            if nb > 1:
+                sch.reorder(loops[-1], loops[-2])
+                sch.vectorize(loops[-2])
+        elif nb > 1:
             sch.vectorize(loops[-1])
     elif cfg.get("pack") == "prepack":
         _prepack(sch, p.anchor, task, factors)
     sch.reverse_compute_at(p.writeback, s[1][-1])
-    sch.vectorize(sch.get_loops(p.writeback)[-1])
+    if nb > 1:
+        sch.vectorize(sch.get_loops(p.writeback)[-1])
     sch.decompose_reduction(p.anchor, r[0][0])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _panel_width(task: Task, factors) -> int:
+    """The S2*S3 tile of the vector axis: the width of one B panel and of the write-back's inner loop."""
+    vec = [a.role for a in task.axes].index(task.vector_axis)
+    return factors[vec][2] * factors[vec][3]
 
 
 def _prepack(sch, anchor, task: Task, factors) -> None:
@@ -166,8 +178,7 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     ``RemoveWeightLayoutRewriteBlock`` (tuning) and ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (build)."""
     from ..prepack import PREPROC
 
-    vec = [a.role for a in task.axes].index(task.vector_axis)
-    nb = factors[vec][2] * factors[vec][3]
+    nb = _panel_width(task, factors)
     packed = sch.cache_read(anchor, _vector_operand(sch, anchor, task), "global")
     if task.dims.get("tb"):   # B[.., j, k]
         sch.transform_layout(packed, ("write", 0), lambda *i: (*i[:-2], i[-2] // nb, i[-1], i[-2] % nb))
