@@ -139,6 +139,7 @@ def plot(results: dict[str, Any], trials: int, path: str, peak: float | None = N
     ops = list(results)
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
+        trials = results[op].get("trials", trials)
         for name, r in results[op]["searchers"].items():
             curves = [c + [c[-1]] * (trials - len(c)) for c in r["curves"] if c]
             if not curves:
@@ -175,6 +176,43 @@ def print_table(results: dict[str, Any], peak: float | None = None) -> None:
         print(f"peak fp32 FMA throughput (bench/peak.py): {peak:.1f} GFLOP/s", file=sys.stderr)
 
 
+def report(doc: dict[str, Any], json_path: str | None, plot_path: str | None) -> None:
+    """Table on stderr, JSON on stdout (and in ``json_path``), plot in ``plot_path``."""
+    results = doc["results"]
+    print_table(results, doc["peak_gflops"])
+    for op, res in results.items():
+        for name, r in res["searchers"].items():
+            if "note" in r:
+                print(f"note: {op} {name}: {r['note']}", file=sys.stderr)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text + "\n")
+    if plot_path:
+        plot(results, doc["trials"], plot_path, doc["peak_gflops"])
+
+
+def merge(paths: list[str], json_path: str | None, plot_path: str | None) -> int:
+    """One report from several runs: on 2 cores the whole benchmark does not fit in one sitting, so it is
+    run an operator (or a searcher) at a time, each run resuming from the shared ``--work-dir``."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    results: dict[str, Any] = {}
+    for doc in docs:
+        for op, res in doc["results"].items():
+            res = {"trials": doc["trials"], **res}   # seeds: each searcher's number of curves
+            if op in results:
+                results[op]["searchers"].update(res["searchers"])
+            else:
+                results[op] = res
+    peaks = [d["peak_gflops"] for d in docs if d.get("peak_gflops")]
+    doc = {"trials": max(r["trials"] for r in results.values()), "target": docs[0]["target"],
+           "peak_gflops": max(peaks) if peaks else None, "wall_s": sum(d["wall_s"] for d in docs),
+           "merged_from": [Path(p).name for p in paths], "results": results}
+    report(doc, json_path, plot_path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=256)
@@ -186,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="records and MetaSchedule databases (default: a temp dir)")
     p.add_argument("--json", help="write the results JSON here")
     p.add_argument("--plot", help="write the Figure-2-style PNG here")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="measure nothing: combine the JSON of earlier runs (one op or searcher each; a later "
+                        "file's searcher replaces an earlier one's) into one JSON, table and plot")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json, args.plot)
     ops = [o for o in args.ops.split(",") if o]
     names = [s for s in args.searchers.split(",") if s]
     bad = [o for o in ops if o not in OPS] + [s for s in names if s not in SEARCHERS]
@@ -199,18 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
     from peak import fma_peak_gflops
 
-    peak = fma_peak_gflops(int(target.attrs["num-cores"]))   # measured before anything else runs
     from kerneltune.measure import Measurer, numpy_gflops
 
+    # The baselines are measured before the Measurer starts: its worker processes import TVM at start-up,
+    # and OpenBLAS sharing the two cores with them measured 27 instead of ~180 GFLOP/s.
+    peak = fma_peak_gflops(int(target.attrs["num-cores"]))
+    tasks = {op: make_op_task(op) for op in ops}
+    numpy = {op: numpy_gflops(t.dims["M"], t.dims["K"], t.dims["N"]) for op, t in tasks.items() if t.kind == "matmul"}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-tuners-"))
     results: dict[str, Any] = {}
     t_start = time.time()
     with Measurer(target, workers=args.workers) as measurer:
-        for op in ops:
-            task = make_op_task(op)
-            entry: dict[str, Any] = {"task": task.key, "flops": task.flops, "searchers": {}}
-            if task.kind == "matmul":
-                entry["numpy_gflops"] = numpy_gflops(task.dims["M"], task.dims["K"], task.dims["N"])
+        for op, task in tasks.items():
+            entry: dict[str, Any] = {"task": task.key, "flops": task.flops, "trials": args.trials, "searchers": {}}
+            if op in numpy:
+                entry["numpy_gflops"] = numpy[op]
             for name in names:
                 curves, note = [], ""
                 for seed in range(args.seeds):
@@ -229,18 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"trials": args.trials, "seeds": args.seeds, "target": str(target), "work_dir": str(work),
            "peak_gflops": peak["peak_gflops"] if peak else None, "wall_s": time.time() - t_start,
            "results": results}
-    print_table(results, doc["peak_gflops"])
-    for op, res in results.items():
-        for name, r in res["searchers"].items():
-            if "note" in r:
-                print(f"note: {op} {name}: {r['note']}", file=sys.stderr)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    if args.plot:
-        plot(results, args.trials, args.plot, doc["peak_gflops"])
+    report(doc, args.json, args.plot)
     return 0
 
 
