@@ -19,6 +19,12 @@ callback records every trial in order so its curve is comparable.
 Records of every run go to ``--work-dir``: rerunning the same command resumes instead of re-measuring.
 
     python bench/tuners.py --trials 256 --seeds 3 --json bench/results/tuners.json --plot bench/results/tuners.png
+
+On 2 cores the whole grid takes hours; ``bench/results/tuners.*`` was made an op at a time and merged:
+
+    python bench/tuners.py --ops bert --trials 256 --seeds 3 --work-dir W --json bert.json   # likewise bmm1, mm1
+    python bench/tuners.py --merge bert.json bmm1.json mm1.json --json bench/results/tuners.json \
+        --plot bench/results/tuners.png
 """
 from __future__ import annotations
 
