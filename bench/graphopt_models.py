@@ -8,6 +8,12 @@ the two models are interleaved so machine noise hits both alike; medians are rep
     python bench/graphopt_models.py --models bert-base resnext50 inception-block nasrnn --tvm \
         --json bench/results/graphopt_models.json --png bench/results/graphopt_models.png
 
+Where the graph stage hands back something else than the merge-everything graph (BERT's Q/K/V, ResNeXt's
+conv1 + downsample kept apart), the bench also builds that graph (``merged``: the library's merge rules
+searched under ``KernelCountCost``, no end-to-end check) and times it with the same engines in the same
+interleaved runs, so the JSON shows what merging would have cost end to end, not only what the per-operator
+model predicted.
+
 Prints one JSON document (also written to ``--json``) and draws a bar chart of the speedups.
 """
 from __future__ import annotations
@@ -22,8 +28,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
-
-
 def _interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
     """Median milliseconds per engine, alternating between them run by run."""
     for _ in range(warmup):
@@ -38,10 +42,10 @@ def _interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def ort_latency(before, after, feeds, threads: int, runs: int) -> dict[str, float]:
+def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, float]:
     from graphopt.feeds import ort_session
 
-    sessions = {k: ort_session(m, threads) for k, m in (("before", before), ("after", after))}
+    sessions = {k: ort_session(m, threads, spin=False) for k, m in models.items()}
     fns = {}
     for k, s in sessions.items():
         names = {i.name for i in s.get_inputs()}
@@ -50,8 +54,8 @@ def ort_latency(before, after, feeds, threads: int, runs: int) -> dict[str, floa
     return _interleaved(fns, runs)
 
 
-def tvm_latency(before, after, feeds, threads: int, runs: int) -> dict[str, Any]:
-    """Compile both models with the pipeline's default schedules and time them on the Relax VM."""
+def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, Any]:
+    """Compile the models with the pipeline's default schedules and time them on the Relax VM."""
     from pipeline.compile import compile_partition, device_for, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
@@ -60,7 +64,7 @@ def tvm_latency(before, after, feeds, threads: int, runs: int) -> dict[str, Any]
     spec = parse_target("llvm", threads)
     dev = device_for(spec)
     fns, build_s = {}, {}
-    for k, m in (("before", before), ("after", after)):
+    for k, m in models.items():
         t = time.perf_counter()
         imported = import_model(m)
         compiled = compile_partition(imported, partition(imported.mod), spec)
@@ -76,7 +80,8 @@ def tvm_latency(before, after, feeds, threads: int, runs: int) -> dict[str, Any]
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from graphopt.feeds import random_inputs
     from graphopt.onnx_io import import_onnx
-    from graphopt.optimize import optimize
+    from graphopt.cost import KernelCountCost
+    from graphopt.optimize import library, merge_rules, optimize
     from models.registry import build
 
     proto = build(name, args.seed)
@@ -84,17 +89,42 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                  time_limit=args.time_limit, cost=args.cost, backend=args.backend,
                                  threads=args.threads, seed=args.seed)
     row: dict[str, Any] = {"model": name, **report}
+    models = {"before": proto, "after": optimized}
+    if args.merged:
+        merged, mrep = optimize(proto, target="llvm", budget=args.budget, time_limit=args.time_limit,
+                                cost=KernelCountCost(), rules=merge_rules(library()), e2e_check=False,
+                                seed=args.seed)
+        if any(mrep["applied"].values()) and mrep["applied"] != report["applied"]:
+            models["merged"] = merged
+            row["merged"] = {"applied": mrep["applied"], "max_abs_err": mrep["max_abs_err"],
+                             "cost_after": _price(merged, args), "nodes_after": mrep["nodes_after"]}
     feeds = random_inputs(import_onnx(proto), args.seed)
-    row["ort_ms"] = ort_latency(proto, optimized, feeds, args.threads, args.runs)
+    row["ort_ms"] = ort_latency(models, feeds, args.threads, args.runs)
     row["ort_speedup"] = row["ort_ms"]["before"] / row["ort_ms"]["after"]
+    if "merged" in models:
+        row["merged"]["ort_speedup"] = row["ort_ms"]["before"] / row["ort_ms"]["merged"]
     if args.tvm:
         try:
-            row["tvm_ms"] = tvm_latency(proto, optimized, feeds, args.threads, args.runs)
+            row["tvm_ms"] = tvm_latency(models, feeds, args.threads, args.runs)
             row["tvm_speedup"] = row["tvm_ms"]["before"] / row["tvm_ms"]["after"]
+            if "merged" in models:
+                row["merged"]["tvm_speedup"] = row["tvm_ms"]["before"] / row["tvm_ms"]["merged"]
         except Exception as exc:  # noqa: BLE001 - report the failure for this model, keep benchmarking
             row["tvm_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     row["cost_speedup"] = report["cost_before"] / report["cost_after"] if report["cost_after"] else None
     return row
+
+
+def _price(model, args: argparse.Namespace) -> float:
+    """What the benchmark's cost model says ``model`` costs, in the form the search prices (conv biases
+    split), so it compares with ``cost_before``."""
+    from graphopt.cost import make_cost_model
+    from graphopt.onnx_io import import_onnx
+    from graphopt.rewrite import split_conv_bias
+
+    g = import_onnx(model)
+    split_conv_bias(g)
+    return make_cost_model(args.cost, "llvm", args.backend, args.threads).graph_cost(g)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -103,7 +133,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [("cost model", "cost_speedup"), ("onnxruntime", "ort_speedup"), ("TVM default", "tvm_speedup")]
+    rows = [{**r, "m_ort": (r.get("merged") or {}).get("ort_speedup"),
+             "m_tvm": (r.get("merged") or {}).get("tvm_speedup")} for r in rows]
+    series = [("cost model", "cost_speedup"), ("onnxruntime", "ort_speedup"), ("TVM default", "tvm_speedup"),
+              ("merge all: onnxruntime", "m_ort"), ("merge all: TVM default", "m_tvm")]
     series = [s for s in series if any(r.get(s[1]) for r in rows)]
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(rows), 3.6))
     width = 0.8 / len(series)
@@ -128,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--budget", type=int, default=1000)
     p.add_argument("--time-limit", type=float, default=60.0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tvm", action="store_true", help="also compile and time both models with TVM")
+    p.add_argument("--no-merged", dest="merged", action="store_false",
+                   help="skip the merge-everything counterfactual")
     p.add_argument("--json", default="bench/results/graphopt_models.json")
     p.add_argument("--png", default="bench/results/graphopt_models.png")
     args = p.parse_args(argv)
@@ -141,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_model(name, args)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    doc = {"threads": args.threads, "cost": args.cost, "backend": args.backend, "runs": args.runs, "models": rows}
+    from pipeline.targets import host_model_name
+
+    doc = {"threads": args.threads, "cpu": host_model_name(), "cost": args.cost, "backend": args.backend, "runs": args.runs, "models": rows}
     text = json.dumps(doc, indent=2)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

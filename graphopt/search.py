@@ -251,29 +251,41 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     fold weight-only subgraphs so the returned ``result.graph`` is ready to export.
 
     The result then goes through :func:`graphopt.optimize.check_end_to_end`: if it is not measurably faster
-    end to end, ``result.graph`` is a copy of the input, ``applied`` is empty, ``cost_after == cost_before``,
-    and ``result.e2e`` holds both timings and what the search had applied."""
+    end to end (or nothing was applied), the merge-everything graph is tried against the input
+    (:func:`graphopt.optimize.merged_alternative`, ``e2e["kept"] == "merged"`` when it wins); failing that
+    ``result.graph`` is a copy of the input, ``applied`` is empty, ``cost_after == cost_before``, and
+    ``result.e2e`` holds the timings and what the search had applied."""
     from graphopt.cost import make_cost_model
-    from graphopt.optimize import E2E_MARGIN, E2E_RUNS, check_end_to_end, check_margin, library
-    from graphopt.rewrite import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
+    from graphopt.optimize import (E2E_MARGIN, E2E_RUNS, check_end_to_end, check_margin, finish, library,
+                                   merged_alternative)
+    from graphopt.rewrite import split_conv_bias
 
     margin = E2E_MARGIN if e2e_margin is None else e2e_margin
+    runs = E2E_RUNS if e2e_runs is None else e2e_runs
     check_margin(margin)
     model = make_cost_model(cost, target, backend, threads) if isinstance(cost, str) else cost
+    rules = library() if rules is None else rules
     original = graph.copy()
     graph = graph.copy()
     split_conv_bias(graph)
-    result = search(graph, library() if rules is None else rules, model, alpha, budget, time_limit, progress)
-    best = result.graph.copy()
-    fold_constants(best)
-    eliminate_common_subexpressions(best)
-    fuse_conv_bias(best)
-    check = check_end_to_end(original, best, model, result.applied, e2e_check, margin,
-                             E2E_RUNS if e2e_runs is None else e2e_runs)
+    result = search(graph, rules, model, alpha, budget, time_limit, progress)
+    best = finish(result.graph)[0]
+    check = check_end_to_end(original, best, model, result.applied, e2e_check, margin, runs)
     result.e2e = check.report()
-    if check.kept == "optimized":
+    if check.kept == "optimized" and any(result.applied.values()):
+        result.graph = best
+        return result
+    merged, info = (merged_alternative(original, graph, rules, model, margin, runs, alpha, budget, time_limit)
+                    if e2e_check else (None, {}))
+    result.e2e.update(candidate_applied=result.applied, candidate_cost_after=result.cost_after, merge_all=info)
+    if merged is not None:
+        result.e2e.update(kept="merged", e2e_ms_before=info["e2e_ms_before"], e2e_ms_after=info["e2e_ms_after"])
+        canonical = merged.copy()
+        split_conv_bias(canonical)
+        result.graph, result.applied, result.cost_after = merged, info["applied"], model.graph_cost(canonical)
+        return result
+    if check.kept == "optimized":  # nothing applied: the folded input
         result.graph = best
     else:
-        result.e2e.update(candidate_applied=result.applied, candidate_cost_after=result.cost_after)
         result.graph, result.applied, result.cost_after = original, {}, result.cost_before
     return result

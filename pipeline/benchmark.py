@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from graphopt.feeds import max_abs_err, random_inputs
+from graphopt.feeds import max_abs_err, ort_session, random_inputs
+from pipeline.targets import host_cpu, host_model_name
 
 
 @dataclass
@@ -55,7 +56,8 @@ class BenchResult:
         out: dict = {f"{k}_ms": (self.timings[k].median_ms if k in self.timings else None) for k in ENGINES}
         out.update({f"{k}_min_ms": t.min_ms for k, t in self.timings.items()})
         out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
-                   target=self.target, threads=self.threads, runs=self.runs)
+                   target=self.target, threads=self.threads, runs=self.runs, cpu=host_model_name(),
+                   mcpu=host_cpu())
         return out
 
 
@@ -84,23 +86,6 @@ def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int
     return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
 
 
-def quiet_ort_session(model, threads: int):
-    """onnxruntime with the same threads but without spin-waiting after a run.
-
-    ORT's idle intra-op threads spin for a while after each run; in an interleaved loop that spinning
-    steals the core TVM's next parallel kernel needs, and TVM's run after ORT measured 90 ms instead of
-    1.3 ms on bert-tiny (2 cores).  Without spinning ORT's own latency is unchanged within noise.
-    """
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-
-
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
           trials: int = 0) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
@@ -108,7 +93,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
     from pipeline.compile import device_for, outputs_numpy, to_device
 
     feeds = random_inputs(imported.graph, seed)
-    sess = quiet_ort_session(imported.onnx_model, threads)
+    sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
     reference = sess.run(None, ort_feeds)

@@ -97,7 +97,10 @@ def _cpu_rules() -> list:
 
     from pipeline.cpu_rules import Injective, ParallelFallback
 
-    return [dl.cpu.GEMV(), dl.cpu.Reduction(), Injective(), ParallelFallback()]
+    # Injective first: it declines any kernel with a reduction, and dlight's rules start by inlining every
+    # block (try_inline), which recomputes reused values exponentially before they decline an elementwise
+    # kernel (see pipeline.cpu_rules).
+    return [Injective(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
 
 
 def _gpu_rules() -> list:
@@ -111,7 +114,7 @@ def _apply_rules(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rules: list
     for rule in rules:
         try:
             sch = rule.apply(func, target, False)
-        except (s_tir.ScheduleError, tvm.error.TVMError):
+        except RuntimeError:  # ScheduleError and TVM's internal errors (tvm.error.TVMError is gone in 0.27)
             continue  # a rule that matched the pattern but could not transform it: try the next one
         if sch is None:
             continue

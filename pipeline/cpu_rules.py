@@ -5,12 +5,18 @@ TVM's default lowering leaves every loop serial and scalar.  On BERT that makes 
 GELU and mask kernels cost as much as the matmuls, on one core.  These two rules give them the minimum a
 CPU needs: inline the chain into one loop nest, parallelize the outer spatial loops across the thread pool
 and vectorize the innermost loop.
+
+Inlining recomputes a block in every consumer, so a fused kernel whose values are reused (NASRNN's cell:
+splits of merged matmuls feeding gates that feed several gates) turns from a DAG into a tree that grows
+exponentially; dlight's ``try_inline`` scheduled one such kernel into 29 MB of TIR and the model built for
+607 s.  A block read more than once (by several consumers, or twice in one expression) is therefore
+inlined only while its expression is cheap; otherwise it stays a loop nest of its own.
 """
 from __future__ import annotations
 
 from tvm import s_tir, tirx
+from tvm.ir.expr import Expr, TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.base.utils import get_extent
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
@@ -18,6 +24,76 @@ from tvm.target.codegen import llvm_get_vector_width
 
 # Below this many output elements per thread the fork/join of the pool costs more than it saves.
 MIN_PARALLEL_ELEMS = 4096
+# A block read more than once is recomputed at each read when inlined: allowed while its value expression has
+# at most this many nodes (a copy, a bias add, a scale); beyond that it is computed once into its buffer.
+# Counted in nodes, not FLOPs: tanh, exp and sigmoid are calls that FLOP estimates price at (almost) nothing.
+DUPLICATE_MAX_NODES = 8
+
+
+_CHILDREN = ("a", "b", "value", "args", "condition", "true_value", "false_value", "indices")
+
+
+def _children(node):
+    """The sub-expressions of a TIR expression or store (operands, call arguments, indices)."""
+    for attr in _CHILDREN:
+        child = getattr(node, attr, None)
+        if child is None or isinstance(child, (int, float, str)):
+            continue
+        if isinstance(child, Expr):
+            yield child
+        else:  # an array of expressions
+            yield from child
+
+
+def _size(node) -> int:
+    """Nodes in the expression tree ``node`` (loads count one, their index arithmetic not)."""
+    return 1 if isinstance(node, TensorLoad) else 1 + sum(_size(c) for c in _children(node))
+
+
+def _loads(node, buffer) -> int:
+    """How many times the expression tree ``node`` (a block's store, or any expression in it) reads ``buffer``."""
+    own = isinstance(node, TensorLoad) and node.source.same_as(buffer)
+    return int(own) + sum(_loads(c, buffer) for c in _children(node))
+
+
+def inline_without_blowup(sch: s_tir.Schedule, blocks: list) -> list:
+    """dlight's ``try_inline`` (inline producers into consumers, then consumers into producers, until nothing
+    changes) except that a value read more than once is never substituted unless its expression has at most
+    ``DUPLICATE_MAX_NODES`` nodes - in either direction: reverse-inlining a consumer that reads its producer
+    19 times (fast_tanh's polynomial) copies the producer's expression 19 times.  Returns the blocks left."""
+
+    def small(block) -> bool:
+        return _size(getattr(block.body, "value", block.body)) <= DUPLICATE_MAX_NODES
+
+    def reads(consumer, producer) -> int:
+        return sum(_loads(consumer.body, w.source) for w in producer.writes)
+
+    def inline_ok(rv) -> bool:  # substitute this block's value into its consumers
+        block = sch.get(rv)
+        return small(block) or sum(reads(sch.get(c), block) for c in sch.get_consumers(rv)) <= 1
+
+    def reverse_ok(rv) -> bool:  # substitute the producers' values into this block, computed in their loops
+        block = sch.get(rv)
+        return all(small(p) or reads(block, p) <= 1 for p in map(sch.get, sch.get_producers(rv)))
+
+    def first(step, guard) -> int | None:
+        for i, info in enumerate(blocks):
+            if not guard(info.block_rv):
+                continue
+            try:
+                step(info.block_rv)
+            except RuntimeError:  # ScheduleError: this block cannot be inlined (yet)
+                continue
+            return i
+        return None
+
+    while True:
+        i = first(sch.compute_inline, inline_ok)
+        if i is None:
+            i = first(sch.reverse_compute_inline, reverse_ok)
+        if i is None:
+            return blocks
+        blocks.pop(i)
 
 
 def vector_lanes(target: Target, dtype_bits: int = 32) -> int:
@@ -70,7 +146,7 @@ class Injective(CPUScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos or not all(b.is_injective() for b in infos):
             return None
-        infos = try_inline(sch, infos)
+        infos = inline_without_blowup(sch, infos)
         cores = int(target.attrs.get("num-cores", 1))
         for info in infos:
             _parallel_vectorize(sch, info.block_rv, vector_lanes(target, _out_bits(sch, info.block_rv)), cores)
@@ -87,7 +163,7 @@ class ParallelFallback(CPUScheduleRule):
         infos = normalize_prim_func(sch)
         if infos is None:
             return None
-        infos = try_inline(sch, infos)
+        infos = inline_without_blowup(sch, infos)
         if int(target.attrs.get("num-cores", 1)) < 2:
             return sch
         for info in infos:

@@ -42,6 +42,7 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     result = optimize(graph, target=target, threads=threads, progress=progress)
     optimized = result.graph
     facts = {k: getattr(result, k) for k in ("cost_before", "cost_after", "applied", "stopped_by")}
+    facts.update({k: result.e2e.get(k) for k in ("kept", "e2e_ms_before", "e2e_ms_after")})  # end-to-end verdict
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(optimized.nodes), **facts)
     return export_onnx(optimized)

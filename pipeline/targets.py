@@ -20,6 +20,7 @@ import glob
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphopt.errors import UserError
@@ -66,6 +67,18 @@ def host_cpu() -> str:
 
     cpu = str(codegen.llvm_get_system_cpu())
     return cpu if cpu and codegen.llvm_is_valid_cpu(cpu, "") else "generic"
+
+
+def host_model_name() -> str:
+    """The CPU's marketing name from /proc/cpuinfo ("" elsewhere): benchmark JSON records it, because the
+    same numbers mean different things on a Zen 4 and a Zen 5 (their FMA peaks differ ~2x)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def default_threads() -> int:

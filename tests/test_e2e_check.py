@@ -126,3 +126,22 @@ def test_interleaved_medians_are_per_runner():
     calls: list[str] = []
     meds = interleaved_medians([lambda: calls.append("a"), lambda: np.linalg.inv(np.eye(200))], runs=5, warmup=1)
     assert calls == ["a"] * 6 and meds[0] < meds[1]
+
+
+def test_merge_everything_wins_when_the_whole_model_says_so():
+    """Per operator, merging the projections looks worse (a merged matmul costs more than the ones it
+    replaces), so the search keeps nothing; timed whole, the merged graph is faster: it is kept, through
+    both entry points, and the outputs still match."""
+    cost = TimedLaunchCost(1.0, 0.8)
+    cost.table = {1: 1.0, 2: 2.5, 3: 4.0}
+    out, rep = optimize(three_projections(), cost=cost, rules=None, budget=60)
+    assert rep["candidate_applied"] == {} and rep["kept"] == "merged" and rep["outputs_equal"]
+    assert rep["merge_all"]["applied"] and rep["applied"] == rep["merge_all"]["applied"]
+    merged = _matmuls(out)
+    assert merged < 3 and cost.timed == [[3, merged]]  # only the input and the merged graph were timed
+    res = graph_stage(import_onnx(three_projections()), cost=cost, rules=None, budget=60)
+    assert res.e2e["kept"] == "merged" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == merged
+    slower = TimedLaunchCost(1.0, 1.2)
+    slower.table = cost.table
+    out, rep = optimize(three_projections(), cost=slower, rules=None, budget=60)
+    assert rep["kept"] == "optimized" and rep["merge_all"]["e2e_ms_after"] == 1.2 and _matmuls(out) == 3
