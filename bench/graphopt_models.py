@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
+
+
 def _interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
     """Median milliseconds per engine, alternating between them run by run."""
     for _ in range(warmup):
@@ -120,11 +122,9 @@ def _price(model, args: argparse.Namespace) -> float:
     split), so it compares with ``cost_before``."""
     from graphopt.cost import make_cost_model
     from graphopt.onnx_io import import_onnx
-    from graphopt.rewrite import split_conv_bias
+    from graphopt.optimize import searched_cost
 
-    g = import_onnx(model)
-    split_conv_bias(g)
-    return make_cost_model(args.cost, "llvm", args.backend, args.threads).graph_cost(g)
+    return searched_cost(import_onnx(model), make_cost_model(args.cost, "llvm", args.backend, args.threads))
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
     from pipeline.targets import host_model_name
 
-    doc = {"threads": args.threads, "cpu": host_model_name(), "cost": args.cost, "backend": args.backend, "runs": args.runs, "models": rows}
+    doc = {"threads": args.threads, "cpu": host_model_name(), "cost": args.cost, "backend": args.backend,
+           "runs": args.runs, "models": rows}
     text = json.dumps(doc, indent=2)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

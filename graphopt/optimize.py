@@ -93,6 +93,14 @@ def finish(graph: Graph) -> tuple[Graph, int, int]:
     return out, folded, deduplicated
 
 
+def searched_cost(graph: Graph, cost_model: CostModel) -> float:
+    """``graph``'s cost in the form the search priced it (conv biases split off), so it compares with the
+    search's ``cost_before`` whatever form the graph is in now."""
+    canonical = graph.copy()
+    split_conv_bias(canonical)
+    return cost_model.graph_cost(canonical)
+
+
 def merge_rules(rules: list[Rule]) -> list[Rule]:
     """The merge substitutions among ``rules``: ops side by side in the source (or on the outputs of one
     split), one op on concatenated weights followed by a split in the target (matmul+matmul,
@@ -163,9 +171,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
     result: SearchResult = search(graph, rules, cost_model, alpha, budget, time_limit, progress)
     best, folded, deduplicated = finish(result.graph)
     cost_before = cost_model.graph_cost(graph)
-    canonical = best.copy()
-    split_conv_bias(canonical)  # priced in the form the search saw, like cost_before
-    candidate_cost = cost_model.graph_cost(canonical)
+    candidate_cost = searched_cost(best, cost_model)
     check = check_end_to_end(original, best, cost_model, result.applied, e2e_check, e2e_margin, e2e_runs)
     merged, merge_info = None, {}
     if e2e_check and (check.kept == "original" or not any(result.applied.values())):
@@ -174,9 +180,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
     if merged is not None:
         check = E2ECheck("merged", "measured", e2e_margin, merge_info["e2e_ms_before"], merge_info["e2e_ms_after"],
                          merge_info["e2e_backend"])
-        canonical = merged.copy()
-        split_conv_bias(canonical)
-        optimized, cost_after, applied, nodes_after = (export_onnx(merged), cost_model.graph_cost(canonical),
+        optimized, cost_after, applied, nodes_after = (export_onnx(merged), searched_cost(merged, cost_model),
                                                        merge_info["applied"], len(merged.nodes))
     elif check.kept == "optimized":
         optimized, cost_after, applied, nodes_after = export_onnx(best), candidate_cost, result.applied, len(best.nodes)

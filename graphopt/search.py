@@ -257,7 +257,7 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     ``result.e2e`` holds the timings and what the search had applied."""
     from graphopt.cost import make_cost_model
     from graphopt.optimize import (E2E_MARGIN, E2E_RUNS, check_end_to_end, check_margin, finish, library,
-                                   merged_alternative)
+                                   merged_alternative, searched_cost)
     from graphopt.rewrite import split_conv_bias
 
     margin = E2E_MARGIN if e2e_margin is None else e2e_margin
@@ -280,9 +280,7 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     result.e2e.update(candidate_applied=result.applied, candidate_cost_after=result.cost_after, merge_all=info)
     if merged is not None:
         result.e2e.update(kept="merged", e2e_ms_before=info["e2e_ms_before"], e2e_ms_after=info["e2e_ms_after"])
-        canonical = merged.copy()
-        split_conv_bias(canonical)
-        result.graph, result.applied, result.cost_after = merged, info["applied"], model.graph_cost(canonical)
+        result.graph, result.applied, result.cost_after = merged, info["applied"], searched_cost(merged, model)
         return result
     if check.kept == "optimized":  # nothing applied: the folded input
         result.graph = best

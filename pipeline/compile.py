@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnx
 import tvm
-from tvm import relax, s_tir
+from tvm import relax
 
 from graphopt.errors import UserError
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
