@@ -1,4 +1,5 @@
-"""``python -m models list`` / ``python -m models build NAME -o FILE [--seed S]``."""
+"""``python -m models list`` / ``python -m models build NAME -o FILE [--seed S]`` / ``python -m models corpus`` /
+``python -m models export NAME --exporter E --size S -o FILE`` (real exporter output, :mod:`models.exported`)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,52 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="model name (see list)")
     b.add_argument("-o", "--output", required=True, help="output .onnx file")
     b.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    sub.add_parser("corpus", help="print the exported-model corpus: names, exporters, description")
+    e = sub.add_parser("export", help="export one corpus model with torch (needs torch, torchvision, transformers); "
+                                      "writes FILE, and FILE.json with the --input-shape it needs (+ FILE.npz "
+                                      "with valid sample inputs when random ones are not)")
+    e.add_argument("name", help="corpus model name (see corpus)")
+    e.add_argument("--exporter", default="torchscript", help="torchscript | dynamo | opset9 (default torchscript)")
+    e.add_argument("--size", default="small", help="small | full (default small)")
+    e.add_argument("-o", "--output", required=True, help="output .onnx file")
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import time
+
+    import numpy as np
+
+    from models.exported import build_exported, get_spec
+
+    get_spec(args.name)
+    out = Path(args.output)
+    if out.is_dir():
+        raise UserError(f"output {str(out)!r} is a directory: pass a file name such as {args.name}.onnx")
+    t0 = time.perf_counter()
+    m = build_exported(args.name, args.size, args.exporter)
+    seconds = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    onnx.save(m.model, str(tmp))
+    os.replace(tmp, out)
+    meta = {"model": m.name, "size": m.size, "exporter": m.exporter, "opset": m.opset, "export_s": round(seconds, 2),
+            "input_shapes": {k: list(v) for k, v in m.input_shapes.items()}, "shape_args": m.shape_args(),
+            "nodes": len(m.model.graph.node), "inputs": None}
+    if m.sample_inputs is not None:
+        npz = out.with_suffix(".npz")
+        with open(npz.with_name(npz.name + ".tmp"), "wb") as f:
+            np.savez(f, **m.sample_inputs)
+        os.replace(npz.with_name(npz.name + ".tmp"), npz)
+        meta["inputs"] = npz.name
+    side = out.with_name(out.name + ".json")
+    side.with_name(side.name + ".tmp").write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(side.with_name(side.name + ".tmp"), side)
+    print(f"wrote {out} ({meta['nodes']} nodes, opset {m.opset}, {out.stat().st_size / 1e6:.1f} MB, "
+          f"{seconds:.1f} s){' ' + ' '.join(m.shape_args()) if m.shape_args() else ''}")
+    return 0
 
 
 @cli_entry
@@ -29,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         for spec in MODELS.values():
             print(f"{spec.name:<{width}}  {spec.description}")
         return 0
+    if args.command == "corpus":
+        from models.exported import CORPUS
+
+        width = max(len(n) for n in CORPUS)
+        for c in CORPUS.values():
+            print(f"{c.name:<{width}}  {','.join(c.exporters):<27} {c.description}")
+        return 0
+    if args.command == "export":
+        return _export(args)
     get_model(args.name)  # fail on a bad name before creating anything
     out = Path(args.output)
     if out.is_dir():

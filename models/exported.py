@@ -111,6 +111,16 @@ def _torchvision():
     return torchvision
 
 
+def missing_dependency() -> str | None:
+    """Why the corpus cannot be built here (torch, torchvision or transformers missing), or None."""
+    try:
+        _torchvision()
+        import transformers  # noqa: F401
+    except (ImportError, UserError) as exc:
+        return f"the exported-model corpus needs torch, torchvision and transformers ({exc})"
+    return None
+
+
 def _trained_like(module) -> Any:
     """Seeded, non-trivial BatchNorm statistics and affine parameters (as after training), so BN folding and
     its numerics are really exercised; eval mode."""
@@ -540,4 +550,5 @@ def build_exported(name: str, size: str = "small", exporter: str = "torchscript"
     return ExportedModel(name, size, exporter, model, dict(built.input_shapes), built.sample_inputs)
 
 
-__all__ = ["CORPUS", "EXPORTERS", "SIZES", "ExportedModel", "build_exported", "get_spec", "matrix"]
+__all__ = ["CORPUS", "EXPORTERS", "SIZES", "ExportedModel", "build_exported", "get_spec", "matrix",
+           "missing_dependency"]
