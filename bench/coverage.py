@@ -261,6 +261,9 @@ def _supports(script: str, option: str) -> bool:
 def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Namespace, inputs_ok: bool) -> Row:
     row = Row(model, exporter, size)
     env = _env(args.threads)
+    if not args.warm_cache:  # a user's first run: nothing priced yet (the graph stage's per-op cost cache)
+        env["OPTIMIZE_MODEL_CACHE"] = str(work / f"{model}-{exporter}-{size}.cost-cache")
+        shutil.rmtree(env["OPTIMIZE_MODEL_CACHE"], ignore_errors=True)
     path = work / f"{model}-{exporter}-{size}.onnx"
     meta_path = path.with_name(path.name + ".json")
     if not (path.exists() and meta_path.exists()):
@@ -328,6 +331,8 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
             row.bench_error = (_user_line(b.stderr, b.rc) if not b.timed_out else f"timed out after {args.timeout:.0f} s")
     if not args.keep_outputs:
         shutil.rmtree(out_dir, ignore_errors=True)
+    if not args.warm_cache:
+        shutil.rmtree(env["OPTIMIZE_MODEL_CACHE"], ignore_errors=True)
     return row
 
 
@@ -366,7 +371,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     lines = ["# optimize-model coverage on real exporter output", "",
              f"{header['cpu']}, {header['threads']} threads, load average at start {header['load']}; "
              f"`optimize-model --skip-tune`{' --skip-graph' if header['skip_graph'] else ''}, timeout "
-             f"{header['timeout']} s; steps: {', '.join(STEPS)}.  rtol = smallest rtol with "
+             f"{header['timeout']} s, {header['cost_cache']} cost cache; steps: {', '.join(STEPS)}.  rtol = smallest rtol with "
              f"|ours-ref| <= 1e-4 + rtol*|ref|.", "",
              "| model | exporter | size | opset | passed | failed step | graph s | kept | run s | abs err | rtol | "
              "top-1 | ORT ms | TVM ms | error |", "|" + "---|" * 15]
@@ -403,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=30, help="bench-model --runs (default 30)")
     p.add_argument("--skip-bench", action="store_true", help="no bench-model run")
     p.add_argument("--skip-graph", action="store_true", help="optimize-model --skip-graph (no graph stage)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="use the user's per-op cost cache (default: an empty one per model, as on a first run)")
     p.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "coverage"),
                    help="output path without suffix: writes OUT.json and OUT.md (default bench/results/coverage)")
     p.add_argument("--work-dir", help="keep the exported models here (reused when present) instead of a temp dir")
@@ -423,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r.model, r.exporter, r.size) for r in rows}
     header = {"cpu": host_model_name(), "threads": args.threads, "load": os.getloadavg()[0], "size": args.size,
               "timeout": args.timeout, "skip_graph": args.skip_graph, "skip_bench": args.skip_bench,
+              "cost_cache": "warm (the user's)" if args.warm_cache else "cold (empty per model)",
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     inputs_ok = _supports("optimize-model", "--inputs")
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="coverage-"))

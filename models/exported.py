@@ -350,7 +350,7 @@ def convnet(size: str) -> Built:
     torch = _torch()
     nn = torch.nn
     torch.manual_seed(0)
-    width, image = _pick(size, (8, 32), (64, 224))
+    width, image = _pick(size, (8, 32), (32, 224))
 
     class ConvNet(nn.Module):
         def __init__(self):
@@ -361,8 +361,8 @@ def convnet(size: str) -> Built:
                 c = w
             self.features = nn.Sequential(*layers)
             self.flat = c * (image // 16) ** 2
-            self.fc1 = nn.Linear(self.flat, 16 * width)
-            self.fc2 = nn.Linear(16 * width, 10)
+            self.fc1 = nn.Linear(self.flat, 8 * width)
+            self.fc2 = nn.Linear(8 * width, 10)
 
         def forward(self, x):
             x = self.features(x)
