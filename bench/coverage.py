@@ -63,6 +63,8 @@ class Row:
     graph_s: float | None = None
     graph_kept: str | None = None  # original | optimized | merged (graph stage's end-to-end decision)
     graph_applied: dict | None = None
+    graph_stopped_by: str | None = None  # budget | time limit | queue empty
+    graph_e2e_ms: list | None = None  # the graph stage's whole-model timings [before, after] when it made them
     run_s: float | None = None  # whole optimize-model --skip-tune run, wall clock
     timed_out: bool = False
     tasks: int | None = None
@@ -299,6 +301,9 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
         row.graph_s = graph.get("time_s")
         row.graph_kept = "skipped" if graph.get("skipped") else graph.get("kept")
         row.graph_applied = graph.get("applied")
+        row.graph_stopped_by = graph.get("stopped_by")
+        if graph.get("e2e_ms_before") is not None:
+            row.graph_e2e_ms = [graph.get("e2e_ms_before"), graph.get("e2e_ms_after")]
         row.tasks = stages.get("partition", {}).get("tasks")
         row.passed += [s for s in STEPS[1:] if not (s == "graph" and args.skip_graph)]
         try:
