@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from graphopt.errors import cli_entry
+from graphopt.fileio import write_text_atomic
 from graphopt.onnx_io import parse_input_shapes
 
 
@@ -29,8 +30,7 @@ def _run_roundtrip(args: argparse.Namespace) -> int:
     text = json.dumps(result)
     print(text)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     return 0 if result["outputs_equal"] else 1
 
 
@@ -72,8 +72,7 @@ def _run_optimize(args: argparse.Namespace) -> int:
     text = json.dumps(report)
     print(text)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     return 0 if report["outputs_equal"] else 1
 
 

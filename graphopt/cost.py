@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from graphopt.fileio import write_text_atomic
 from graphopt.ir import Graph, Node, TensorInfo
+from graphopt.timing import time_interleaved
 
 Shape = tuple[int, ...]
 
@@ -205,7 +206,7 @@ def measure_machine(force: bool = False) -> dict[str, float]:
         best = min(best, time.perf_counter() - t)
     bandwidth = 2 * src.nbytes / best
     result = {"peak_flops": peak, "bandwidth": bandwidth}
-    _atomic_write(path, json.dumps(result))
+    write_text_atomic(path, json.dumps(result))
     return result
 
 
@@ -292,14 +293,6 @@ def _params_key(params: dict[str, Any]) -> tuple:
 
 # ---- measured ---------------------------------------------------------------------------------------------
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 SMALL_CONST = 64  # constant inputs up to this many elements are part of the key and embedded (shapes, axes)
 
 
@@ -357,7 +350,7 @@ class MeasuredCost(CostModel):
             except (OSError, ValueError):
                 merged = {}
         merged.update(self._cache)
-        _atomic_write(self.path, json.dumps(merged, sort_keys=True))
+        write_text_atomic(self.path, json.dumps(merged, sort_keys=True))
         self._dirty = False
 
     def _lookup(self, key: str, build) -> float:
@@ -494,7 +487,8 @@ class MeasuredCost(CostModel):
                 backend, runners = "ort", []
         if not runners:
             runners = [self._ort_runner(g) for g in graphs]
-        return ModelTimes(interleaved_medians(runners, runs), backend)
+        times = time_interleaved(dict(enumerate(runners)), runs)
+        return ModelTimes([times[i].median_ms / 1e3 for i in range(len(runners))], backend)
 
     def _time(self, graph: Graph) -> float:
         if self._baseline is None:
@@ -514,21 +508,6 @@ class ModelTimes:
 
     seconds: list[float]
     backend: str
-
-
-def interleaved_medians(runners: Sequence[Callable[[], object]], runs: int = 20, warmup: int = 2) -> list[float]:
-    """Median seconds per call of each runner, alternating between them call by call so that machine noise
-    (other processes, frequency changes) hits every model alike."""
-    for _ in range(warmup):
-        for run in runners:
-            run()
-    samples: list[list[float]] = [[] for _ in runners]
-    for _ in range(max(1, runs)):
-        for run, out in zip(runners, samples):
-            t = time.perf_counter()
-            run()
-            out.append(time.perf_counter() - t)
-    return [float(np.median(s)) for s in samples]
 
 
 def _best_time(run) -> float:

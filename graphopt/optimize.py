@@ -31,6 +31,7 @@ import onnx
 from graphopt.cost import CostModel, KernelCountCost, make_cost_model
 from graphopt.ir import Graph
 from graphopt.errors import UserError
+from graphopt.fileio import write_bytes_atomic
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 from graphopt.rewrite import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
@@ -189,8 +190,7 @@ def optimize(model: onnx.ModelProto | str | os.PathLike, output: str | os.PathLi
     feeds = random_inputs(graph, seed)
     err = max_abs_err(run_ort(proto, feeds), run_ort(optimized, feeds))
     if output is not None:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(optimized, str(output))
+        write_bytes_atomic(output, optimized.SerializeToString())
     report = {
         "cost_before": cost_before,
         "cost_after": cost_after,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from graphopt.fileio import write_text_atomic
+
 
 def _freeze(v: Any) -> Any:
     return tuple(_freeze(x) for x in v) if isinstance(v, (list, tuple)) else v
@@ -130,9 +132,8 @@ LIBRARY_PATH = Path(__file__).parent / "data" / "rules.json"
 
 
 def save_rules(rules: list[Rule], path: str | Path, meta: dict[str, Any] | None = None) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta or {}, "rules": [r.to_json() for r in rules]}
-    Path(path).write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
+    write_text_atomic(path, json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
 
 
 def load_rules(path: str | Path = LIBRARY_PATH, verified_only: bool = True) -> list[Rule]:

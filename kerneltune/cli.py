@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.errors import UserError, cli_entry
+from graphopt.fileio import write_text_atomic
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
 
 OPS = ("matmul", "batch_matmul", "conv2d")
@@ -158,7 +159,7 @@ def _main(argv: list[str] | None) -> int:
     text = json.dumps(result, indent=2, default=list)
     print(text)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     if result["best_config"] is None:
         print("error: no config built and ran correctly; the records say why each one failed", file=sys.stderr)
         return 1

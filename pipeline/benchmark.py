@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from graphopt.feeds import max_abs_err, ort_session, random_inputs
+from graphopt.fileio import write_text_atomic
+from graphopt.timing import Timing, time_interleaved
 from pipeline.targets import host_cpu, host_model_name
-
-
-@dataclass
-class Timing:
-    median_ms: float
-    min_ms: float
 
 
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
@@ -61,31 +56,6 @@ class BenchResult:
         return out
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int = 3) -> dict[str, Timing]:
-    """Time each engine ``runs`` times, alternating between them after ``warmup`` untimed rounds.
-
-    Each timed run follows one untimed run of the same engine: a thread pool that just served another
-    engine is cold (TVM's idle workers sleep), and whichever engine came right after onnxruntime measured
-    2-5x slower than the same build placed after another TVM engine.  Priming gives every engine the
-    steady state of back-to-back inference.
-    """
-    for _ in range(warmup):
-        for fn in engines.values():
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in engines}
-    for _ in range(runs):
-        for name, fn in engines.items():
-            fn()
-            samples[name].append(_timed(fn))
-    return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
-
-
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
           trials: int = 0) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
@@ -113,7 +83,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
 
         errors[key] = max_abs_err(reference, outputs_numpy(run_tvm()))
         engines[key] = run_tvm
-    times = interleaved(engines, runs)
+    times = time_interleaved(engines, runs)
     return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, errors, trials)
 
 
@@ -177,8 +147,7 @@ def format_table(res: BenchResult) -> str:
 
 
 def write_json(res: BenchResult, path: str | os.PathLike) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res.to_json(), indent=2) + "\n")
+    write_text_atomic(path, json.dumps(res.to_json(), indent=2) + "\n")
 
 
 def plot(res: BenchResult, path: str | os.PathLike) -> None:

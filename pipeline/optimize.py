@@ -7,7 +7,6 @@ the graph IR unchanged, so DIR/optimized.onnx is always the graph the library wa
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import onnx
 
 from graphopt.errors import UserError
+from graphopt.fileio import write_bytes_atomic, write_text_atomic
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 
 
@@ -131,7 +131,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     log.add("compile", compiled.build_s, **facts)
 
     out.mkdir(parents=True, exist_ok=True)
-    onnx.save(optimized, str(out / "optimized.onnx"))
+    write_bytes_atomic(out / "optimized.onnx", optimized.SerializeToString())
     lib = compiled.export(out / "model.so")
     files = {"optimized": "optimized.onnx", "library": lib.name, "report_md": "report.md"}
     if lib.with_suffix(".hsaco").exists():
@@ -141,7 +141,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
         records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
-            shutil.copyfile(records, out / "records.jsonl")
+            write_bytes_atomic(out / "records.jsonl", records.read_bytes())
         plot_tuning(tune_result, out / "tuning.png")
         files.update(records="records.jsonl", tuning_plot="tuning.png")
     report = {
@@ -151,8 +151,8 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                                         for t in part.tasks],
         "files": files,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(report_markdown(report))
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out / "report.md", report_markdown(report))
     return OptimizeResult(out, report)
 
 

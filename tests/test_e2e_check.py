@@ -9,7 +9,8 @@ import onnx
 import pytest
 
 from graphopt.cli import main
-from graphopt.cost import AnalyticCost, MeasuredCost, ModelTimes, interleaved_medians
+from graphopt.cost import AnalyticCost, MeasuredCost, ModelTimes
+from graphopt.timing import time_interleaved
 from graphopt.errors import UserError
 from graphopt.onnx_io import import_onnx
 from graphopt.optimize import check_end_to_end, optimize
@@ -124,8 +125,10 @@ def test_measured_cost_times_whole_models_with_its_backend(tmp_path):
 
 def test_interleaved_medians_are_per_runner():
     calls: list[str] = []
-    meds = interleaved_medians([lambda: calls.append("a"), lambda: np.linalg.inv(np.eye(200))], runs=5, warmup=1)
-    assert calls == ["a"] * 6 and meds[0] < meds[1]
+    times = time_interleaved({"a": lambda: calls.append("a"), "inv": lambda: np.linalg.inv(np.eye(200))}, runs=5,
+                             warmup=1)
+    assert calls == ["a"] * 11  # 1 warm-up + 5 x (priming + timed)
+    assert times["a"].median_ms < times["inv"].median_ms and times["a"].min_ms <= times["a"].median_ms
 
 
 def test_merge_everything_wins_when_the_whole_model_says_so():
