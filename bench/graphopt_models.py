@@ -74,7 +74,7 @@ def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from graphopt.feeds import random_inputs
     from graphopt.onnx_io import import_onnx
-    from graphopt.cost import KernelCountCost
+    from graphopt.cost.kernel_count import KernelCountCost
     from graphopt.optimize import library, merge_rules, optimize
     from models.registry import build
 
@@ -112,7 +112,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def _price(model, args: argparse.Namespace) -> float:
     """What the benchmark's cost model says ``model`` costs, in the form the search prices (conv biases
     split), so it compares with ``cost_before``."""
-    from graphopt.cost import make_cost_model
+    from graphopt.cost.factory import make_cost_model
     from graphopt.onnx_io import import_onnx
     from graphopt.optimize import searched_cost
 

@@ -234,7 +234,7 @@ class Graph:
             if t in produced:
                 n, k = produced[t]
                 h = hashlib.sha1()
-                h.update(f"{n.domain}:{n.op_type}:{_attrs_key(n.attrs)}:{k}".encode())
+                h.update(f"{n.domain}:{n.op_type}:{attrs_key(n.attrs)}:{k}".encode())
                 for i in n.inputs:
                     h.update(tensor_key(i).encode() if i else b"-")
                 key = h.hexdigest()
@@ -271,7 +271,7 @@ def _subgraph_inputs(node: Node) -> Iterable[str]:
                         yield t
 
 
-def _attrs_key(attrs: dict[str, Any]) -> str:
+def attrs_key(attrs: dict[str, Any]) -> str:
     parts = []
     for k in sorted(attrs):
         v = attrs[k]

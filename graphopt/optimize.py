@@ -28,7 +28,9 @@ from typing import Any
 
 import onnx
 
-from graphopt.cost import CostModel, KernelCountCost, make_cost_model
+from graphopt.cost.base import CostModel
+from graphopt.cost.factory import make_cost_model
+from graphopt.cost.kernel_count import KernelCountCost
 from graphopt.ir import Graph
 from graphopt.errors import UserError
 from graphopt.fileio import write_bytes_atomic
@@ -121,7 +123,7 @@ def merge_rules(rules: list[Rule]) -> list[Rule]:
 def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost_model: CostModel, margin: float,
                        runs: int, alpha: float, budget: int, time_limit: float) -> tuple[Graph | None, dict[str, Any]]:
     """The graph with every parallel group the merge rules reach merged (searched under
-    :class:`~graphopt.cost.KernelCountCost` from ``searched``, the search's input), if it runs faster than
+    :class:`~graphopt.cost.kernel_count.KernelCountCost` from ``searched``, the search's input), if it runs faster than
     ``original`` end to end by ``margin``; else ``None``.  The dict says what was tried and measured."""
     res = search(searched, merge_rules(rules), KernelCountCost(), alpha, budget, time_limit)
     if not any(res.applied.values()):

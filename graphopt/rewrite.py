@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.cost import constant_tensors, foldable
-from graphopt.ir import Graph, Node, TensorInfo
+from graphopt.cost.analysis import ELEMENTWISE_OPS, FUSION_ANCHOR_OPS, constant_tensors, foldable
+from graphopt.ir import Graph, Node, TensorInfo, attrs_key
 from graphopt.match import GraphIndex, Match, _ref
 
 Shape = tuple[int, ...]
@@ -125,8 +125,7 @@ def creates_cycle(match: Match, index: GraphIndex) -> bool:
 
 def _fused_in_target(pattern, j: int) -> bool:
     """Target node ``j`` is element-wise and reads the only use of a fusable target node's output (the
-    pattern-local version of :func:`graphopt.cost.fused_epilogue`, for estimating a rewrite's cost)."""
-    from graphopt.cost import ELEMENTWISE_OPS, FUSION_ANCHOR_OPS
+    pattern-local version of :func:`graphopt.cost.analysis.fused_epilogue`, for estimating a rewrite's cost)."""
 
     if pattern.nodes[j].op not in ELEMENTWISE_OPS:
         return False
@@ -366,8 +365,6 @@ def eliminate_common_subexpressions(graph: Graph) -> int:
     """Merge nodes that compute the same op with the same attributes on the same inputs (rewrites applied
     independently, e.g. one merge per RNN gate, each build their own ``concat(x0, x1)``); returns the
     number of nodes removed.  Nodes producing graph outputs keep their names and are left alone."""
-    from graphopt.ir import _attrs_key
-
     outputs = set(graph.output_names)
     seen: dict[tuple, Node] = {}
     rename: dict[str, str] = {}
@@ -378,7 +375,7 @@ def eliminate_common_subexpressions(graph: Graph) -> int:
                      n.attr_types)
         deterministic = not n.op_type.startswith("Random") and n.inputs and not any(
             hasattr(v, "node") and hasattr(v, "initializer") for v in n.attrs.values())
-        key = (n.domain, n.op_type, _attrs_key(n.attrs), tuple(n.inputs), len(n.outputs))
+        key = (n.domain, n.op_type, attrs_key(n.attrs), tuple(n.inputs), len(n.outputs))
         first = seen.get(key) if deterministic else None
         if first is not None and not any(o in outputs for o in n.outputs):
             rename.update({o: f for o, f in zip(n.outputs, first.outputs) if o})

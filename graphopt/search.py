@@ -19,7 +19,7 @@ Two things make it fast enough for BERT-base (~1000 nodes, hundreds of matches p
 
 Beyond TASO: verified rules are also applied right to left (an equivalence holds both ways; see
 :func:`graphopt.match.with_reverses`), and the cost model prices element-wise epilogues as fused into their
-producer (:func:`graphopt.cost.fused_epilogue`), which is what both backends do and what decides whether a
+producer (:func:`graphopt.cost.analysis.fused_epilogue`), which is what both backends do and what decides whether a
 merge that puts a ``Split`` between a kernel and its epilogue pays.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from graphopt.cost import CostModel, constant_tensors, foldable
+from graphopt.cost.analysis import constant_tensors, foldable
+from graphopt.cost.base import CostModel
 from graphopt.ir import Graph
 from graphopt.match import GraphIndex, Match, RuleIndex, ViewCache, with_reverses
 from graphopt.rewrite import Rewrite, RewriteError, apply_match, creates_cycle, target_plan
@@ -255,7 +256,7 @@ def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measur
     (:func:`graphopt.optimize.merged_alternative`, ``e2e["kept"] == "merged"`` when it wins); failing that
     ``result.graph`` is a copy of the input, ``applied`` is empty, ``cost_after == cost_before``, and
     ``result.e2e`` holds the timings and what the search had applied."""
-    from graphopt.cost import make_cost_model
+    from graphopt.cost.factory import make_cost_model
     from graphopt.optimize import (E2E_MARGIN, E2E_RUNS, check_end_to_end, check_margin, finish, library,
                                    merged_alternative, searched_cost)
     from graphopt.rewrite import split_conv_bias

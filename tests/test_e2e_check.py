@@ -9,7 +9,10 @@ import onnx
 import pytest
 
 from graphopt.cli import main
-from graphopt.cost import AnalyticCost, MeasuredCost, ModelTimes
+from graphopt.cost.analytic import AnalyticCost
+from graphopt.cost.base import ModelTimes
+from graphopt.cost.measured import MeasuredCost
+from graphopt.cost.runners import OrtRunner
 from graphopt.timing import time_interleaved
 from graphopt.errors import UserError
 from graphopt.onnx_io import import_onnx
@@ -118,7 +121,7 @@ def _matmul_model(n: int) -> onnx.ModelProto:
 
 def test_measured_cost_times_whole_models_with_its_backend(tmp_path):
     """Real onnxruntime timing of two whole models, interleaved: a 256^3 matmul is slower than an 8^3 one."""
-    cost = MeasuredCost(threads=1, path=tmp_path / "cost.json", backend="ort")
+    cost = MeasuredCost(OrtRunner(threads=1), path=tmp_path / "cost.json")
     times = cost.time_models([import_onnx(_matmul_model(8)), import_onnx(_matmul_model(256))], runs=9)
     assert times.backend == "ort" and 0 < times.seconds[0] < times.seconds[1]
 
