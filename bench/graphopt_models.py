@@ -1,6 +1,7 @@
 """Benchmark the graph stage on the model set: cost and measured end-to-end latency before/after.
 
-Per model: build it (``models`` registry), run ``graphopt`` optimize (verified library, cost-based search),
+Per model: build it (``models`` registry), run the graph stage (:func:`graphopt.stage.optimize_onnx`, the
+function ``graphopt optimize`` and the pipeline run: verified library, cost-based search, end-to-end check),
 then time the input and the optimized model end to end with the same engine - onnxruntime (CPU EP) and,
 with ``--tvm``, TVM through the pipeline's compile (template/dlight default schedules, no tuning).  Runs of
 the two models are interleaved so machine noise hits both alike; medians are reported.
@@ -71,27 +72,41 @@ def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
     return out
 
 
+def _cost_model(args: argparse.Namespace):
+    """The cost model the graph stage runs with here: ``--cost``, timed by ``--backend``."""
+    from graphopt.cost.factory import make_cost_model
+    from graphopt.cost.runners import OrtRunner
+
+    if args.backend == "tvm":
+        from pipeline.graph_runner import TvmRunner
+
+        return make_cost_model(args.cost, "llvm", TvmRunner(args.threads))
+    return make_cost_model(args.cost, "llvm", OrtRunner(args.threads))
+
+
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from graphopt.cost.kernel_count import KernelCountCost
     from graphopt.feeds import random_inputs
     from graphopt.onnx_io import import_onnx
-    from graphopt.cost.kernel_count import KernelCountCost
-    from graphopt.optimize import library, merge_rules, optimize
+    from graphopt.rules import merge_rules, verified_library
+    from graphopt.stage import GraphStageOptions, optimize_onnx, searched_cost
     from models.registry import build
 
     proto = build(name, args.seed)
-    optimized, report = optimize(proto, target="llvm", alpha=args.alpha, budget=args.budget,
-                                 time_limit=args.time_limit, cost=args.cost, backend=args.backend,
-                                 threads=args.threads, seed=args.seed)
+    cost = _cost_model(args)
+    optimized, report = optimize_onnx(proto, cost, GraphStageOptions(args.alpha, args.budget, args.time_limit),
+                                      seed=args.seed)
     row: dict[str, Any] = {"model": name, **report}
     models = {"before": proto, "after": optimized}
     if args.merged:
-        merged, mrep = optimize(proto, target="llvm", budget=args.budget, time_limit=args.time_limit,
-                                cost=KernelCountCost(), rules=merge_rules(library()), e2e_check=False,
-                                seed=args.seed)
+        merged, mrep = optimize_onnx(proto, KernelCountCost(), GraphStageOptions(
+            budget=args.budget, time_limit=args.time_limit, rules=merge_rules(verified_library()), e2e_check=False),
+            seed=args.seed)
         if any(mrep["applied"].values()) and mrep["applied"] != report["applied"]:
             models["merged"] = merged
+            # priced in the form the search prices (conv biases split), so it compares with cost_before
             row["merged"] = {"applied": mrep["applied"], "max_abs_err": mrep["max_abs_err"],
-                             "cost_after": _price(merged, args), "nodes_after": mrep["nodes_after"]}
+                             "cost_after": searched_cost(import_onnx(merged), cost), "nodes_after": mrep["nodes_after"]}
     feeds = random_inputs(import_onnx(proto), args.seed)
     row["ort_ms"] = ort_latency(models, feeds, args.threads, args.runs)
     row["ort_speedup"] = row["ort_ms"]["before"] / row["ort_ms"]["after"]
@@ -107,16 +122,6 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             row["tvm_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     row["cost_speedup"] = report["cost_before"] / report["cost_after"] if report["cost_after"] else None
     return row
-
-
-def _price(model, args: argparse.Namespace) -> float:
-    """What the benchmark's cost model says ``model`` costs, in the form the search prices (conv biases
-    split), so it compares with ``cost_before``."""
-    from graphopt.cost.factory import make_cost_model
-    from graphopt.onnx_io import import_onnx
-    from graphopt.optimize import searched_cost
-
-    return searched_cost(import_onnx(model), make_cost_model(args.cost, "llvm", args.backend, args.threads))
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:

@@ -1,4 +1,7 @@
-"""Console scripts ``optimize-model`` and ``bench-model``.
+"""The console scripts, all composed here: ``optimize-model``, ``bench-model``, ``graphopt``.
+
+This module is the composition root: the lower packages define interfaces and the pipeline plugs the
+engines in (graphopt's measured cost model gets the TVM runner here), so no lower package imports upward.
 
 TVM's thread pool reads ``TVM_NUM_THREADS`` once, when it first starts, and uses one thread on this VM
 otherwise; so ``--threads`` is put into the environment before anything imports the TVM runtime (all
@@ -10,7 +13,10 @@ import argparse
 import os
 import sys
 
+from graphopt import cli as graphopt_cli
+from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import UserError, cli_entry
+from pipeline.targets import KINDS, check_name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,7 +113,7 @@ def bench_model_main(argv: list[str] | None = None) -> int:
 
     from graphopt.onnx_io import load_model, parse_input_shapes
     from pipeline import benchmark
-    from pipeline.targets import check_name, parse_target
+    from pipeline.targets import parse_target
 
     check_name(args.target)
     load_model(args.model)  # fail fast on a bad file, before TVM loads
@@ -130,6 +136,26 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         print(f"kernels of '{benchmark.ENGINES[best]}':")
         print(benchmark.format_profile(benchmark.profile_kernels(engines[best], imported, seed=args.seed)))
     return 0
+
+
+def _tvm_runner(threads: int) -> GraphRunner:
+    # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
+    from pipeline.graph_runner import TvmRunner
+
+    return TvmRunner(threads)
+
+
+GRAPHOPT_COMPONENTS = graphopt_cli.Components(
+    runners={"tvm": _tvm_runner, "ort": OrtRunner},
+    target_kinds=KINDS,
+    check_target=lambda name: check_name(name)[0],
+)
+
+
+@cli_entry
+def graphopt_main(argv: list[str] | None = None) -> int:
+    """``graphopt``: graphopt's own CLI with the TVM engine plugged into its measured cost model."""
+    return graphopt_cli.main(argv, GRAPHOPT_COMPONENTS)
 
 
 if __name__ == "__main__":  # pragma: no cover

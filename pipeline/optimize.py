@@ -1,7 +1,8 @@
 """``optimize-model``: graph stage -> Relax import -> partition -> tuning -> compile -> check -> write DIR.
 
-Each stage is timed into report.json.  The graph stage is :func:`graphopt.search.optimize`
-(TASO-style substitutions, measured cost); with ``--skip-graph`` the model is imported and exported through
+Each stage is timed into report.json.  The graph stage is :func:`graphopt.stage.optimize_graph`
+(TASO-style substitutions, measured cost timed with TVM); with ``--skip-graph`` the model is imported and
+exported through
 the graph IR unchanged, so DIR/optimized.onnx is always the graph the library was compiled from.
 """
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 import onnx
 
+from graphopt.cost.factory import make_cost_model
 from graphopt.errors import UserError
 from graphopt.fileio import write_bytes_atomic, write_text_atomic
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.stage import GraphStageOptions, optimize_graph
 
 
 @dataclass
@@ -31,21 +34,23 @@ class StageLog:
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
-    """The model the compiler sees: graphopt's optimized graph, or the imported graph re-exported."""
+    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM), or the
+    imported graph re-exported."""
     t0 = time.perf_counter()
     graph = import_onnx(model, input_shapes, require_static=True)
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
         return export_onnx(graph)
-    from graphopt.search import optimize
+    from pipeline.graph_runner import TvmRunner
 
-    result = optimize(graph, target=target, threads=threads, progress=progress)
-    optimized = result.graph
-    facts = {k: getattr(result, k) for k in ("cost_before", "cost_after", "applied", "stopped_by")}
-    facts.update({k: result.e2e.get(k) for k in ("kept", "e2e_ms_before", "e2e_ms_after")})  # end-to-end verdict
+    cost = make_cost_model("measured", target, TvmRunner(threads))
+    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
+    facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
+             "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
+             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
-            nodes_after=len(optimized.nodes), **facts)
-    return export_onnx(optimized)
+            nodes_after=len(result.graph.nodes), **facts)
+    return export_onnx(result.graph)
 
 
 @dataclass
