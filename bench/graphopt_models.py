@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.timing import time_interleaved
+from kerneltune.targets import host_model_name, set_num_threads, tvm_num_threads
 
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
 
@@ -51,10 +52,10 @@ def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
 
 def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, Any]:
     """Compile the models with the pipeline's default schedules and time them on the Relax VM."""
-    from pipeline.compile import compile_partition, device_for, to_device
+    from kerneltune.targets import device_for, parse_target
+    from pipeline.compile import compile_partition, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from pipeline.targets import parse_target
 
     spec = parse_target("llvm", threads)
     dev = device_for(spec)
@@ -167,13 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench/results/graphopt_models.json")
     p.add_argument("--png", default="bench/results/graphopt_models.png")
     args = p.parse_args(argv)
-    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    set_num_threads(tvm_num_threads(args.threads))
     rows = []
     for name in args.models:
         row = bench_model(name, args)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    from pipeline.targets import host_model_name
 
     doc = {"threads": args.threads, "cpu": host_model_name(), "cost": args.cost, "backend": args.backend,
            "runs": args.runs, "models": rows}

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads
+
 OPS: dict[str, dict[str, Any]] = {
     "mm1": {"kind": "matmul", "shape": (512, 1024, 1024)},
     "bmm1": {"kind": "batch_matmul", "shape": (96, 128, 128, 64)},
@@ -242,10 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown op/searcher {bad}")
 
-    from pipeline.targets import llvm_target
 
     target = llvm_target(args.threads)
-    os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
+    set_num_threads(tvm_num_threads(int(target.attrs["num-cores"])))
     from peak import fma_peak_gflops
 
     from kerneltune.measure import Measurer, numpy_gflops

@@ -24,6 +24,7 @@ from typing import Any
 from graphopt.errors import UserError, cli_entry
 from graphopt.fileio import write_text_atomic
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
+from kerneltune.targets import TARGET_HELP
 
 OPS = ("matmul", "batch_matmul", "conv2d")
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--pad", type=int, help="conv2d padding (default 0)")
     op.add_argument("--groups", type=int, help="conv2d groups (default 1)")
     tune = p.add_argument_group("tuning")
-    tune.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
+    tune.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     tune.add_argument("--searcher", default="opevo", help=f"{' | '.join(sorted(SEARCHERS))} (default opevo)")
     tune.add_argument("--trials", type=int, default=64, help="configs to measure in total (default 64)")
     tune.add_argument("--seed", type=int, default=0, help="searcher seed (default 0)")
@@ -83,7 +84,7 @@ def _check_operator_args(args: argparse.Namespace) -> None:
         raise UserError("--transpose-a/--transpose-b apply to matmul and batch_matmul only")
     if args.op != "conv2d" and any(v is not None for v in (args.stride, args.pad, args.groups)):
         raise UserError("--stride/--pad/--groups apply to conv2d only")
-    from pipeline.targets import check_name
+    from kerneltune.targets import check_name
 
     check_name(args.target)
 
@@ -97,7 +98,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
     from kerneltune.tune import tune
-    from pipeline.targets import parse_target
+    from kerneltune.targets import parse_target
 
     task = make_task(args.op, args.shape, args.transpose_a, args.transpose_b, args.stride or 1, args.pad or 0,
                      args.groups or 1)

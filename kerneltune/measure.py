@@ -61,6 +61,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kerneltune.native_log import quiet_native_stderr
+from kerneltune.targets import kind_of, tvm_num_threads
 
 # Tolerance of the correctness check, relative to the reference's largest magnitude: a different summation
 # order of fp32 dot products differs by ~1e-6 of it; a wrong kernel by O(1).
@@ -300,9 +301,6 @@ class _Pool:
 
 # ----------------------------------------------------------------------------------------------- measurer
 
-_DEVICES = {"llvm": "cpu", "cuda": "cuda", "rocm": "rocm"}
-
-
 class Measurer:
     """Builds (parallel, in worker processes) and times (sequentially, in one runner process) configs."""
 
@@ -314,12 +312,7 @@ class Measurer:
         import tvm
 
         self.target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-        kind = self.target.kind.name
-        if kind not in _DEVICES:
-            from graphopt.errors import UserError
-
-            raise UserError(f"cannot measure on target kind {kind!r}; use llvm, cuda or rocm")
-        self.device = _DEVICES[kind]
+        self.device = kind_of(self.target).device  # a UserError for kinds we cannot measure on
         # The flush is a CPU instruction (clflush): a GPU kernel's operands live in device memory.
         self.cache_flush = cache_flush and self.device == "cpu"
         self.number, self.repeat, self.min_repeat_ms = number, repeat, min_repeat_ms
@@ -330,7 +323,7 @@ class Measurer:
             raise UserError(f"bad --rpc {rpc!r}: use HOST:PORT (RPC server) or HOST:PORT:KEY (tracker)")
         self.rpc, self.session_timeout = rpc, session_timeout
         cores = int(self.target.attrs["num-cores"]) if "num-cores" in self.target.attrs else (os.cpu_count() or 1)
-        env = {"TVM_NUM_THREADS": os.environ.get("TVM_NUM_THREADS", str(cores))}
+        env = {"TVM_NUM_THREADS": str(tvm_num_threads(cores))}
         self._target_json = str(self.target)
         self._tmp = tempfile.mkdtemp(prefix="kerneltune-")
         self._builders = _Pool(workers or max(1, min(os.cpu_count() or 1, 4)), env)

@@ -18,7 +18,7 @@ from typing import Callable
 from graphopt.feeds import max_abs_err, ort_session, random_inputs
 from graphopt.fileio import write_text_atomic
 from graphopt.timing import Timing, time_interleaved
-from pipeline.targets import host_cpu, host_model_name
+from kerneltune.targets import device_for, host_cpu, host_model_name
 
 
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
@@ -60,7 +60,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
           trials: int = 0) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
     onnxruntime on the original model, all interleaved in one loop."""
-    from pipeline.compile import device_for, outputs_numpy, to_device
+    from pipeline.compile import outputs_numpy, to_device
 
     feeds = random_inputs(imported.graph, seed)
     sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
@@ -99,7 +99,7 @@ def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0) -> list[Ke
 
     This is what says which kernels dominate end to end, cold caches and call overheads included.
     """
-    from pipeline.compile import device_for, to_device
+    from pipeline.compile import to_device
 
     dev = device_for(compiled.spec)
     vm = compiled.vm()

@@ -16,7 +16,7 @@ import sys
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import UserError, cli_entry
-from pipeline.targets import KINDS, check_name
+from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, set_num_threads
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
-    p.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
+    p.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for TVM and onnxruntime (default: the cores this process may use)")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
@@ -40,8 +40,8 @@ def set_threads(threads: int | None) -> int:
     """Fix the thread count for TVM's pool before it starts; returns the count used."""
     if threads is not None and threads < 1:
         raise UserError(f"--threads {threads}: give a positive number of threads")
-    n = threads or len(os.sched_getaffinity(0))
-    os.environ["TVM_NUM_THREADS"] = str(n)
+    n = threads or default_threads()
+    set_num_threads(n)
     return n
 
 
@@ -113,7 +113,7 @@ def bench_model_main(argv: list[str] | None = None) -> int:
 
     from graphopt.onnx_io import load_model, parse_input_shapes
     from pipeline import benchmark
-    from pipeline.targets import parse_target
+    from kerneltune.targets import parse_target
 
     check_name(args.target)
     load_model(args.model)  # fail fast on a bad file, before TVM loads

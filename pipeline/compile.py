@@ -32,8 +32,8 @@ from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.ir import Graph
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
-from pipeline.targets import TargetSpec
 from kerneltune.native_log import quiet_native_stderr
+from kerneltune.targets import TargetSpec, device_for
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,6 @@ def amdgpu_code_objects(blob: bytes) -> list[bytes]:
                 out.append(blob[i:end])
         i = blob.find(b"\x7fELF", i + 4)
     return out
-
-
-def device_for(spec: TargetSpec):
-    if not spec.can_run:
-        raise UserError(f"cannot run the {spec.kind} build here: {spec.note}")
-    return {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[spec.kind](0)
 
 
 def _cpu_rules() -> list:

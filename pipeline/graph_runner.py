@@ -7,16 +7,15 @@ fusion, the template / dlight default schedules, the Relax VM.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
-from pipeline.compile import compile_partition, device_for, to_device
+from kerneltune.targets import TargetSpec, device_for, parse_target, set_num_threads, tvm_num_threads
+from pipeline.compile import compile_partition, to_device
 from pipeline.partition import partition
 from pipeline.relax_import import import_model
-from pipeline.targets import TargetSpec, parse_target
 
 
 class TvmRunner(GraphRunner):
@@ -25,14 +24,12 @@ class TvmRunner(GraphRunner):
     name = "tvm"
 
     def __init__(self, threads: int = 1, target: str = "llvm"):
-        if os.environ.get("TVM_NUM_THREADS", "").isdigit():
-            threads = int(os.environ["TVM_NUM_THREADS"])  # TVM's pool is sized once per process
-        super().__init__(threads)
+        super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
         self.target = target
         self._spec: TargetSpec | None = None
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
-        os.environ.setdefault("TVM_NUM_THREADS", str(self.threads))
+        set_num_threads(self.threads)
         if self._spec is None:
             self._spec = parse_target(self.target, self.threads)
         imported = import_model(export_onnx(graph, check=False))

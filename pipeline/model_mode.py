@@ -25,7 +25,7 @@ def run_model(args: argparse.Namespace) -> int:
     if args.op:
         raise UserError("give either a MODEL or --op, not both")
     from graphopt.onnx_io import load_model, parse_input_shapes
-    from pipeline.targets import check_name
+    from kerneltune.targets import check_name
 
     check_name(args.target)
     load_model(args.model)

@@ -85,7 +85,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     from pipeline.compile import ATOL, check_outputs, compile_partition
     from pipeline.partition import partition, select_tasks
     from pipeline.relax_import import import_model
-    from pipeline.targets import check_name, parse_target
+    from kerneltune.targets import check_name, parse_target
 
     tuning = tuning or TuneOptions()
     check_name(target)

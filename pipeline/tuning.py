@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from graphopt.errors import UserError
 from pipeline.partition import FusedTask
-from pipeline.targets import TargetSpec
+from kerneltune.targets import TargetSpec
 
 
 @dataclass

@@ -10,10 +10,11 @@ import pytest
 import tvm
 
 from kerneltune import templates
+from kerneltune.targets import llvm_target
 from kerneltune.measure import Measurer, _run_in_worker, numpy_gflops
 from kerneltune.task import build_func, make_task
 
-LLVM = templates.host_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
+LLVM = llvm_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
 
 
 @pytest.fixture(scope="module")

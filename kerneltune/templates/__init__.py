@@ -10,10 +10,9 @@ API used by the searchers, the measurer and the pipeline:
 * ``default_config(task, target) -> config``: a heuristic config used without tuning (the pipeline's
   default for every matmul/conv task).
 
-``llvm`` -> :mod:`.cpu` (Ansor SSRSRS multi-level tiling), ``cuda``/``rocm`` -> :mod:`.gpu`.
-
-``host_target(num_cores)``: the llvm target for this CPU (with ``mcpu``; a bare ``llvm`` target gets no
-AVX/FMA code at all -- use this, or name ``mcpu`` yourself).
+Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets` (``llvm`` ->
+:mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`).  For CPU code use
+:func:`kerneltune.targets.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
 
@@ -21,23 +20,18 @@ import tvm
 
 from ..space import SearchSpace
 from ..task import Task
+from ..targets import kind_of
 from . import cpu, gpu
 from .common import InvalidConfig
-from .cpu import host_target
 
-__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for", "host_target"]
+__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for"]
+
+FAMILIES = {"cpu": cpu, "gpu": gpu}  # TargetKind.template -> module
 
 
 def template_for(target: tvm.target.Target):
     """The template module for ``target`` (cpu or gpu); a UserError for kinds without one."""
-    kind = target.kind.name
-    if kind == "llvm":
-        return cpu
-    if kind in ("cuda", "rocm"):
-        return gpu
-    from graphopt.errors import UserError
-
-    raise UserError(f"no schedule template for target kind {kind!r}; use llvm, cuda or rocm")
+    return FAMILIES[kind_of(target).template]
 
 
 def _target(target) -> tvm.target.Target:

@@ -26,6 +26,7 @@ import tvm
 from tvm import tirx
 
 from ..space import ChoiceKnob, SearchSpace
+from ..targets import num_cores, vector_lanes
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob
 
@@ -53,30 +54,6 @@ def space(task: Task) -> SearchSpace:
     return SearchSpace(knobs)
 
 
-def vector_lanes(target: tvm.target.Target, dtype: str) -> int:
-    """Lanes of ``dtype`` in the target's widest vector register: 512-bit with AVX-512, 256 with AVX2,
-    else 128.  Follows the target's ``mcpu``/``mattr``: a bare ``llvm`` target emits SSE2 code only."""
-    from tvm.target import codegen
-
-    if codegen.target_has_features("avx512f", target):
-        bits = 512
-    elif codegen.target_has_features("avx2", target):
-        bits = 256
-    else:
-        bits = 128
-    return max(1, bits // tvm.DataType(dtype).bits)
-
-
-def host_target(num_cores: int = 2) -> tvm.target.Target:
-    """LLVM target for this machine's CPU (``mcpu`` from LLVM's host detection, e.g. znver5 here).
-
-    Without ``mcpu`` LLVM generates baseline x86-64 code: no AVX, no FMA (4x fewer FLOPs per instruction).
-    """
-    from tvm.target import codegen
-
-    return tvm.target.Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": num_cores})
-
-
 def _vector_operand(sch, anchor, task: Task) -> str:
     """Name of the input the anchor reads along the vector axis (B of a matmul)."""
     return _operand_along(sch.get(anchor), task)
@@ -102,10 +79,6 @@ def _operand_along(block, task: Task) -> str:
         if region.source.name != out and var in used:
             return region.source.name
     raise ValueError(f"no operand of {task.anchor} is indexed by {var}")
-
-
-def num_cores(target: tvm.target.Target) -> int:
-    return int(target.attrs["num-cores"]) if "num-cores" in target.attrs else 1
 
 
 def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
@@ -294,4 +267,4 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int) -> None:
                 cfg[r][0] *= p
 
 
-__all__ = ["space", "apply", "default_config", "InvalidConfig", "vector_lanes", "host_target"]
+__all__ = ["space", "apply", "default_config", "InvalidConfig"]
