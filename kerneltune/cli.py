@@ -10,18 +10,19 @@ conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--
 with the same ``--records`` resumes: stored configs count towards ``--trials`` and are not measured again.
 
 Structure: :func:`build_parser` declares the options, :func:`run_operator` does the single-operator mode.
-A model mode (``tune-kernels MODEL --list`` ...) belongs to the pipeline; it plugs in at the two places
-marked "MODEL MODE" below, leaving the single-operator path untouched.
+A model mode (``tune-kernels MODEL --list``) belongs to the pipeline, which owns model import: the console
+script is composed in :mod:`pipeline.cli` and passes it in as a :class:`ModelMode`, leaving the
+single-operator path untouched.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from graphopt.errors import UserError, cli_entry
+from graphopt.errors import UserError
 from graphopt.fileio import write_text_atomic
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
 from kerneltune.targets import TARGET_HELP
@@ -36,12 +37,19 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see tune-kernels --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
-    # MODEL MODE (1/2): the pipeline adds its positional ``model`` (nargs="?") and ``--list`` here.
-    from pipeline.model_mode import add_model_arguments  # MODEL MODE: pipeline/model_mode.py
+@dataclass(frozen=True)
+class ModelMode:
+    """A mode working on a whole model, plugged in by the composition root (:mod:`pipeline.cli`)."""
 
-    add_model_arguments(p)
+    add_arguments: Callable[[argparse.ArgumentParser], None]  # its options (e.g. a positional MODEL)
+    selected: Callable[[argparse.Namespace], bool]  # whether the parsed options ask for it
+    run: Callable[[argparse.Namespace], int]  # the mode itself; returns the exit code
+
+
+def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser:
+    p = _Parser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
+    if model_mode is not None:
+        model_mode.add_arguments(p)
     op = p.add_argument_group("single operator")
     op.add_argument("--op", help=f"operator: {', '.join(OPS)}")
     op.add_argument("--shape", help="M,K,N (matmul) | B,M,K,N (batch_matmul) | N,C,H,W,F,KH,KW (conv2d)")
@@ -149,13 +157,11 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    # MODEL MODE (2/2): ``if args.model: return run_model(args)`` goes here.
-    if args.model:
-        from pipeline.model_mode import run_model
-
-        return run_model(args)
+def main(argv: list[str] | None, model_mode: ModelMode | None = None) -> int:
+    """Run ``tune-kernels`` (wrapped by :func:`graphopt.errors.cli_entry` in the console script)."""
+    args = build_parser(model_mode).parse_args(argv)
+    if model_mode is not None and model_mode.selected(args):
+        return model_mode.run(args)
     result = run_operator(args)
     text = json.dumps(result, indent=2, default=list)
     print(text)
@@ -165,6 +171,3 @@ def _main(argv: list[str] | None) -> int:
         print("error: no config built and ran correctly; the records say why each one failed", file=sys.stderr)
         return 1
     return 0
-
-
-main = cli_entry(_main)

@@ -1,7 +1,8 @@
-"""The console scripts, all composed here: ``optimize-model``, ``bench-model``, ``graphopt``.
+"""The console scripts, all composed here: ``optimize-model``, ``bench-model``, ``graphopt``, ``tune-kernels``.
 
 This module is the composition root: the lower packages define interfaces and the pipeline plugs the
-engines in (graphopt's measured cost model gets the TVM runner here), so no lower package imports upward.
+engines in (graphopt's measured cost model gets the TVM runner here, kerneltune's CLI the model mode), so no
+lower package imports upward.
 
 TVM's thread pool reads ``TVM_NUM_THREADS`` once, when it first starts, and uses one thread on this VM
 otherwise; so ``--threads`` is put into the environment before anything imports the TVM runtime (all
@@ -16,7 +17,9 @@ import sys
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import UserError, cli_entry
+from kerneltune import cli as kerneltune_cli
 from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, set_num_threads
+from pipeline.model_mode import MODEL_MODE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,6 +159,12 @@ GRAPHOPT_COMPONENTS = graphopt_cli.Components(
 def graphopt_main(argv: list[str] | None = None) -> int:
     """``graphopt``: graphopt's own CLI with the TVM engine plugged into its measured cost model."""
     return graphopt_cli.main(argv, GRAPHOPT_COMPONENTS)
+
+
+@cli_entry
+def tune_kernels_main(argv: list[str] | None = None) -> int:
+    """``tune-kernels``: kerneltune's single-operator CLI plus the pipeline's model mode (``MODEL --list``)."""
+    return kerneltune_cli.main(argv, MODEL_MODE)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,11 +1,12 @@
 """``tune-kernels MODEL --list``: the model's fused kernels as tuning tasks, with the indices ``--kernels``
-takes.  Plugged into kerneltune's CLI (which owns the single-operator mode) by two calls.
+takes.  Plugged into kerneltune's CLI (which owns the single-operator mode) as :data:`MODEL_MODE`.
 """
 from __future__ import annotations
 
 import argparse
 
 from graphopt.errors import UserError
+from kerneltune.cli import ModelMode
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,3 +40,6 @@ def run_model(args: argparse.Namespace) -> int:
     print(f"{len(part.tasks)} tasks, {len(tunable)} tunable (matmul / batch_matmul / conv2d), "
           f"{part.total_flops() / 1e9:.3f} GFLOP per run")
     return 0
+
+
+MODEL_MODE = ModelMode(add_model_arguments, lambda args: bool(args.model), run_model)

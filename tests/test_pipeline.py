@@ -413,7 +413,7 @@ def test_optimize_model_tunes_for_real(tmp_path):
 
 
 def test_tune_kernels_model_list(capsys):
-    from kerneltune.cli import main
+    from pipeline.cli import tune_kernels_main as main
 
     assert main([str(BERT_TINY), "--list"]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kerneltune.cli import main
+from pipeline.cli import tune_kernels_main as main
 
 TINY = ["--op", "matmul", "--shape", "32,64,32", "--target", "llvm", "--threads", "1", "--workers", "1",
         "--no-progress"]
