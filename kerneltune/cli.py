@@ -25,10 +25,8 @@ from typing import Any, Callable
 from graphopt.errors import UserError
 from graphopt.fileio import write_text_atomic
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
-from kerneltune.targets import TARGET_HELP
-
-OPS = ("matmul", "batch_matmul", "conv2d")
-
+from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, parse_shape
+from kerneltune.targets import TARGET_HELP, check_name, parse_target
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad options as a one-line UserError (exit 2) instead of usage + exit."""
@@ -51,8 +49,8 @@ def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser
     if model_mode is not None:
         model_mode.add_arguments(p)
     op = p.add_argument_group("single operator")
-    op.add_argument("--op", help=f"operator: {', '.join(OPS)}")
-    op.add_argument("--shape", help="M,K,N (matmul) | B,M,K,N (batch_matmul) | N,C,H,W,F,KH,KW (conv2d)")
+    op.add_argument("--op", help=f"operator: {', '.join(KINDS)}")
+    op.add_argument("--shape", help=" | ".join(f"{k.shape} ({k.name})" for k in OP_KINDS.values()))
     op.add_argument("--transpose-a", action="store_true", help="matmuls: A is stored transposed")
     op.add_argument("--transpose-b", action="store_true", help="matmuls: B is stored transposed")
     op.add_argument("--stride", type=int, help="conv2d stride (default 1)")
@@ -79,21 +77,21 @@ def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser
 def _check_operator_args(args: argparse.Namespace) -> None:
     """Every mistake that needs no TVM is caught here, before seconds of imports."""
     if not args.op:
-        raise UserError(f"--op is required: one of {', '.join(OPS)}")
-    if args.op not in OPS:
-        raise UserError(f"unknown op {args.op!r}; use one of {', '.join(OPS)}")
+        raise UserError(f"--op is required: one of {', '.join(KINDS)}")
+    kind = op_kind(args.op)
     if not args.shape:
-        raise UserError("--shape is required (M,K,N for matmul, B,M,K,N for batch_matmul, N,C,H,W,F,KH,KW for conv2d)")
+        raise UserError("--shape is required (" + ", ".join(f"{k.shape} for {k.name}" for k in OP_KINDS.values())
+                        + ")")
+    parse_shape(args.op, args.shape)
     if args.searcher not in SEARCHERS:
         raise UserError(f"unknown searcher {args.searcher!r}; use one of {', '.join(sorted(SEARCHERS))}")
     if args.trials <= 0:
         raise UserError("--trials must be positive")
-    if args.op == "conv2d" and (args.transpose_a or args.transpose_b):
-        raise UserError("--transpose-a/--transpose-b apply to matmul and batch_matmul only")
-    if args.op != "conv2d" and any(v is not None for v in (args.stride, args.pad, args.groups)):
-        raise UserError("--stride/--pad/--groups apply to conv2d only")
-    from kerneltune.targets import check_name
-
+    for names, given in ((("transpose_a", "transpose_b"), args.transpose_a or args.transpose_b),
+                         (("stride", "pad", "groups"), any(getattr(args, n) is not None for n in ("stride", "pad", "groups")))):
+        if given and not set(names) <= set(kind.options):
+            takers = [k.name for k in OP_KINDS.values() if set(names) <= set(k.options)]
+            raise UserError(f"{'/'.join('--' + n.replace('_', '-') for n in names)} apply to {' and '.join(takers)} only")
     check_name(args.target)
 
 
@@ -106,7 +104,6 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
     from kerneltune.tune import tune
-    from kerneltune.targets import parse_target
 
     task = make_task(args.op, args.shape, args.transpose_a, args.transpose_b, args.stride or 1, args.pad or 0,
                      args.groups or 1)

@@ -7,6 +7,7 @@ import argparse
 
 from graphopt.errors import UserError
 from kerneltune.cli import ModelMode
+from kerneltune.opkinds import KINDS as OP_KINDS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +38,7 @@ def run_model(args: argparse.Namespace) -> int:
     part = partition(imported.mod)
     print(format_tasks(part.tasks))
     tunable = [t for t in part.tasks if t.task is not None]
-    print(f"{len(part.tasks)} tasks, {len(tunable)} tunable (matmul / batch_matmul / conv2d), "
+    print(f"{len(part.tasks)} tasks, {len(tunable)} tunable ({' / '.join(OP_KINDS)}), "
           f"{part.total_flops() / 1e9:.3f} GFLOP per run")
     return 0
 

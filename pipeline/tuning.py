@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.errors import UserError
+from kerneltune.opkinds import KINDS as OP_KINDS
 from pipeline.partition import FusedTask
 from kerneltune.targets import TargetSpec
 
@@ -100,7 +101,7 @@ def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_pa
 
     tasks = [t for t in tasks if t.task is not None]
     if not tasks:
-        raise UserError("no selected task has a kernel template (matmul, batch_matmul, conv2d): nothing to tune")
+        raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune")
     if not spec.can_run and not rpc:
         raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
                         "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")

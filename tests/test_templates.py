@@ -10,7 +10,7 @@ import tvm
 
 from kerneltune import templates
 from kerneltune.targets import llvm_target
-from kerneltune.task import build_func, make_task, run_func, task_from_primfunc
+from kerneltune.task import build_func, make_task, run_func
 
 LLVM = llvm_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -137,7 +137,7 @@ def _fused_model_funcs():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fused_pipeline_funcs_classified_and_scheduled():
     funcs = _fused_model_funcs()
-    tasks = {name: task_from_primfunc(name, f) for name, f in funcs.items()}
+    tasks = {name: templates.task_for(name, f) for name, f in funcs.items()}
     kinds = sorted(t.kind for t in tasks.values() if t is not None)
     # two rank-4 attention matmuls, four dense ones (relu, residual, gelu, Gemm transB), two convs
     assert kinds == ["batch_matmul"] * 2 + ["conv2d"] * 2 + ["matmul"] * 4, {n: t and t.key for n, t in tasks.items()}

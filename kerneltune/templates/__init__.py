@@ -9,6 +9,9 @@ API used by the searchers, the measurer and the pipeline:
   shared memory).
 * ``default_config(task, target) -> config``: a heuristic config used without tuning (the pipeline's
   default for every matmul/conv task).
+* ``task_for(name, func) -> Task | None``: a fused PrimFunc as a tuning task, when it has a matmul/conv
+  anchor (:func:`kerneltune.task.classify_primfunc`) *and* the CPU template can schedule it with its default
+  config, so callers such as the pipeline never meet a schedule error later.
 
 Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`).  For CPU code use
@@ -19,12 +22,12 @@ from __future__ import annotations
 import tvm
 
 from ..space import SearchSpace
-from ..task import Task
+from ..task import Task, classify_primfunc
 from ..targets import kind_of
 from . import cpu, gpu
 from .common import InvalidConfig
 
-__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for"]
+__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for", "task_for"]
 
 FAMILIES = {"cpu": cpu, "gpu": gpu}  # TargetKind.template -> module
 
@@ -51,3 +54,17 @@ def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
 def default_config(task: Task, target):
     t = _target(target)
     return template_for(t).default_config(task, t)
+
+
+def task_for(name: str, func: tvm.tirx.PrimFunc) -> Task | None:
+    """A fused PrimFunc as a tuning task, or None when it has no anchor or the CPU template cannot schedule
+    it (e.g. an epilogue that cannot follow the tiles)."""
+    task = classify_primfunc(name, func)
+    if task is None:
+        return None
+    target = tvm.target.Target({"kind": "llvm"})
+    try:
+        cpu.apply(task, cpu.default_config(task, target), target)
+    except (RuntimeError, ValueError, IndexError):  # ScheduleError and TVM internal errors are RuntimeErrors
+        return None
+    return task

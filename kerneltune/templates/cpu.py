@@ -27,7 +27,8 @@ from tvm import tirx
 
 from ..space import ChoiceKnob, SearchSpace
 from ..targets import num_cores, vector_lanes
-from ..task import Task
+from ..prepack import PREPROC
+from ..task import Task, root_blocks
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob
 
 UNROLL = (0, 16, 64, 512)
@@ -60,8 +61,6 @@ def _vector_operand(sch, anchor, task: Task) -> str:
 
 
 def _vector_operand_name(task: Task) -> str | None:
-    from ..task import root_blocks
-
     found = [b for b in root_blocks(task.func) if b.name_hint == task.anchor]
     try:
         return _operand_along(found[0], task) if found else None
@@ -149,8 +148,6 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     """Store the weight B as panels ``[.., N/nb, K, nb]`` (nb = the S2*S3 tile of the vector axis), so the
     k-loop over one output tile reads one contiguous stream.  The copy is a root block annotated for
     ``RemoveWeightLayoutRewriteBlock`` (tuning) and ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (build)."""
-    from ..prepack import PREPROC
-
     nb = _panel_width(task, factors)
     packed = sch.cache_read(anchor, _vector_operand(sch, anchor, task), "global")
     if task.dims.get("tb"):   # B[.., j, k]
