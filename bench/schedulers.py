@@ -27,7 +27,7 @@ SCHEDULERS = ("gradient", "round-robin")
 def objective_curve(records_path: Path, tasks, timing: str = "cold") -> list[tuple[int, float]]:
     """(trials, objective ms) after each measured record of ``tasks``, in file order.
 
-    ``tasks`` are :class:`pipeline.tuning.TaskTuning` reports; a task's latency starts at its default
+    ``tasks`` are :class:`kerneltune.tune_tasks.TaskTuning` reports; a task's latency starts at its default
     config's and drops whenever a record beats it.
     """
     from kerneltune.records import RecordLog
