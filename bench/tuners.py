@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     set_num_threads(tvm_num_threads(int(target.attrs["num-cores"])))
     from peak import fma_peak_gflops
 
-    from kerneltune.measure import Measurer, numpy_gflops
+    from kerneltune.baseline import numpy_gflops
+    from kerneltune.measure import Measurer
 
     # The baselines are measured before the Measurer starts: its worker processes import TVM at start-up,
     # and OpenBLAS sharing the two cores with them measured 27 instead of ~180 GFLOP/s.

@@ -99,7 +99,8 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     """Tune one operator; returns the result dict (also printed / written by :func:`main`)."""
     _check_operator_args(args)
     from kerneltune import templates
-    from kerneltune.measure import Measurer, numpy_gflops
+    from kerneltune.baseline import numpy_gflops
+    from kerneltune.measure import Measurer
     from kerneltune.records import RecordLog
     from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
