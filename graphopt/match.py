@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from graphopt.ir import Graph, Node
+from graphopt.memo import IdentityCache
 from graphopt.rules import PNode, Pattern, Rule, _freeze
 
 
@@ -207,15 +208,12 @@ class _Compiled:
 
 
 _NO_VIEW = OpView("", (), (), 0)
-_COMPILED: dict[int, tuple[Pattern, _Compiled]] = {}
+_COMPILED: IdentityCache[_Compiled] = IdentityCache(1 << 13)  # a library's patterns, with their reverses
 
 
 def _compile(pattern: Pattern) -> _Compiled:
-    hit = _COMPILED.get(id(pattern))
-    if hit is None or hit[0] is not pattern:
-        hit = (pattern, _Compiled(pattern))
-        _COMPILED[id(pattern)] = hit
-    return hit[1]
+    hit = _COMPILED.get(pattern)
+    return hit if hit is not None else _COMPILED.put(pattern, _Compiled(pattern))
 
 
 class _Matcher:

@@ -27,7 +27,6 @@ import onnx
 import tvm
 from tvm import relax
 
-from graphopt.errors import UserError
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.ir import Graph
 from pipeline.partition import FusedTask, Partition

@@ -67,12 +67,6 @@ class Partition:
     mod: tvm.IRModule
     tasks: list[FusedTask]
 
-    def task_of(self, global_name: str) -> FusedTask:
-        for t in self.tasks:
-            if global_name in t.names:
-                return t
-        raise KeyError(global_name)
-
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)
 
