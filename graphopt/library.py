@@ -42,6 +42,10 @@ def cache_key(max_ops: int, timeout_ms: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+# The generator, pruning, properties and verifier (Z3) are imported where they run: this module is also the
+# `rules` sub-command of every `graphopt` call, and none of them is needed to show or count rules.
+
+
 def _enumerate(args: tuple[Any, int]) -> tuple[str, dict[str, int], list[Rule]]:
     from graphopt import generator
     domain, max_ops = args

@@ -37,7 +37,7 @@ from graphopt.errors import UserError
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
-from graphopt.rewrite import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
+from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, search
 

@@ -24,9 +24,12 @@ from typing import Any, Callable
 
 from graphopt.errors import UserError
 from graphopt.fileio import write_text_atomic
-from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
+from kerneltune.baseline import numpy_gflops
+from kerneltune.records import RecordLog
+from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, parse_shape
 from kerneltune.targets import TARGET_HELP, check_name, parse_target
+from kerneltune.tune import tune
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad options as a one-line UserError (exit 2) instead of usage + exit."""
@@ -98,13 +101,10 @@ def _check_operator_args(args: argparse.Namespace) -> None:
 def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     """Tune one operator; returns the result dict (also printed / written by :func:`main`)."""
     _check_operator_args(args)
+    # Deferred: these load TVM (seconds); --help and every argument check above run without it.
     from kerneltune import templates
-    from kerneltune.baseline import numpy_gflops
     from kerneltune.measure import Measurer
-    from kerneltune.records import RecordLog
-    from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
-    from kerneltune.tune import tune
 
     task = make_task(args.op, args.shape, args.transpose_a, args.transpose_b, args.stride or 1, args.pad or 0,
                      args.groups or 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,14 @@ from typing import Callable
 
 from graphopt.feeds import max_abs_err, ort_session, random_inputs
 from graphopt.fileio import write_text_atomic
+from graphopt.onnx_io import load_model
 from graphopt.timing import Timing, time_interleaved
 from kerneltune.targets import device_for, host_cpu, host_model_name
+from pipeline import metaschedule, tuning
+from pipeline.compile import compile_partition, outputs_numpy, to_device
+from pipeline.optimize import StageLog, graph_stage
+from pipeline.partition import partition, select_tasks
+from pipeline.relax_import import import_model
 
 
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
@@ -60,8 +67,6 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
           trials: int = 0) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
     onnxruntime on the original model, all interleaved in one loop."""
-    from pipeline.compile import outputs_numpy, to_device
-
     feeds = random_inputs(imported.graph, seed)
     sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
     ort_names = {i.name for i in sess.get_inputs()}
@@ -99,8 +104,6 @@ def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0) -> list[Ke
 
     This is what says which kernels dominate end to end, cold caches and call overheads included.
     """
-    from pipeline.compile import to_device
-
     dev = device_for(compiled.spec)
     vm = compiled.vm()
     args = to_device(random_inputs(imported.graph, seed), compiled.input_names, dev)
@@ -192,14 +195,6 @@ def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: Ben
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
     serves both the graphopt engine and (with its tuned configs) the tuned engine.
     """
-    import tempfile
-
-    from graphopt.onnx_io import load_model
-    from pipeline.compile import compile_partition
-    from pipeline.optimize import StageLog, graph_stage
-    from pipeline.partition import partition, select_tasks
-    from pipeline.relax_import import import_model
-
     imported = import_model(model_path, input_shapes)
     base = partition(imported.mod)
     engines = {"tvm": compile_partition(imported, base, spec)}
@@ -211,11 +206,8 @@ def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: Ben
         graph_part = partition(graph_imported.mod)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
-        from pipeline import metaschedule
-        from pipeline.tuning import tune_model
-
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
-        result = tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
+        result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
                             work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
         engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
         if not opts.skip_metaschedule:

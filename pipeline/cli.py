@@ -17,9 +17,13 @@ import sys
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import UserError, cli_entry
+from graphopt.onnx_io import load_model, parse_input_shapes
 from kerneltune import cli as kerneltune_cli
-from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, set_num_threads
+from kerneltune.scheduler import SCHEDULERS
+from kerneltune.searchers import SEARCHERS
+from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, parse_target, set_num_threads
 from pipeline.model_mode import MODEL_MODE
+from pipeline.optimize import TuneOptions, optimize_model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,9 +63,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
                                                      "globs ('fused_matmul_add*'); see tune-kernels MODEL --list")
-    t.add_argument("--scheduler", default="gradient", choices=("gradient", "round-robin"),
+    t.add_argument("--scheduler", default="gradient", choices=tuple(SCHEDULERS),
                    help="how trials are spread over tasks (default gradient)")
-    t.add_argument("--searcher", default="opevo", help="opevo | gbfs | na2c | random (default opevo)")
+    t.add_argument("--searcher", default="opevo", help=f"{' | '.join(SEARCHERS)} (default opevo)")
     t.add_argument("--records", metavar="FILE", help="tuning records to resume from / append to "
                                                      "(default DIR/records.jsonl)")
     t.add_argument("--rpc", metavar="HOST:PORT:KEY", help="measure on a remote device through a TVM RPC tracker")
@@ -71,9 +75,6 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     if args.trials < 0:
         raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
     threads = set_threads(args.threads)
-
-    from graphopt.onnx_io import parse_input_shapes
-    from pipeline.optimize import TuneOptions, optimize_model
 
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
                          args.skip_tune, not args.no_progress)
@@ -96,8 +97,8 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=0,
                    help="also tune (ours and MetaSchedule) with this many trials each (default 0: no tuning)")
     p.add_argument("--kernels", metavar="SEL", help="tasks our tuner works on (see optimize-model --kernels)")
-    p.add_argument("--scheduler", default="gradient", choices=("gradient", "round-robin"))
-    p.add_argument("--searcher", default="opevo", help="opevo | gbfs | na2c | random (default opevo)")
+    p.add_argument("--scheduler", default="gradient", choices=tuple(SCHEDULERS))
+    p.add_argument("--searcher", default="opevo", help=f"{' | '.join(SEARCHERS)} (default opevo)")
     p.add_argument("--work-dir", metavar="DIR", help="tuning records of both tuners; rerunning resumes")
     p.add_argument("--skip-graph", action="store_true", help="no graphopt engine (tuning uses the original graph)")
     p.add_argument("--skip-metaschedule", action="store_true", help="no MetaSchedule engine (it is slow)")
@@ -114,12 +115,11 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
     threads = set_threads(args.threads)
 
-    from graphopt.onnx_io import load_model, parse_input_shapes
-    from pipeline import benchmark
-    from kerneltune.targets import parse_target
 
     check_name(args.target)
     load_model(args.model)  # fail fast on a bad file, before TVM loads
+    from pipeline import benchmark  # deferred: loads TVM (seconds)
+
     spec = parse_target(args.target, threads)
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")

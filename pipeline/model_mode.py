@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 
 from graphopt.errors import UserError
+from graphopt.onnx_io import load_model, parse_input_shapes
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
+from kerneltune.targets import check_name
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,11 +28,9 @@ def run_model(args: argparse.Namespace) -> int:
                         "`optimize-model MODEL --trials N --kernels SEL -o DIR`)")
     if args.op:
         raise UserError("give either a MODEL or --op, not both")
-    from graphopt.onnx_io import load_model, parse_input_shapes
-    from kerneltune.targets import check_name
-
     check_name(args.target)
     load_model(args.model)
+    # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
     from pipeline.partition import format_tasks, partition
     from pipeline.relax_import import import_model
 

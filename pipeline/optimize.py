@@ -20,6 +20,7 @@ from graphopt.errors import UserError
 from graphopt.fileio import write_bytes_atomic, write_text_atomic
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 from graphopt.stage import GraphStageOptions, optimize_graph
+from kerneltune.targets import check_name, parse_target
 
 
 @dataclass
@@ -41,7 +42,7 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
         return export_onnx(graph)
-    from pipeline.graph_runner import TvmRunner
+    from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
     cost = make_cost_model("measured", target, TvmRunner(threads))
     result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
@@ -82,10 +83,11 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                    seed: int = 0, tuning: TuneOptions | None = None) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
     report.md when tuning)."""
+    # Deferred: these load TVM (seconds), after the target and the file are checked (one-line errors at once).
     from pipeline.compile import ATOL, check_outputs, compile_partition
     from pipeline.partition import partition, select_tasks
     from pipeline.relax_import import import_model
-    from kerneltune.targets import check_name, parse_target
+    from pipeline.tuning import plot_tuning, tune_model
 
     tuning = tuning or TuneOptions()
     check_name(target)
@@ -105,8 +107,6 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     tuned: dict[str, Any] = {}
     tune_result = None
     if tuning.enabled:
-        from pipeline.tuning import tune_model
-
         selected = select_tasks(part.tasks, tuning.kernels)
         records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
@@ -142,8 +142,6 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     if lib.with_suffix(".hsaco").exists():
         files["code_object"] = lib.with_suffix(".hsaco").name
     if tune_result is not None:
-        from pipeline.tuning import plot_tuning
-
         records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
             write_bytes_atomic(out / "records.jsonl", records.read_bytes())

@@ -14,7 +14,7 @@ from graphopt.cost.runners import OrtRunner
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.match import GraphIndex
 from graphopt.onnx_io import export_onnx, import_onnx
-from graphopt.rewrite import fold_constants
+from graphopt.cleanup import fold_constants
 from graphopt.search import Searcher, search
 from models.bert import BertConfig, build_bert
 from test_match import merge_bias, merge_matmul, three_projections
