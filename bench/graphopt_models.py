@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.timing import time_interleaved
 from kerneltune.targets import host_model_name, set_num_threads, tvm_num_threads
+from pipeline.cli import GRAPHOPT_COMPONENTS
 
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
 
@@ -73,15 +75,9 @@ def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
 
 
 def _cost_model(args: argparse.Namespace):
-    """The cost model the graph stage runs with here: ``--cost``, timed by ``--backend``."""
-    from graphopt.cost.factory import make_cost_model
-    from graphopt.cost.runners import OrtRunner
-
-    if args.backend == "tvm":
-        from pipeline.graph_runner import TvmRunner
-
-        return make_cost_model(args.cost, "llvm", TvmRunner(args.threads))
-    return make_cost_model(args.cost, "llvm", OrtRunner(args.threads))
+    """The cost model the graph stage runs with here: ``--cost``, timed by ``--backend`` (the engines the
+    ``graphopt`` command offers)."""
+    return make_cost_model(args.cost, "llvm", GRAPHOPT_COMPONENTS.runners[args.backend](args.threads))
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -153,8 +149,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
-    p.add_argument("--cost", choices=["measured", "analytic"], default="measured")
-    p.add_argument("--backend", choices=["tvm", "ort"], default="tvm", help="what the measured cost model times")
+    p.add_argument("--cost", choices=COST_KINDS, default="measured")
+    p.add_argument("--backend", choices=list(GRAPHOPT_COMPONENTS.runners), default="tvm",
+                   help="what the measured cost model times")
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--budget", type=int, default=1000)
     p.add_argument("--time-limit", type=float, default=60.0)

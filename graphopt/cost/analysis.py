@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from graphopt import ops
 from graphopt.ir import Graph, Node
 
 # ---- constant folding -------------------------------------------------------------------------------------
@@ -62,9 +63,10 @@ def constant_tensors(graph: Graph) -> set[str]:
 ELEMENTWISE_ONNX = frozenset({"Add", "Sub", "Mul", "Div", "Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Neg", "Sqrt",
                               "Pow", "Clip", "LeakyRelu", "HardSigmoid", "Abs"})
 FUSION_ANCHORS_ONNX = frozenset({"MatMul", "Conv", "Gemm"}) | ELEMENTWISE_ONNX
-# The same sets in the operator library's names (rule patterns).
-ELEMENTWISE_OPS = frozenset({"relu", "ewadd", "ewmul", "smul", "bias_add"})
-FUSION_ANCHOR_OPS = frozenset({"matmul", "bmatmul", "conv2d"}) | ELEMENTWISE_OPS
+# The same roles among the operator library's ops (rule patterns), from their specs (OpSpec.fusion).
+KERNEL_OPS = frozenset(name for name, spec in ops.REGISTRY.items() if spec.fusion == "anchor")
+ELEMENTWISE_OPS = frozenset(name for name, spec in ops.REGISTRY.items() if spec.fusion == "elementwise")
+FUSION_ANCHOR_OPS = KERNEL_OPS | ELEMENTWISE_OPS
 
 
 def fused_epilogue(node: Node, index: Any) -> bool:

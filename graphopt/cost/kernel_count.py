@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from graphopt.cost.analysis import KERNEL_OPS
 from graphopt.cost.base import CostModel, Shape
 from graphopt.ir import Graph, Node
 
@@ -19,10 +20,8 @@ class KernelCountCost(CostModel):
 
     name = "kernel-count"
     fusion = False
-    ANCHORS = frozenset({"matmul", "bmatmul", "conv2d"})
-
     def op_cost(self, op: str, params: dict[str, Any], in_shapes: Sequence[Shape], dtype: str = "float32") -> float:
-        return 1.0 if op in self.ANCHORS else 0.5 if op in ("bias_add", "relu") else 0.0
+        return 1.0 if op in KERNEL_OPS else 0.5 if op in ("bias_add", "relu") else 0.0
 
     def opaque_cost(self, node: Node, graph: Graph) -> float:
         return 0.0
