@@ -49,13 +49,14 @@ class TargetKind:
     arch_example: str = ""  # for help texts: cuda:sm_XX
 
 
-
 def kind_of(target: "tvm.target.Target | str") -> TargetKind:
     """The registry entry of a TVM target (or kind name); a UserError for kinds we do not support."""
     name = target if isinstance(target, str) else target.kind.name
     if name not in REGISTRY:
         raise UserError(f"unsupported target kind {name!r}; use one of {', '.join(KINDS)}")
     return REGISTRY[name]
+
+
 DEFAULT_CUDA_ARCH = "sm_80"
 DEFAULT_ROCM_ARCH = "gfx942"
 ROCM_INSTALL_HINT = "apt-get install lld-19 rocm-device-libs"
