@@ -106,7 +106,6 @@ class GraphStageResult:
     rules: int
     cost_model: str
     merge_all: dict[str, Any] = field(default_factory=dict)  # what merged_alternative tried and measured
-    seconds: float = 0.0
 
     @property
     def kept(self) -> str:
@@ -173,7 +172,6 @@ def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost
 
 def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | None = None) -> GraphStageResult:
     """The graph stage (see module docstring): ``graph`` is not modified."""
-    start = time.perf_counter()
     options = options or GraphStageOptions()
     options.validate()
     rules = verified_library() if options.rules is None else options.rules
@@ -198,8 +196,7 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     else:
         out, cost_after, applied = original, cost_before, {}
     return GraphStageResult(out, check, result, cost_before, cost_after, applied, candidate_cost, folded,
-                            deduplicated, len(graph.nodes), len(rules), cost.name, merge_info,
-                            time.perf_counter() - start)
+                            deduplicated, len(graph.nodes), len(rules), cost.name, merge_info)
 
 
 def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,

@@ -48,7 +48,6 @@ class MeasuredCost(CostModel):
         self._fallback = runner if isinstance(runner, OrtRunner) else OrtRunner(runner.threads)
         self.cache = CostCache(Path(path) if path else
                                cache_dir() / f"cost-{target}-{self.backend}-t{self.threads}.json")
-        self.path = self.cache.path
         self._baseline: float | None = None
         self.measured = 0  # how many timings this instance ran (0 on a warm cache)
 
