@@ -32,8 +32,14 @@ class StageLog:
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
     """The model the compiler sees: graphopt's optimized graph, or the imported graph re-exported."""
+    from pipeline.relax_import import legalize_for_tvm
+
     t0 = time.perf_counter()
-    graph = import_onnx(model, input_shapes, require_static=True)
+    legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
+    graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
+    if legal.changed:
+        log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, nodes=len(graph.nodes))
+        t0 = time.perf_counter()
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
         return export_onnx(graph)

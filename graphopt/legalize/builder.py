@@ -106,6 +106,16 @@ class Builder:
             return self.multi("Split", [x], shapes, self.dtype(x), axis=axis, split=[int(s) for s in sizes])
         return self.multi("Split", [x, self.const(list(sizes), np.int64)], shapes, self.dtype(x), axis=axis)
 
+    def slices(self, x: str, axis: int, sizes: Sequence[int]) -> list[str]:
+        """Consecutive pieces of ``x`` as separate Slice nodes, not one Split.
+
+        Why: TVM's Split is a kernel of its own that returns a tuple, which ends fusion there; a Slice is
+        an injective op that fuses into the element-wise kernel reading the piece (an LSTM step with
+        per-gate Slices runs in two element-wise kernels instead of five).
+        """
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+        return [self.slice(x, axis, int(s), int(s) + int(n)) for s, n in zip(starts, sizes)]
+
     def clip(self, x: str, low: float, high: float) -> str:
         dt = self.dtype(x)
         if self.opset < 11:

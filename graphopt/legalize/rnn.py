@@ -21,12 +21,25 @@ output of the pipeline is checked against, for every attribute of the ONNX opera
   Y_c in any subset.
 
 The input projection is hoisted: one MatMul of all steps' inputs with W (plus both biases) before the
-loop, then each step adds one Gather of it to ``H @ R^T``.  Unrolled naively, each step has its own
-``x_t @ W^T``; the graph search can merge those pairwise (rule ``matmul(x,W), matmul(y,W) ->
-split(matmul(concat0(x,y),W))``) but needs S-1 such rewrites per direction to reach the same GEMM.  Measured
-end to end (LSTM LM: 2 layers, hidden 256, seq 32, batch 1; TVM default schedules, 2 threads; numbers in
-the module's bench script ``bench/rnn_projection.py``), hoisting is the faster form; see that script for how
-the forms were compared.
+loop, split once into steps, each added to ``H @ R^T``; gates are taken with Slices, not a Split, so each
+step fuses into one MatMul kernel and two element-wise kernels in TVM.  Unrolled naively, each step has its
+own ``x_t @ W^T``; the graph search can merge those pairwise (TASO's ``matmul(x,W), matmul(y,W) ->
+split(matmul(concat0(x,y),W))``) but needs S-1 rewrites per direction to reach the same GEMM.  Measured
+with ``bench/rnn_projection.py`` (``lstm-lm``: 2 layers, hidden 256, seq 32, batch 1; pipeline build with
+default schedules; medians of 5 interleaved rounds x 30 runs on a 2-core machine under load ~4):
+
+======================  =========  =========
+form                    1 thread   2 threads
+======================  =========  =========
+hoisted                 2.67 ms    8.4 ms
+naive                   3.36 ms    11.0 ms
+naive + graph search    -          9.8 ms (42 of 62 merges, then the 60 s limit)
+hoisted + graph search  -          8.0 ms (nothing applied: the same graph)
+onnxruntime, LSTM op    1.48 ms    1.65 ms
+======================  =========  =========
+
+so the lowering hoists.  (Each step's [1, 256] x [256, 1024] MatMul dominates what is left; its default
+schedule is a tuning target, and two threads only add pool overhead to kernels this small.)
 """
 from __future__ import annotations
 
@@ -209,7 +222,7 @@ def _weights(rec: Recurrence, b: Builder, d: int) -> Weights:
         bias = b.binary("Add", wb, rb)
     peep = None
     if rec.cell.op == "LSTM" and rec.input(7):
-        peep = b.split(b.gather(rec.input(7), d), 0, [hidden] * 3)
+        peep = b.slices(b.gather(rec.input(7), d), 0, [hidden] * 3)
     return Weights(w, r, bias, rbh, peep)
 
 
@@ -290,24 +303,18 @@ def _lstm_step(b: Builder, rec: Recurrence, wt: Weights, acts: list[Activation],
     hid, dt = rec.hidden, rec.dtype
     f, g, hh = acts
     gates = b.add(xw, b.matmul(h, wt.r) if h is not None else None)
+    i_pre, o_pre, f_pre, c_pre = b.slices(gates, 1, [hid] * 4)
+    pi, po, pf = wt.peep if wt.peep is not None else (None, None, None)
 
-    def clip(t: str) -> str:
-        return b.clip(t, -rec.clip, rec.clip) if rec.clip is not None else t
+    def gate(act: Activation, pre: str, peep: str | None, state: str | None) -> str:
+        if peep is not None and state is not None:
+            pre = b.add(pre, b.mul(state, peep))
+        return activate(b, act, b.clip(pre, -rec.clip, rec.clip) if rec.clip is not None else pre)
 
-    if wt.peep is None:
-        ifo, c_pre = b.split(clip(gates), 1, [3 * hid, hid])
-        i, o, fg = b.split(activate(b, f, ifo), 1, [hid] * 3)
-    else:
-        pi, po, pf = wt.peep
-        i_pre, o_pre, f_pre, c_pre = b.split(gates, 1, [hid] * 4)
-        i = activate(b, f, clip(b.add(i_pre, b.mul(c, pi) if c is not None else None)))
-        fg = activate(b, f, clip(b.add(f_pre, b.mul(c, pf) if c is not None else None)))
-        c_pre = clip(c_pre)
-    if rec.input_forget:
-        fg = b.binary("Sub", b.const(1, dt), i)
-    c_new = b.add(b.mul(i, activate(b, g, c_pre)), b.mul(fg, c) if c is not None else None)
-    if wt.peep is not None:
-        o = activate(b, f, clip(b.add(o_pre, b.mul(c_new, po))))
+    i = gate(f, i_pre, pi, c)
+    fg = b.binary("Sub", b.const(1, dt), i) if rec.input_forget else gate(f, f_pre, pf, c)
+    c_new = b.add(b.mul(i, gate(g, c_pre, None, None)), b.mul(fg, c) if c is not None else None)
+    o = gate(f, o_pre, po, c_new)
     return b.mul(o, activate(b, hh, c_new)), c_new
 
 
@@ -316,23 +323,22 @@ def _gru_step(b: Builder, rec: Recurrence, wt: Weights, acts: list[Activation], 
     hid, dt = rec.hidden, rec.dtype
     f, g = acts
 
-    def clip(t: str) -> str:
-        return b.clip(t, -rec.clip, rec.clip) if rec.clip is not None else t
+    def gate(act: Activation, pre: str) -> str:
+        return activate(b, act, b.clip(pre, -rec.clip, rec.clip) if rec.clip is not None else pre)
 
-    xw_zr, xw_h = b.split(xw, 1, [2 * hid, hid])
+    xw_z, xw_r, xw_h = b.slices(xw, 1, [hid] * 3)
     if rec.linear_before_reset:  # h~ = g(Xt Wh + r * (Ht-1 Rh + Rbh) + Wbh)
-        hr_zr, hr_h = (b.split(b.matmul(h, wt.r), 1, [2 * hid, hid]) if h is not None else (None, None))
+        hr_z, hr_r, hr_h = b.slices(b.matmul(h, wt.r), 1, [hid] * 3) if h is not None else (None, None, None)
         hr_h = b.add(hr_h, wt.rbh) if hr_h is not None else wt.rbh
-        z, r = b.split(activate(b, f, clip(b.add(xw_zr, hr_zr))), 1, [hid, hid])
+        z, r = gate(f, b.add(xw_z, hr_z)), gate(f, b.add(xw_r, hr_r))
         h_pre = b.add(xw_h, b.mul(r, hr_h) if hr_h is not None else None)
     else:  # h~ = g(Xt Wh + (r * Ht-1) Rh + Rbh + Wbh)
         r_zr, r_h = b.slice(wt.r, 1, 0, 2 * hid), b.slice(wt.r, 1, 2 * hid, 3 * hid)
-        z, r = b.split(activate(b, f, clip(b.add(xw_zr, b.matmul(h, r_zr) if h is not None else None))),
-                       1, [hid, hid])
+        hr_z, hr_r = b.slices(b.matmul(h, r_zr), 1, [hid] * 2) if h is not None else (None, None)
+        z, r = gate(f, b.add(xw_z, hr_z)), gate(f, b.add(xw_r, hr_r))
         h_pre = b.add(xw_h, b.matmul(b.mul(r, h), r_h) if h is not None else None)
-    cand = activate(b, g, clip(h_pre))
-    keep_new = b.binary("Sub", b.const(1, dt), z)
-    return b.add(b.mul(keep_new, cand), b.mul(z, h) if h is not None else None)
+    cand = gate(g, h_pre)
+    return b.add(b.mul(b.binary("Sub", b.const(1, dt), z), cand), b.mul(z, h) if h is not None else None)
 
 
 def _rnn_step(b: Builder, rec: Recurrence, wt: Weights, acts: list[Activation], xw: str, h: str | None) -> str:
@@ -340,6 +346,14 @@ def _rnn_step(b: Builder, rec: Recurrence, wt: Weights, acts: list[Activation], 
     if rec.clip is not None:
         pre = b.clip(pre, -rec.clip, rec.clip)
     return activate(b, acts[0], pre)
+
+
+def _per_step(b: Builder, x: str, count: int) -> list[str]:
+    """The first ``count`` steps of ``x`` [S, B, N] as [B, N] tensors: one Split (one kernel), not S Gathers."""
+    steps, batch, width = b.shape(x)
+    sizes = [1] * count + ([steps - count] if steps > count else [])
+    pieces = b.split(x, 0, sizes) if len(sizes) > 1 else [x]
+    return [b.reshape(p, [batch, width]) for p in pieces[:count]]
 
 
 @dataclass
@@ -361,14 +375,19 @@ def _run_direction(rec: Recurrence, b: Builder, x: str, d: int, steps: Steps, wa
     acts = rec.activations[d]
     h = b.gather(rec.input(5), d, axis=0) if rec.input(5) else None
     c = b.gather(rec.input(6), d, axis=0) if rec.cell.has_cell_state and rec.input(6) else None
-    xw_all = b.add(b.matmul(x, wt.w), wt.bias) if hoist else None
+    computed = steps.computed
+    if hoist:  # one GEMM over all steps: [S, B, I] @ [I, G*H], biases included
+        xw_steps = _per_step(b, b.add(b.matmul(x, wt.w), wt.bias), computed)
+    else:  # one small GEMM per step, for comparison (see the module docstring); Gathers, because TVM 0.27
+        # fails to build a Split of X feeding S MatMuls (FlattenBuffer: "used before its definition")
+        xw_steps = [b.add(b.matmul(b.gather(x, t), wt.w), wt.bias) for t in range(computed)]
     zeros = b.const(np.zeros((rec.batch, rec.hidden), rec.dtype), hint="zeros")
     ys: dict[int, str] = {}
     for k, t in enumerate(order):
-        if k >= steps.computed:  # no entry runs this step: state unchanged, output zero
+        if k >= computed:  # no entry runs this step: state unchanged, output zero
             ys[t] = zeros
             continue
-        xw = b.gather(xw_all, t) if xw_all is not None else b.add(b.matmul(b.gather(x, t), wt.w), wt.bias)
+        xw = xw_steps[t]
         c_new = None
         if rec.cell.op == "LSTM":
             h_new, c_new = _lstm_step(b, rec, wt, acts, xw, h, c)
