@@ -32,7 +32,7 @@ class StageLog:
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
     """The model the compiler sees: graphopt's optimized graph, or the imported graph re-exported."""
-    from pipeline.relax_import import legalize_for_tvm
+    from pipeline.frontend import legalize_for_tvm
 
     t0 = time.perf_counter()
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))

@@ -6,7 +6,7 @@ schedules and the tuning records are per shape.  The graph IR import runs alongs
 dtypes and shapes with one-line errors, and is what :mod:`graphopt.feeds` needs to draw valid inputs.
 
 Operators TVM's importer lacks (LSTM, GRU, RNN, ReverseSequence) or mishandles (a scalar ConstantOfShape)
-are first rewritten into primitive ops by :func:`graphopt.legalize.legalize`; only what is still
+are first rewritten into primitive ops (:func:`pipeline.frontend.legalize_for_tvm`); only what is still
 unsupported after that is an error, one line naming the operators.
 """
 from __future__ import annotations
@@ -19,49 +19,14 @@ import tvm
 
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.legalize import LOWERINGS, Legalized, legalize
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
-
-# Converters TVM has but that fail on a case graphopt rewrites (its lowering declines every other case):
-# ConstantOfShape with an empty shape, i.e. a scalar, which TorchScript exports of HF transformers contain.
-MISHANDLED = frozenset({"ConstantOfShape"})
+from pipeline.frontend import legalize_for_tvm
 
 # What the frontend raises for a model it cannot convert: TVM 0.27 has no tvm.error.TVMError; C++ failures
 # arrive through tvm_ffi as RuntimeError subclasses (tvm.error.InternalError, OpError, DiagnosticError) or
 # as the Python type their error kind names (ValueError, TypeError, AttributeError, KeyError, IndexError,
 # AssertionError); the converters themselves raise the same Python types.
 FRONTEND_ERRORS = (RuntimeError, ValueError, TypeError, AttributeError, KeyError, IndexError, AssertionError)
-
-
-def _tvm_converters() -> frozenset[str] | None:
-    """Op types TVM's ONNX importer converts (its own pre-check reads the same table), None if unreadable."""
-    try:
-        from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
-    except ImportError:
-        return None
-    return frozenset(_get_convert_map()) | {"If", "Constant"}  # handled outside the table
-
-
-def frontend_gaps(graph: Graph) -> set[str]:
-    """Op types of ``graph`` that TVM's importer lacks, plus those it mishandles (:data:`MISHANDLED`)."""
-    ops = {n.op_type for n in graph.nodes}
-    known = _tvm_converters()
-    lacking = (ops & set(LOWERINGS)) if known is None else ops - known
-    return lacking | (ops & MISHANDLED)
-
-
-def legalize_for_tvm(graph: Graph) -> Legalized:
-    """Rewrite what TVM's importer cannot take into primitive ops; UserError naming what still cannot."""
-    result = legalize(graph, frontend_gaps(graph))
-    missing = sorted(frontend_gaps(result.graph) - MISHANDLED)
-    if missing:
-        domains = {n.op_type: n.domain for n in result.graph.nodes if n.op_type in missing}
-        names = ", ".join(f"{op} ({domains[op]})" if domains.get(op) not in (None, "", "ai.onnx") else op
-                          for op in missing)
-        raise UserError(f"TVM's ONNX importer has no converter for {names}, and graphopt has no rewrite for "
-                        f"{'it' if len(missing) == 1 else 'them'}: replace {'it' if len(missing) == 1 else 'them'} "
-                        "in the exporting framework (or export with another opset)")
-    return result
 
 
 @dataclass

@@ -11,8 +11,8 @@ pipeline asks TVM's converter table, so the list follows the installed TVM (a fu
 converter stops the lowering by itself).  A lowering may decline a node it was asked for (returns None) when
 that node needs no rewrite, e.g. a ConstantOfShape that produces a non-scalar tensor.
 
-Lowerings live beside this file, one module per family (:mod:`.rnn`, :mod:`.sequence`, :mod:`.constants`); each registers itself
-with :func:`register`.
+Lowerings live beside this file, one module per family (:mod:`.rnn`, :mod:`.sequence`,
+:mod:`.constants`); each registers itself with :func:`register`.
 """
 from __future__ import annotations
 
@@ -52,11 +52,11 @@ class Legalized:
 def legalize(graph: Graph, ops: Iterable[str] | None = None) -> Legalized:
     """Lower every default-domain node whose op type is in ``ops`` (default: every op with a lowering).
 
-    Returns a new graph (the input is not modified) in topological order, with dead nodes removed and
-    every new tensor typed.  Op types in ``ops`` without a lowering are left alone: the caller decides what
-    an op that is still unsupported means.  Raises :class:`~graphopt.errors.UserError` (one line, naming
-    the node and the attribute) for a node whose attributes make it impossible to lower, e.g. a dynamic
-    sequence length.
+    Returns a new graph (the input is not modified; it is returned as is when it has nothing to lower) in
+    topological order, with dead nodes removed and every new tensor typed.  Op types in ``ops`` without a
+    lowering are left alone: the caller decides what an op that is still unsupported means.  Raises
+    :class:`~graphopt.errors.UserError` (one line, naming the node and the attribute) for a node whose
+    attributes make it impossible to lower, e.g. a dynamic sequence length.
     """
     wanted = set(LOWERINGS) if ops is None else set(ops) & set(LOWERINGS)
     if not any(n.op_type in wanted and n.domain in ("", "ai.onnx") for n in graph.nodes):
@@ -81,6 +81,8 @@ def legalize(graph: Graph, ops: Iterable[str] | None = None) -> Legalized:
         _bind_outputs(b, new_nodes, replaced)
         nodes.extend(new_nodes)
         lowered[n.op_type] = lowered.get(n.op_type, 0) + 1
+    if not lowered:  # every lowering declined
+        return Legalized(graph)
     g.nodes = nodes
     g.topo_sort()
     g.remove_unused()

@@ -1,4 +1,4 @@
-"""LSTM, GRU and RNN unrolled over their static time axis into MatMul / Add / activation / Gather / Concat.
+"""LSTM, GRU and RNN unrolled over their static time axis into MatMul, Add, Mul, activations, Slice, Concat.
 
 Semantics are onnxruntime's (its CPU kernels, ``onnxruntime/core/providers/cpu/rnn``), which is what every
 output of the pipeline is checked against, for every attribute of the ONNX operators
@@ -26,19 +26,22 @@ step fuses into one MatMul kernel and two element-wise kernels in TVM.  Unrolled
 own ``x_t @ W^T``; the graph search can merge those pairwise (TASO's ``matmul(x,W), matmul(y,W) ->
 split(matmul(concat0(x,y),W))``) but needs S-1 rewrites per direction to reach the same GEMM.  Measured
 with ``bench/rnn_projection.py`` (``lstm-lm``: 2 layers, hidden 256, seq 32, batch 1; pipeline build with
-default schedules; medians of 5 interleaved rounds x 30 runs on a 2-core machine under load ~4):
+default schedules; medians of 5 interleaved rounds x 30 runs, 2-core machine under load 3-4):
 
-======================  =========  =========
-form                    1 thread   2 threads
-======================  =========  =========
-hoisted                 2.67 ms    8.4 ms
-naive                   3.36 ms    11.0 ms
-naive + graph search    -          9.8 ms (42 of 62 merges, then the 60 s limit)
-hoisted + graph search  -          8.0 ms (nothing applied: the same graph)
-onnxruntime, LSTM op    1.48 ms    1.65 ms
-======================  =========  =========
+========================  =========  =========
+form                      1 thread   2 threads
+========================  =========  =========
+hoisted                   2.52 ms    8.4 ms
+naive                     3.22 ms    11.0 ms
+naive + graph search      2.80 ms    9.8 ms
+hoisted + graph search    2.60 ms    8.0 ms
+onnxruntime, its LSTM op  1.37 ms    1.65 ms
+========================  =========  =========
 
-so the lowering hoists.  (Each step's [1, 256] x [256, 1024] MatMul dominates what is left; its default
+The search does find the merges (all 62 pairwise ones in the 1-thread run, 42 in the 2-thread run, each
+stopped by its time limit; the graph stage took 106 s and 146 s) but the result is a tree of Concat/Split around many MatMuls, still slower than one
+GEMM; on the hoisted form it finds nothing to apply (the same graph: the 3% difference is noise), so the
+lowering hoists.  (Each step's [1, 256] x [256, 1024] MatMul dominates what is left; its default
 schedule is a tuning target, and two threads only add pool overhead to kernels this small.)
 """
 from __future__ import annotations
@@ -102,8 +105,10 @@ class Recurrence:
     linear_before_reset: bool
     input_forget: bool
 
+    inputs: list[str]  # X, W, R, B, sequence_lens, initial_h, initial_c, P ("" when absent); states time major
+
     def input(self, i: int) -> str:
-        return self.node.inputs[i] if len(self.node.inputs) > i else ""
+        return self.inputs[i]
 
     def output(self, i: int) -> str:
         return self.node.outputs[i] if len(self.node.outputs) > i else ""
@@ -146,7 +151,7 @@ def parse(node: Node, b: Builder) -> Recurrence:
     acts = _activations(node, cell, len(dirs), fail)
     return Recurrence(node, cell, steps, batch, hidden, dtype, dirs, acts, layout,
                       None if clip is None else float(clip), bool(node.attr("linear_before_reset", 0)),
-                      bool(node.attr("input_forget", 0)))
+                      bool(node.attr("input_forget", 0)), list(node.inputs) + [""] * (8 - len(node.inputs)))
 
 
 def _activations(node: Node, cell: Cell, n_dirs: int, fail) -> list[list[Activation]]:
@@ -417,14 +422,11 @@ def lower(node: Node, b: Builder, hoist: bool = True) -> dict[str, str]:
     """Replace one LSTM/GRU/RNN node; ``hoist=False`` is the naive per-step projection (for measuring)."""
     rec = parse(node, b)
     x = rec.input(0)
-    if rec.layout == 1:
+    if rec.layout == 1:  # batch major: X [B, S, I] and the initial states [B, dirs, H] to time major
         x = b.transpose(x, [1, 0, 2])
-    inputs = list(node.inputs) + [""] * (8 - len(node.inputs))
-    if rec.layout == 1:  # initial states [B, dirs, H] -> [dirs, B, H]
         for i in (5, 6):
-            if inputs[i]:
-                inputs[i] = b.transpose(inputs[i], [1, 0, 2])
-    rec.node = Node(node.op_type, inputs, node.outputs, node.attrs, node.name)
+            if rec.inputs[i]:
+                rec.inputs[i] = b.transpose(rec.inputs[i], [1, 0, 2])
     steps = Steps(rec, b)
     y_name, yh_name, yc_name = rec.output(0), rec.output(1), rec.output(2) if rec.cell.has_cell_state else ""
     results = [_run_direction(rec, b, x, d, steps, bool(y_name), hoist) for d in range(len(rec.directions))]
