@@ -27,12 +27,13 @@ S, B, I, H = 5, 3, 4, 6
 def rnn_model(op: str = "LSTM", direction: str = "forward", layout: int = 0, bias: bool = True,
               lens: list[int] | None = None, lens_input: bool = False, h0: bool = False, c0: bool = False,
               peephole: bool = False, outputs: tuple[bool, ...] = (True, True, True), opset: int = 17,
-              weights_as_inputs: bool = False, **attrs) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+              weights_as_inputs: bool = False, steps: int = S,
+              **attrs) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """One recurrent node with random weights; returns the model and matching seeded inputs."""
     rng = np.random.default_rng(0)
     nd = 2 if direction == "bidirectional" else 1
     g = GATES[op]
-    x_shape = [S, B, I] if layout == 0 else [B, S, I]
+    x_shape = [steps, B, I] if layout == 0 else [B, steps, I]
     state_shape = [nd, B, H] if layout == 0 else [B, nd, H]
     gin = [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)]
     feeds = {"X": rng.standard_normal(x_shape).astype(np.float32)}
@@ -170,6 +171,10 @@ for _k, _a in enumerate(_ACTS):
         (f"LSTM-acts{_k}-opset9", dict(op="LSTM", activations=list(_a), opset=9)),
     ]
 CASES.append(("RNN-schema-default-two-activations", dict(op="RNN", activations=["Relu", "Tanh"])))
+# past 16 steps the per-step Split and the Y Concat become trees (graphopt.legalize.rnn.FANIN)
+CASES += [("LSTM-40-steps-lens-const", dict(op="LSTM", steps=40, lens=[40, 17, 0], direction="bidirectional")),
+          ("GRU-40-steps-lens-short", dict(op="GRU", steps=40, lens=[33, 17, 21], h0=True)),
+          ("RNN-40-steps-lens-input", dict(op="RNN", steps=40, lens=[40, 3, 39], lens_input=True))]
 
 
 @pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
@@ -194,6 +199,14 @@ def test_projection_is_one_gemm_and_steps_are_unrolled():
     assert len(x_proj) == 2  # one [S, B, I] @ [I, 4H] per direction
     assert len(matmuls) == 2 + 2 * (S - 1)  # + the recurrence, skipped at step 0 where the state is zero
     assert graph.shape(x_proj[0].outputs[0]) == (S, B, 4 * H)
+
+
+def test_long_sequences_split_and_concat_as_trees():
+    """TVM's schedule/compile time grows faster than linearly in a kernel's outputs or Concat inputs."""
+    graph = legalize(import_onnx(rnn_model("LSTM", steps=300, outputs=(True, False, False))[0])).graph
+    assert max(len(n.outputs) for n in graph.nodes if n.op_type == "Split") <= rnn_lowering.FANIN + 1
+    assert max(len(n.inputs) for n in graph.nodes if n.op_type == "Concat") <= rnn_lowering.FANIN
+    assert sum(n.op_type == "MatMul" for n in graph.nodes) == 1 + 299
 
 
 def test_lowering_is_deterministic():

@@ -353,12 +353,42 @@ def _rnn_step(b: Builder, rec: Recurrence, wt: Weights, acts: list[Activation], 
     return activate(b, acts[0], pre)
 
 
+FANIN = 16
+
+
+def _stack(b: Builder, parts: list[str]) -> str:
+    """Concat along axis 0 as a tree of at most FANIN inputs per node.
+
+    Why: TVM schedules and compiles one Concat of n inputs in time that grows faster than n (each output
+    element selects among n inputs); a 256-step Y built flat took 5 s of one kernel's compile.
+    """
+    while len(parts) > FANIN:
+        parts = [b.concat(parts[i:i + FANIN], 0) for i in range(0, len(parts), FANIN)]
+    return b.concat(parts, 0)
+
+
 def _per_step(b: Builder, x: str, count: int) -> list[str]:
-    """The first ``count`` steps of ``x`` [S, B, N] as [B, N] tensors: one Split (one kernel), not S Gathers."""
+    """The first ``count`` steps of ``x`` [S, B, N] as [B, N] tensors, by Splits of at most FANIN pieces.
+
+    Why Split and not a Gather per step: one kernel instead of S.  Why a tree: the CPU schedule rules take
+    time quadratic in a kernel's outputs (a flat 256-way Split: 55 s to schedule).
+    """
     steps, batch, width = b.shape(x)
-    sizes = [1] * count + ([steps - count] if steps > count else [])
-    pieces = b.split(x, 0, sizes) if len(sizes) > 1 else [x]
-    return [b.reshape(p, [batch, width]) for p in pieces[:count]]
+    if count == 0:
+        return []
+    if count == 1 and steps == 1:
+        return [b.reshape(x, [batch, width])]
+    if count <= FANIN:
+        sizes = [1] * count + ([steps - count] if steps > count else [])
+        return [b.reshape(p, [batch, width]) for p in b.split(x, 0, sizes)[:count]]
+    chunk = -(-count // FANIN) if count > FANIN * FANIN else FANIN
+    sizes = [min(chunk, count - i) for i in range(0, count, chunk)]
+    sizes += [steps - count] if steps > count else []
+    out: list[str] = []
+    for piece, n in zip(b.split(x, 0, sizes), sizes):
+        if len(out) < count:
+            out += _per_step(b, piece, n)
+    return out[:count]
 
 
 @dataclass
@@ -412,7 +442,7 @@ def _run_direction(rec: Recurrence, b: Builder, x: str, d: int, steps: Steps, wa
     h, c = steps.final(h), steps.final(c)
     if not want_y:
         return DirectionResult(None, h, c)
-    y = b.concat([b.reshape(ys[t], [1, rec.batch, rec.hidden]) for t in range(rec.steps)], 0)
+    y = _stack(b, [b.reshape(ys[t], [1, rec.batch, rec.hidden]) for t in range(rec.steps)])
     if index is not None:  # computed in per-entry reversed order: the same Gather puts it back in time order
         y = reverse_steps(b, y, index)
     return DirectionResult(y, h, c)
