@@ -65,7 +65,8 @@ def rnn_model(op: str = "LSTM", direction: str = "forward", layout: int = 0, bia
         outs.pop()
     if layout:
         attrs["layout"] = 1
-    node = helper.make_node(op, ins, outs, name=f"my_{op.lower()}", hidden_size=H, direction=direction, **attrs)
+    attrs.setdefault("hidden_size", H)
+    node = helper.make_node(op, ins, outs, name=f"my_{op.lower()}", direction=direction, **attrs)
     graph = helper.make_graph([node], "g", gin, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
                                                  for o in outs if o], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
@@ -229,12 +230,21 @@ def test_only_requested_ops_are_lowered_and_input_graph_is_untouched():
     (dict(activations=["Sigmoid", "Tanh"]), "lists 2 functions, expected 3"),
     (dict(direction="sideways"), "direction='sideways'"),
     (dict(lens=[6, 1, 1]), r"sequence_lens \[6, 1, 1\] must lie in \[0, 5\]"),
-], ids=["unknown-activation", "activation-count", "direction", "lens-out-of-range"])
+    (dict(hidden_size=5), r"weight R has shape \[1, 24, 6\], expected \[1, 20, 5\]"),
+], ids=["unknown-activation", "activation-count", "direction", "lens-out-of-range", "hidden-size"])
 def test_impossible_nodes_are_one_line_user_errors(kwargs, match):
     model, _ = rnn_model("LSTM", **kwargs)
     with pytest.raises(UserError, match=match) as info:
         legalize(import_onnx(model, require_static=False))
     assert "my_lstm" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_wrong_weight_shape_is_a_user_error():
+    model, _ = rnn_model("LSTM", peephole=True)
+    p = next(t for t in model.graph.initializer if t.name == "P")
+    p.CopyFrom(numpy_helper.from_array(np.zeros((1, 2 * H), np.float32), "P"))
+    with pytest.raises(UserError, match=r"input P has shape \[1, 12\], expected \[1, 18\]"):
+        legalize(import_onnx(model, require_static=False))
 
 
 def test_dynamic_sequence_length_is_a_user_error():

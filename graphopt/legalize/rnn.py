@@ -147,6 +147,16 @@ def parse(node: Node, b: Builder) -> Recurrence:
     if tuple(r_shape) != (len(dirs), cell.gates * hidden, hidden):
         raise fail(f"weight R has shape {list(r_shape)}, expected {[len(dirs), cell.gates * hidden, hidden]} for "
                    f"direction={direction} and hidden_size={hidden}")
+    nd, gh, inp = len(dirs), cell.gates * hidden, x_shape[2]
+    state = [nd, batch, hidden] if layout == 0 else [batch, nd, hidden]
+    expected = {1: ("W", [nd, gh, inp]), 3: ("B", [nd, 2 * gh]), 4: ("sequence_lens", [batch]),
+                5: ("initial_h", state), 6: ("initial_c", state), 7: ("P", [nd, 3 * hidden])}
+    for i, (what, shape) in expected.items():
+        name = node.inputs[i] if len(node.inputs) > i else ""
+        if name and (i < 6 or cell.op == "LSTM"):
+            got = b.graph.shape(name)
+            if got is None or list(got) != shape:
+                raise fail(f"input {what} has shape {None if got is None else list(got)}, expected {shape}")
     clip = node.attr("clip")
     acts = _activations(node, cell, len(dirs), fail)
     return Recurrence(node, cell, steps, batch, hidden, dtype, dirs, acts, layout,
@@ -242,9 +252,6 @@ class Steps:
         self._float: dict[str, str] = {}
         if self.lens is None:
             return
-        shape = b.graph.shape(self.lens)
-        if shape is None or tuple(shape) != (rec.batch,):
-            raise rec.fail(f"sequence_lens has shape {shape}, expected [{rec.batch}]")
         known = b.value(self.lens)
         if known is not None:
             known = known.astype(np.int64)
