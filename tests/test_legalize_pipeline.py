@@ -150,6 +150,33 @@ def test_optimize_model_with_graph_stage_on_an_rnn_model(torch_models, tmp_path)
     assert not {"LSTM", "GRU"} & {n.op_type for n in onnx.load(str(out / "optimized.onnx")).graph.node}
 
 
+# The attributes torch never emits, compiled by TVM too (the ORT-level checks are in test_legalize.py):
+# lengths as a model input, peepholes, clip, layout 1, linear_before_reset, opset 8 (no Where).
+ONNX_CASES = {
+    "LSTM": dict(op="LSTM", direction="bidirectional", lens=[5, 2, 0], lens_input=True, h0=True, c0=True,
+                 peephole=True, clip=0.7),
+    "GRU": dict(op="GRU", direction="reverse", lens=[3, 5, 1], lens_input=True, linear_before_reset=1, layout=1,
+                h0=True),
+    "RNN": dict(op="RNN", direction="bidirectional", opset=8, lens=[4, 1, 5], lens_input=True,
+                activations=["Relu", "Tanh"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ONNX_CASES))
+def test_onnx_rnn_variants_compile_and_match_onnxruntime(name, llvm):
+    from pipeline.compile import compile_partition, device_for, run, to_device
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+    from test_legalize import reference, rnn_model
+
+    model, feeds = rnn_model(**ONNX_CASES[name])
+    imported = import_model(model)
+    compiled = compile_partition(imported, partition(imported.mod), llvm)
+    got = run(compiled.vm(), to_device(feeds, compiled.input_names, device_for(llvm)))
+    for g, r in zip(got, reference(model, feeds)):  # reference handles layout 1, which ORT lacks
+        np.testing.assert_allclose(g, r, atol=1e-5)
+
+
 # ---- what TVM still cannot take, and how its failures are reported ------------------------------------------
 def test_still_unsupported_op_is_one_line_naming_it():
     from pipeline.relax_import import import_model

@@ -104,7 +104,6 @@ class Recurrence:
     clip: float | None
     linear_before_reset: bool
     input_forget: bool
-
     inputs: list[str]  # X, W, R, B, sequence_lens, initial_h, initial_c, P ("" when absent); states time major
 
     def input(self, i: int) -> str:
@@ -248,7 +247,7 @@ class Steps:
         self.b, self.rec = b, rec
         self.lens = rec.input(4) or None
         self.known: np.ndarray | None = None
-        self._mask3: str | None = None
+        self._masks: list[str] | None = None
         self._float: dict[str, str] = {}
         if self.lens is None:
             return
@@ -276,9 +275,10 @@ class Steps:
             if (self.known > k).all():
                 return None
             return b.const((self.known > k).reshape(rec.batch, 1), hint="mask")
-        if self._mask3 is None:
-            self._mask3 = b.reshape(step_mask(b, self.lens, rec.steps), [rec.steps, rec.batch, 1])
-        return b.gather(self._mask3, k)
+        if self._masks is None:  # lengths known at run time: one mask per step, shared by both directions
+            mask3 = b.reshape(step_mask(b, self.lens, rec.steps), [rec.steps, rec.batch, 1])
+            self._masks = _per_step(b, mask3, rec.steps)
+        return self._masks[k]
 
     def select(self, mask: str, new: str, old: str | None) -> str:
         """``new`` where the mask holds, else ``old`` (None: zero)."""
