@@ -21,6 +21,7 @@ from graphopt.fileio import write_bytes_atomic, write_text_atomic
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.targets import check_name, parse_target
+from pipeline.frontend import legalize_for_tvm
 
 
 @dataclass
@@ -38,7 +39,11 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM), or the
     imported graph re-exported."""
     t0 = time.perf_counter()
-    graph = import_onnx(model, input_shapes, require_static=True)
+    legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
+    graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
+    if legal.changed:
+        log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, nodes=len(graph.nodes))
+        t0 = time.perf_counter()
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
         return export_onnx(graph)
