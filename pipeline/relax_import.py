@@ -19,7 +19,7 @@ import tvm
 
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
 from pipeline.frontend import legalize_for_tvm
 
 # What the frontend raises for a model it cannot convert: TVM 0.27 has no tvm.error.TVMError; C++ failures
@@ -74,12 +74,7 @@ def import_model(source: str | os.PathLike | onnx.ModelProto,
     if input_shapes:
         # from_onnx reads shapes from shape_dict, but keep the proto consistent for onnxruntime as well.
         model = onnx.ModelProto.FromString(model.SerializeToString())
-        for inp in model.graph.input:
-            if inp.name in input_shapes:
-                dims = inp.type.tensor_type.shape.dim
-                del dims[:]
-                for d in input_shapes[inp.name]:
-                    dims.add().dim_value = d
+        apply_input_shapes(model, input_shapes)
     # onnxruntime keeps running the model as given (its own LSTM kernel is the reference and the baseline);
     # TVM converts the legalized graph.
     frontend_model = export_onnx(legal.graph) if legal.changed else model

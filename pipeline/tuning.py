@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from graphopt.errors import UserError
+from graphopt.fileio import save_figure
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.targets import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningTask, tune_tasks
@@ -50,6 +51,5 @@ def plot_tuning(result: TuningResult, path: str | Path) -> None:
     ax2.set_ylabel("sum weight x latency, ms")
     ax2.set_title(f"objective ({result.scheduler}, {result.searcher})")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
