@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -20,7 +20,7 @@ from graphopt.library import add_rules_parser
 from graphopt.onnx_io import parse_input_shapes
 from graphopt.roundtrip import roundtrip
 from graphopt.stage import E2E_MARGIN, E2E_RUNS, GraphStageOptions, optimize_onnx
-from graphopt.validate import ModelInput, check_model
+from graphopt.validate import ModelInput, check_model, check_threads
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,11 @@ def _run_roundtrip(args: argparse.Namespace) -> int:
     print(text)
     if args.json:
         write_text_atomic(args.json, text + "\n")
-    return 0 if result["outputs_equal"] else 1
+    if not result["outputs_equal"]:  # a verdict on the IR (exit 1, like diff), not a bad input (exit 2)
+        print(f"error: the re-exported model differs from the input in onnxruntime ({result['check_failure']}); "
+              "the graph IR does not carry this model - please report it", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> None:
@@ -98,10 +102,7 @@ def _run_optimize(args: argparse.Namespace, components: Components) -> int:
                                 progress=not args.no_progress, e2e_check=not args.no_e2e_check,
                                 e2e_margin=args.e2e_margin, e2e_runs=args.e2e_runs)
     options.validate()
-    limit = 4 * (os.cpu_count() or 1)
-    if not 1 <= args.threads <= limit:
-        raise UserError(f"--threads {args.threads}: give a number of threads from 1 to {limit} (4 x this machine's "
-                        "cores)")
+    check_threads(args.threads)
     model = _checked_model(args)
     cost = make_cost_model(args.cost, kind, components.runners[args.backend](args.threads))
     optimized, report = optimize_onnx(model.proto, cost, options, model.input_shapes, args.seed, model.samples)

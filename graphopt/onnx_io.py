@@ -64,6 +64,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise UserError(f"model file {str(p)!r} does not exist: check the path")
     if p.is_dir():
         raise UserError(f"{str(p)!r} is a directory: pass the path of an .onnx file")
+    if not p.is_file():  # a device (/dev/zero reads forever) or a pipe (blocks until written)
+        raise UserError(f"{str(p)!r} is not a regular file: pass the path of an .onnx file")
     try:
         model = onnx.load(str(p))
     except Exception as exc:  # protobuf raises DecodeError, RuntimeError or ValueError depending on damage

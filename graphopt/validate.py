@@ -21,6 +21,7 @@ No TVM here: a bad file must fail in well under a second.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -57,6 +58,10 @@ class ModelInput:
 def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                 inputs_file: str | os.PathLike | None = None, memory_limit: int | None = None) -> ModelInput:
     """Run every check (module docstring) on the model at ``path``; a UserError for the first that fails."""
+    with contextlib.suppress(OSError):  # a missing file is load_model's to report
+        if Path(path).stat().st_size > (memory_limit or memory_limit_bytes()):
+            raise UserError(f"{str(path)!r} is {_gb(Path(path).stat().st_size)}, more than this machine's "
+                            f"{_gb(memory_limit or memory_limit_bytes())} of memory: it cannot be loaded here")
     proto = load_model(path)
     name = Path(path).name
     check_structure(proto.graph)
@@ -79,6 +84,15 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     memory = check_memory(tensor_sizes(inferred), memory_limit)
     check_onnxruntime(proto, path)
     return ModelInput(str(path), proto, shapes, samples, memory)
+
+
+def check_threads(threads: int | None, option: str = "--threads") -> int | None:
+    """A positive thread count this machine can sensibly run (a huge one makes TVM's pool and onnxruntime
+    start that many threads); None stays None (the caller's default)."""
+    limit = 4 * (os.cpu_count() or 1)
+    if threads is not None and not 1 <= threads <= limit:
+        raise UserError(f"{option} {threads}: give a number from 1 to {limit} (4 x this machine's cores)")
+    return threads
 
 
 # ---- 2. structure ------------------------------------------------------------------------------------------

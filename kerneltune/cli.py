@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from graphopt.errors import ArgumentParser, UserError
 from graphopt.fileio import check_output_file, write_text_atomic
-from graphopt.validate import TensorSize, check_memory
+from graphopt.validate import TensorSize, check_memory, check_threads
 from kerneltune.baseline import numpy_gflops
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
@@ -89,11 +88,8 @@ def _check_operator_args(args: argparse.Namespace) -> None:
     # Extents beyond memory are refused here: the templates enumerate each axis's divisors.
     check_memory([TensorSize(name, shape, "float32", "input") for name, shape in shapes.items()],
                  hint="give a smaller --shape")
-    for option in ("threads", "workers"):
-        value = getattr(args, option)
-        if value is not None and not 1 <= value <= 4 * (os.cpu_count() or 1):
-            raise UserError(f"--{option} {value}: give a number from 1 to {4 * (os.cpu_count() or 1)} "
-                            "(4 x this machine's cores)")
+    check_threads(args.threads)
+    check_threads(args.workers, "--workers")
     check_output_paths(args)
     for names, given in ((("transpose_a", "transpose_b"), args.transpose_a or args.transpose_b),
                          (("stride", "pad", "groups"), any(getattr(args, n) is not None for n in ("stride", "pad", "groups")))):

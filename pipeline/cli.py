@@ -23,7 +23,7 @@ from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import ArgumentParser, UserError, cli_entry
 from graphopt.fileio import FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir
 from graphopt.onnx_io import parse_input_shapes
-from graphopt.validate import check_model
+from graphopt.validate import check_model, check_threads
 from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
@@ -62,20 +62,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def set_threads(threads: int | None) -> int:
     """Fix the thread count for TVM's pool before it starts; returns the count used."""
-    n = check_threads(threads)
+    n = check_threads(threads) or default_threads()
     set_num_threads(n)
     return n
-
-
-def check_threads(threads: int | None, option: str = "--threads") -> int:
-    """A positive thread count this machine can sensibly run (a huge one would make TVM's pool start that
-    many threads); returns the count, the default when None."""
-    if threads is None:
-        return default_threads()
-    limit = 4 * (os.cpu_count() or 1)
-    if threads < 1 or threads > limit:
-        raise UserError(f"{option} {threads}: give a number of threads from 1 to {limit} (4 x this machine's cores)")
-    return threads
 
 
 def _check_searcher(name: str) -> None:

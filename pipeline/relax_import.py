@@ -11,6 +11,8 @@ unsupported after that is an error, one line naming the operators.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from dataclasses import dataclass
 
@@ -54,7 +56,10 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
               if i.name not in graph.initializers}
     dtypes = {i.name: i.dtype for i in graph.inputs if i.name not in graph.initializers}
     try:
-        return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+        # The importer prints "Error converting operator ..." with the whole Relax input before raising: the
+        # one-line error below says it, so its print is dropped.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
     except tvm.error.OpNotImplemented as exc:
         msg = str(exc).strip().splitlines()[0]
         raise UserError(f"{msg}; TVM's ONNX importer cannot compile this model - replace those operators "

@@ -9,6 +9,7 @@ before TVM loads, in-process; a representative set as real subprocesses.  ``-m s
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -319,3 +320,33 @@ def test_ctrl_c_during_tuning_is_one_line_and_no_worker_traceback(tmp_path):
     lines = B._error_lines(err)
     assert p.returncode == 130 and "Traceback" not in err and lines == [
         "error: interrupted; tuning records written so far are kept, rerun to resume"], err[-2000:]
+
+
+@pytest.mark.slow
+def test_sigkill_during_tuning_leaves_no_traceback_and_no_temporary_folder(tmp_path):
+    """SIGKILL to the tuner alone: its workers notice the closed pipe and end without a BrokenPipeError
+    traceback, and the next run removes the killed run's temporary folder."""
+    base = tmp_path / "tmp"
+    base.mkdir()
+    env = {**B.environment(), "TMPDIR": str(base)}
+    records = tmp_path / "r.jsonl"
+    cmd = B.command_line("tune-kernels", ["--op", "matmul", "--shape", "64,64,64", "--trials", "400", "--workers", "2",
+                                          "--records", str(records), "--no-progress"])
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and (not records.exists() or records.stat().st_size == 0):
+            time.sleep(0.5)
+        assert records.exists(), "no record written in time"
+        assert [d.name for d in base.iterdir() if d.name.startswith("optimize-model-")], "no private temp folder"
+        os.kill(p.pid, signal.SIGKILL)
+        err = p.stderr.read()  # EOF once every process holding the pipe (the workers too) has ended
+        p.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+    subprocess.run(B.command_line("tune-kernels", ["--op", "matmul", "--shape", "8,8,8", "--trials", "0"]),
+                   capture_output=True, env=env, timeout=120)  # refused at once, but starts as every run does
+    assert [d.name for d in base.iterdir() if d.name.startswith("optimize-model-")] == []
