@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Sequence
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.cost.runners import GraphRunner
-from graphopt.errors import ArgumentParser, UserError
+from graphopt.errors import ArgumentParser, UserError, seed
 from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
 from graphopt.library import add_rules_parser
 from graphopt.onnx_io import parse_input_shapes
@@ -35,7 +35,7 @@ class Components:
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--json", help="also write the result as JSON to this file")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random check inputs")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="fix a dynamic input's shape (repeatable)")
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) for the "

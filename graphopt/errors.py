@@ -21,6 +21,15 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def seed(text: str) -> int:
+    """argparse ``type`` of every ``--seed``: numpy's generators take 0 .. 2**128 - 1 only (a negative seed
+    failed minutes into a run, at the first random draw)."""
+    value = int(text)
+    if not 0 <= value < 2**128:
+        raise argparse.ArgumentTypeError(f"{text} is not a seed: give an integer from 0 to 2**128 - 1")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one-line :class:`UserError` s (exit 2) like every other bad input,
     instead of a multi-line usage block; sub-command parsers inherit the class."""

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from graphopt.errors import ArgumentParser, UserError
+from graphopt.errors import ArgumentParser, UserError, seed
 from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.validate import TensorSize, check_memory, check_threads
 from kerneltune.baseline import numpy_gflops
@@ -57,7 +57,7 @@ def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser
     tune.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     tune.add_argument("--searcher", default="opevo", help=f"{' | '.join(sorted(SEARCHERS))} (default opevo)")
     tune.add_argument("--trials", type=int, default=64, help="configs to measure in total (default 64)")
-    tune.add_argument("--seed", type=int, default=0, help="searcher seed (default 0)")
+    tune.add_argument("--seed", type=seed, default=0, help="searcher seed (default 0)")
     tune.add_argument("--records", help="JSON-lines records file; reused to resume")
     tune.add_argument("--json", help="also write the result JSON to this file")
     tune.add_argument("--threads", type=int, help="CPU threads for the kernels (default: all this process may use)")

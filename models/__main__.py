@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from graphopt.errors import ArgumentParser, UserError, cli_entry
+from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
 from graphopt.fileio import check_output_file, write_bytes_atomic
 from models.registry import MODELS, build, get_model
 
@@ -15,7 +15,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build one model and save it as ONNX")
     b.add_argument("name", help="model name (see list)")
     b.add_argument("-o", "--output", required=True, help="output .onnx file")
-    b.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    b.add_argument("--seed", type=seed, default=0, help="seed for the random weights")
     return p
 
 

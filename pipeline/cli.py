@@ -20,7 +20,7 @@ from typing import Callable
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.errors import ArgumentParser, UserError, cli_entry
+from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
 from graphopt.fileio import FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir
 from graphopt.onnx_io import parse_input_shapes
 from graphopt.validate import check_model, check_threads
@@ -57,7 +57,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="fix a dynamic input's shape (repeatable)")
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
                                                         "every check and timing; their shapes fix the input shapes")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random check inputs")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
 
 
 def set_threads(threads: int | None) -> int:

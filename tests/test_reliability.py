@@ -129,6 +129,26 @@ def test_nan_probe_is_caught(op):
         assert not verdict.ok and verdict.nan_mismatch > 0 and "NaN" in verdict.reason()
 
 
+def test_the_check_fails_a_wrong_build(tmp_path):
+    """End to end: a compiled model checked against a reference whose weight differs by 1% (what a wrong
+    kernel looks like from outside) fails; against its own model it passes."""
+    from kerneltune.targets import parse_target
+    from pipeline.compile import check_outputs, compile_partition
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+
+    m = B.big_logits()
+    imported = import_model(m)
+    compiled = compile_partition(imported, partition(imported.mod), parse_target("llvm", 1))
+    right = check_outputs(compiled, imported.graph, m)
+    assert right.ok and right.input_sets == 3 and right.top1_agreement is not None
+    wrong = onnx.ModelProto.FromString(m.SerializeToString())
+    w = onnx.numpy_helper.to_array(wrong.graph.initializer[0]) * np.float32(1.01)
+    wrong.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w, "w"))
+    bad = check_outputs(compiled, imported.graph, wrong)
+    assert not bad.ok and bad.worst > 1 and "exceed" in bad.reason()
+
+
 def test_infinities_must_match_in_sign_and_place():
     ref = [np.array([np.inf, -np.inf, 1.0], np.float32)]
     assert compare_outputs(ref, [ref[0].copy()]).ok
