@@ -79,7 +79,9 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     if shapes:
         apply_input_shapes(shaped, shapes)
     require_static_inputs(shaped)
-    check_onnx(shaped, name)
+    if shapes:
+        check_onnx(proto, name)  # the model itself first, so that a failure below is the sizes' fault
+    check_onnx(shaped, name, shapes)
     inferred = _infer(shaped)
     memory = check_memory(tensor_sizes(inferred), memory_limit)
     check_onnxruntime(proto, path)
@@ -254,13 +256,18 @@ def read_inputs(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, np
 
 # ---- 5. onnx.checker ---------------------------------------------------------------------------------------
 
-def check_onnx(model: onnx.ModelProto, name: str) -> None:
-    """onnx.checker's full check (strict shape inference included) as one line."""
+def check_onnx(model: onnx.ModelProto, name: str, shapes: InputShapes | None = None) -> None:
+    """onnx.checker's full check (strict shape inference included) as one line; ``shapes`` are the input
+    sizes applied to ``model``, blamed when given (the caller checked the model without them first)."""
     try:
         if model.ByteSize() < 2**31 - 1:
             onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        if shapes:
+            given = " ".join(f"{k}={','.join(map(str, v))}" for k, v in sorted(shapes.items()))
+            raise UserError(f"{name} does not accept the input sizes {given} (onnx.checker: {first[:200]}): give "
+                            "sizes the model was made for (--input-shape / --inputs)") from None
         raise UserError(f"{name} is not a valid ONNX model (onnx.checker: {first[:240]}): fix or re-export "
                         "the model") from None
 

@@ -296,10 +296,19 @@ def _structural() -> list[Case]:
                                               [vi("x", [1])], [vi("y", [100000, 100000, 100])],
                                               [init("s", np.array([100000, 100000, 100], np.int64))]), ("memory",)),
     }
-    commands = ["optimize-model", "tune-kernels", "graphopt", "bench-model"]
+    opt, tune, gopt, bench = "optimize-model", "tune-kernels", "graphopt", "bench-model"
+    commands = {  # each fault through one command (the validation is shared; the corpus spreads them)
+        "no-outputs": opt, "cycle": tune, "dangling-input": gopt, "missing-initializer": bench,
+        "dangling-output": opt, "unsorted-nodes": tune, "two-writers": gopt, "writes-an-input": bench,
+        "opset-30": opt, "opset-27": tune, "ir-version-14": gopt, "ir-version-99": bench, "custom-domain-op": opt,
+        "unknown-onnx-op": tune, "type-mismatch": gopt, "bad-attribute": bench, "matmul-shapes": opt,
+        "duplicate-input-names": opt, "duplicate-initializers": tune, "truncated-weight": bench, "bfloat16": tune,
+        "complex64": gopt, "string-input": bench, "sequence-input": opt, "matmul-1e6": tune, "expand-130GB": gopt,
+        "constantofshape-4TB": bench,
+    }
     cases = []
-    for k, (name, (make, words)) in enumerate(models.items()):
-        cmd = commands[k % len(commands)]
+    for name, (make, words) in models.items():
+        cmd = commands[name]
         wrap = {"optimize-model": _opt, "tune-kernels": _list, "graphopt": _rt, "bench-model": _bench}[cmd]
         cases.append(Case(f"{name}/{cmd}", "invalid model", cmd, wrap(make), words=words))
     # the three wrong successes of `tune-kernels --list` in issue 17, whatever the rotation gave them
@@ -358,6 +367,10 @@ def _shapes() -> list[Case]:
              lambda d: dyn(d) + ["--input-shape", "nope=1,8"], words=("'nope'", "not a model input")),
         Case("shape-bad-syntax/tune-kernels", "input shape", "tune-kernels", _list(dynamic_relu, "--input-shape", "x:1,8"),
              words=("bad --input-shape",)),
+        Case("shape-incompatible/bench-model", "input shape", "bench-model",
+             lambda d: [save(model([h.make_node("Reshape", ["x", "s"], ["y"])], [vi("x", ["N", 3])], [vi("y", ["M", 4])],
+                                   [init("s", np.array([-1, 4], np.int64))]), d), "--input-shape", "x=3,3"],
+             words=("input sizes x=3,3",)),
         Case("shape-of-a-weight/graphopt", "input shape", "graphopt",
              _rt(opset9_weights_as_inputs, "--input-shape", "w=3,5"), words=("weight",)),
         Case("lstm-1e5-steps/optimize-model", "input shape", "optimize-model",
