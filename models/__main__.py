@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
+from graphopt.errors import ArgumentParser, cli_entry, seed
 from graphopt.fileio import check_output_file, write_bytes_atomic
 from models.registry import MODELS, build, get_model
 
