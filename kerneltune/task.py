@@ -219,6 +219,10 @@ def task_from_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
         blocks = root_blocks(func)
     except Exception:  # noqa: BLE001 - not a TIR body we can walk
         return None
+    from . import conv_nchwc
+
+    if any(conv_nchwc.anchor_spec(b) is not None for b in blocks):  # our NCHWc convs carry their spec
+        return conv_nchwc.task_from_blocks(name, func, blocks)
     reductions = [b for b in blocks if any(iv.iter_type == tirx.IterVar.CommReduce for iv in b.iter_vars)]
     if len(reductions) != 1:
         return None

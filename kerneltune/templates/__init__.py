@@ -21,7 +21,7 @@ import tvm
 
 from ..space import SearchSpace
 from ..task import Task
-from . import cpu, gpu
+from . import cpu, cpu_nchwc, gpu
 from .common import InvalidConfig
 from .cpu import host_target
 
@@ -44,16 +44,29 @@ def _target(target) -> tvm.target.Target:
     return target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
 
 
+def _template(task: Task, t: tvm.target.Target):
+    """NCHWc convolutions (a CPU layout) have their own CPU template; everything else goes by target."""
+    from ..conv_nchwc import KIND
+
+    if task.kind == KIND:
+        if t.kind.name != "llvm":
+            from graphopt.errors import UserError
+
+            raise UserError(f"NCHWc convolutions are a CPU layout; no {t.kind.name} template for {task.name}")
+        return cpu_nchwc
+    return template_for(t)
+
+
 def space_for(task: Task, target) -> SearchSpace:
     t = _target(target)
-    return template_for(t).space(task)
+    return _template(task, t).space(task)
 
 
 def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
     t = _target(target)
-    return template_for(t).apply(task, config, t)
+    return _template(task, t).apply(task, config, t)
 
 
 def default_config(task: Task, target):
     t = _target(target)
-    return template_for(t).default_config(task, t)
+    return _template(task, t).default_config(task, t)
