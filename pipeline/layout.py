@@ -3,8 +3,8 @@ in the blocked layout, transforms only at the edges (NeoCPU, Liu et al., USENIX 
 
 Runs on the imported Relax module, before :func:`pipeline.partition.partition` fuses it:
 
-1. ``DecomposeOpsForInference`` + ``FoldConstant``: BatchNormalization becomes a per-channel multiply/add
-   (layout-agnostic elementwise ops, fused into the conv's epilogue later);
+1. ``DecomposeOpsForInference``: BatchNormalization becomes a per-channel multiply/add (layout-agnostic
+   elementwise ops, fused into the conv's epilogue later);
 2. :class:`_Prepare`: ONNX ``Clip`` arrives as ``call_tir`` of TOPI's maximum/minimum, which no layout pass
    can see through: they become Relax ``maximum``/``minimum``; grouped convs whose groups are narrower than
    a channel block get their groups merged (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
@@ -215,7 +215,7 @@ def to_nchwc(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, LayoutReport]
     lanes of the target's vector registers (16 with AVX-512)."""
     report = LayoutReport()
     T = relax.transform
-    mod = tvm.transform.Sequential([T.DecomposeOpsForInference(), T.FoldConstant()])(mod)
+    mod = T.DecomposeOpsForInference()(mod)
     mod = _Prepare(mod, lanes, report).transform()
     mod = T.ConvertLayout({}, _layout_callback(lanes, report))(mod)
     mod = tvm.transform.Sequential([T.FoldConstant(), T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
