@@ -5,25 +5,28 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
 
 1. ``DecomposeOpsForInference``: BatchNormalization becomes a per-channel multiply/add (layout-agnostic
    elementwise ops, fused into the conv's epilogue later);
-2. :class:`_Prepare`: ONNX ``Clip`` arrives as ``call_tir`` of TOPI's maximum/minimum, which no layout pass
-   can see through: they become Relax ``maximum``/``minimum``; grouped convs whose groups are narrower than
-   a channel block get their groups merged (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
-3. Relax ``ConvertLayout`` with a per-call callback (:func:`plan`): each conv gets data ``NCHW{a}c``, kernel
-   ``OIHW`` (the weight stays a logical constant; the kernel template packs it at build time) and output
-   ``NCHW{d}c``.  ConvertLayout's own layout inference carries the blocked layout through elementwise ops,
-   residual adds, max/avg pooling, global pooling (``mean``), concat; ops without layout inference get a
-   transform back to NCHW in front of them;
-4. ``FoldConstant`` (biases and BN constants are transformed once, at build time),
+2. :class:`_Lift`: ONNX ``Clip`` arrives as ``call_tir`` of TOPI's maximum/minimum, which no layout pass can
+   see through, and Relax's ``clip`` (HardSwish, HardSigmoid) has no layout inference: both become Relax
+   ``maximum``/``minimum``;
+3. :func:`assign_blocks`: every conv's input and output block (phase 1: a heuristic, see there);
+   :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
+   (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
+4. Relax ``ConvertLayout`` with a per-call callback: each conv gets data ``NCHW{a}c``, kernel ``OIHW`` (the
+   weight stays a logical constant; the kernel template packs it at build time) and output ``NCHW{d}c``.
+   ConvertLayout's own layout inference carries the blocked layout through elementwise ops, residual adds,
+   max/avg pooling, global pooling (``mean``) and concat; ops without layout inference get a transform back
+   to NCHW in front of them;
+5. ``FoldConstant`` (biases and BN constants are transformed once, at build time),
    ``EliminateCommonSubexpr`` (the importer's duplicated reads of one tensor each got their own transform);
-5. :class:`_LowerBlockedConvs`: every blocked ``nn.conv2d`` becomes a call of our compute
+6. :class:`_LowerBlockedConvs`: every blocked ``nn.conv2d`` becomes a call of our compute
    (:func:`kerneltune.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
 
-The blocks (phase 1 heuristic, :func:`channel_block`) are a function of a tensor's channel count, so a
-tensor is in the same layout for its producer and every consumer: a chain of convs needs no transform
-between them.  A cost-based choice per conv (NeoCPU's global search) replaces :func:`plan` later.
+A cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms it
+implies) replaces :func:`assign_blocks`'s heuristic in phase 2.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import tvm
@@ -42,7 +45,7 @@ class LayoutReport:
     convs: int = 0  # conv2d calls in the model
     blocked: int = 0  # of which run in NCHWc
     merged_groups: int = 0  # grouped convs whose groups were merged to fill a block
-    lifted: int = 0  # call_tir maximum/minimum turned back into Relax ops
+    lifted: int = 0  # call_tir maximum/minimum and clip turned into Relax maximum/minimum
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
     kept_nchw: list[str] = field(default_factory=list)  # why convs stayed NCHW
 
@@ -61,21 +64,6 @@ class ConvPlan:
     ic_block: int
     oc_block: int
     merge: int = 1  # groups merged by this factor first
-
-
-def plan(c: int, f: int, groups: int, lanes: int) -> ConvPlan | str:
-    """The blocks of one conv, or the reason it stays NCHW."""
-    a, d = channel_block(c, lanes), channel_block(f, lanes)
-    if groups == 1:
-        return ConvPlan(a, d)
-    if groups == c == f:
-        return ConvPlan(a, a)
-    if (c // groups) % a == 0 and (f // groups) % d == 0:
-        return ConvPlan(a, d)
-    k = conv_nchwc.merge_factor(c, f, groups, a, d)
-    if k is None:
-        return f"groups={groups} of {c}->{f} channels cannot be aligned with blocks {a}/{d}"
-    return ConvPlan(a, d, k)
 
 
 def _conv_dims(call: relax.Call) -> tuple[int, int, int] | None:
@@ -129,49 +117,198 @@ def _scalar_minmax(func) -> str | None:
     return kind if ok_x and ok_s else None
 
 
-@mutator
-class _Prepare(PyExprMutator):
-    """Clip's call_tir -> Relax max/min; unaligned grouped convs -> merged groups (weights are constants)."""
+def _key(obj) -> int:
+    """Identity of a TVM object (Python wrappers of one object differ; their handle does not)."""
+    return obj.__chandle__()
 
-    def __init__(self, mod: tvm.IRModule, lanes: int, report: LayoutReport):
+
+class _Plans:
+    """Each conv's plan, keyed by its weight constant (every conv of an imported model has its own)."""
+
+    def __init__(self):
+        self._by_weight: dict[int, tuple[object, ConvPlan | str]] = {}
+
+    def set(self, weight, p: ConvPlan | str) -> None:
+        self._by_weight[_key(weight)] = (weight, p)  # keep the object alive: its handle is the key
+
+    def get(self, weight) -> ConvPlan | str | None:
+        hit = self._by_weight.get(_key(weight))
+        return hit[1] if hit else None
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict[int, int] = {}
+
+    def find(self, k: int) -> int:
+        self.parent.setdefault(k, k)
+        while self.parent[k] != k:
+            self.parent[k] = self.parent[self.parent[k]]
+            k = self.parent[k]
+        return k
+
+    def union(self, a: int, b: int) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+# Ops whose output is stored in the layout of their (4-d) activation input when ConvertLayout converts them.
+_POOLS = ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d", "relax.mean")
+
+
+def _shape(expr) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in expr.ty.shape)
+    except (TypeError, AttributeError, ValueError):
+        return None
+
+
+def assign_blocks(mod: tvm.IRModule, lanes: int) -> _Plans:
+    """Every conv's (ic_block, oc_block, merge), or why it stays NCHW.
+
+    Tensors that must share a layout form one class (union-find over ``main``'s bindings): the inputs and
+    output of an elementwise op (same 4-d shape: activations, residual adds, BN's multiply/add), of a pool,
+    of a channel concat, and a depthwise conv's input and output.  A class's block is
+    :func:`channel_block` of the gcd of its channel counts, so a concat of 8 + 16 channels is stored in
+    8-channel blocks on both sides (ConvertLayout cannot concatenate different blocks), and a conv reads
+    its input in the block its producer writes: no transform between them.
+    """
+    uf = _UnionFind()
+    channels: dict[int, int] = {}
+    convs: list[tuple[relax.Call, int, int]] = []  # call, input class key, output class key
+
+    def track(var, c: int) -> int:
+        k = _key(var)
+        uf.find(k)
+        channels[k] = c
+        return k
+
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            call, var = binding.value, binding.var
+            shape = _shape(var)
+            if not isinstance(call, relax.Call) or shape is None or len(shape) < 2:
+                continue
+            out = track(var, shape[1])
+            if _is_op(call, CONV):
+                x = call.args[0]
+                xs = _shape(x)
+                if xs is None or not isinstance(x, relax.Var):
+                    continue
+                inp = track(x, xs[1])
+                convs.append((call, inp, out))
+                dims = _conv_dims(call)
+                if dims is not None and dims[2] == dims[0] == dims[1]:  # depthwise: lanes map 1:1
+                    uf.union(inp, out)
+                continue
+            acts = [a for a in call.args if isinstance(a, relax.Var) and _shape(a) is not None]
+            if _is_op(call, "relax.concat") and int(call.attrs.axis) in (1, -3) and len(shape) == 4:
+                linked = acts if isinstance(call.args[0], relax.Var) else []
+                if not linked and isinstance(call.args[0], relax.Tuple):
+                    linked = [a for a in call.args[0].fields if isinstance(a, relax.Var)]
+            elif isinstance(call.op, tvm.ir.Op) and call.op.name in _POOLS:
+                linked = acts[:1]
+            elif len(shape) == 4:
+                linked = [a for a in acts if _shape(a) == shape]
+            else:
+                linked = []
+            for a in linked:
+                uf.union(track(a, _shape(a)[1]), out)
+
+    gcd: dict[int, int] = {}
+    for k, c in channels.items():
+        r = uf.find(k)
+        gcd[r] = math.gcd(gcd.get(r, 0), c)
+    block = lambda k: channel_block(gcd[uf.find(k)], lanes)  # noqa: E731
+    plans = _Plans()
+    for call, inp, out in convs:
+        dims = _conv_dims(call)
+        if dims is None:
+            plans.set(call.args[1], "non-constant weight, or not a static NCHW/OIHW conv2d")
+            continue
+        plans.set(call.args[1], plan(*dims, block(inp), block(out)))
+    return plans
+
+
+def plan(c: int, f: int, groups: int, a: int, d: int) -> ConvPlan | str:
+    """The plan of one conv whose input is stored in blocks of ``a`` and output in blocks of ``d``."""
+    if groups == 1:
+        return ConvPlan(a, d)
+    if groups == c == f:
+        return ConvPlan(a, d) if a == d else f"depthwise conv with blocks {a} != {d}"
+    k = conv_nchwc.merge_factor(c, f, groups, a, d)
+    if k is None:
+        return f"groups={groups} of {c}->{f} channels cannot be aligned with blocks {a}/{d}"
+    return ConvPlan(a, d, k)
+
+
+@mutator
+class _Lift(PyExprMutator):
+    """Clip as ``call_tir`` of TOPI's maximum/minimum, and Relax ``clip``, -> Relax maximum/minimum."""
+
+    def __init__(self, mod: tvm.IRModule, report: LayoutReport):
         super().__init__(mod)
-        self.mod, self.lanes, self.report = mod, lanes, report
+        self.mod, self.report = mod, report
 
     def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
+        return _rewrite_functions(self)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
         call = super().visit_call_(call)
         if _is_op(call, "relax.call_tir") and isinstance(call.args[0], relax.GlobalVar):
-            kind = _scalar_minmax(self.mod[call.args[0]]) if call.args[0] in self.mod.get_global_vars() else None
+            kind = _scalar_minmax(self.mod[call.args[0]])
             if kind is not None:
                 x, s = call.args[1].fields
                 self.report.lifted += 1
                 return getattr(relax.op, kind)(x, s)
-        if _is_op(call, CONV):
-            dims = _conv_dims(call)
-            if dims is not None:
-                c, f, groups = dims
-                p = plan(c, f, groups, self.lanes)
-                if isinstance(p, ConvPlan) and p.merge > 1:
-                    w = conv_nchwc.merge_groups(call.args[1].value.numpy(), groups, p.merge)
-                    self.report.merged_groups += 1
-                    a = call.attrs
-                    return relax.op.nn.conv2d(call.args[0], relax.const(w), strides=a.strides, padding=a.padding,
-                                              dilation=a.dilation, groups=groups // p.merge,
-                                              out_dtype=a.out_dtype if str(a.out_dtype) else None)
+        if _is_op(call, "relax.clip"):  # HardSwish/HardSigmoid: clip has no layout inference in Relax
+            x, lo, hi = call.args
+            dtype = x.ty.dtype
+            self.report.lifted += 1
+            return relax.op.minimum(relax.op.maximum(x, relax.const(float(lo.value), dtype)),
+                                    relax.const(float(hi.value), dtype))
         return call
 
 
-def _layout_callback(lanes: int, report: LayoutReport):
+@mutator
+class _MergeGroups(PyExprMutator):
+    """Grouped convs whose groups are narrower than their blocks get block-diagonally merged groups."""
+
+    def __init__(self, mod: tvm.IRModule, plans: _Plans, report: LayoutReport):
+        super().__init__(mod)
+        self.mod, self.plans, self.report = mod, plans, report
+
+    def transform(self) -> tvm.IRModule:
+        return _rewrite_functions(self)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
+        call = super().visit_call_(call)
+        if not _is_op(call, CONV):
+            return call
+        p = self.plans.get(call.args[1])
+        if not isinstance(p, ConvPlan) or p.merge == 1:
+            return call
+        groups = int(call.attrs.groups)
+        weight = relax.const(conv_nchwc.merge_groups(call.args[1].value.numpy(), groups, p.merge))
+        self.plans.set(weight, ConvPlan(p.ic_block, p.oc_block))
+        self.report.merged_groups += 1
+        a = call.attrs
+        return relax.op.nn.conv2d(call.args[0], weight, strides=a.strides, padding=a.padding,
+                                  dilation=a.dilation, groups=groups // p.merge,
+                                  out_dtype=a.out_dtype if str(a.out_dtype) else None)
+
+
+def _rewrite_functions(m: PyExprMutator) -> tvm.IRModule:
+    for gv, func in m.mod.functions_items():
+        if isinstance(func, relax.Function):
+            m.builder_.update_func(gv, m.visit_expr(func))
+    return m.builder_.get()
+
+
+def _layout_callback(plans: _Plans, report: LayoutReport):
     def cb(call: relax.Call) -> dict:
         if not _is_op(call, CONV):
             return {}
-        dims = _conv_dims(call)
-        p = plan(*dims, lanes) if dims is not None else "non-constant weight or non-NCHW/static layout"
+        p = plans.get(call.args[1]) or "not planned"
         report.convs += 1
         if isinstance(p, str):
             report.kept_nchw.append(p)
@@ -189,10 +326,7 @@ class _LowerBlockedConvs(PyExprMutator):
         self.mod = mod
 
     def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
+        return _rewrite_functions(self)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
@@ -216,8 +350,10 @@ def to_nchwc(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, LayoutReport]
     report = LayoutReport()
     T = relax.transform
     mod = T.DecomposeOpsForInference()(mod)
-    mod = _Prepare(mod, lanes, report).transform()
-    mod = T.ConvertLayout({}, _layout_callback(lanes, report))(mod)
+    mod = _Lift(mod, report).transform()
+    plans = assign_blocks(mod, lanes)
+    mod = _MergeGroups(mod, plans, report).transform()
+    mod = T.ConvertLayout({}, _layout_callback(plans, report))(mod)
     mod = tvm.transform.Sequential([T.FoldConstant(), T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
                                     T.DeadCodeElimination()])(mod)
     report.transforms = count_transforms(mod)
