@@ -1,0 +1,134 @@
+"""NCHWc convolutions vs the NCHW template vs onnxruntime, one conv at a time, interleaved in one process.
+
+For each shape a one-node ONNX model (Conv, random weights) is run by
+
+* ``ort``: onnxruntime (2 threads; its NCHWc transformer reorders the input/output around MLAS' kernel);
+* ``tvm_nchw``: our pipeline with the NCHW conv template's default config;
+* ``tvm_nchwc``: our pipeline after :func:`pipeline.layout.to_nchwc` (transforms at the model's edges, which
+  a one-conv model is all edge: this is the pessimistic number);
+* ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph);
+
+all alternated run by run (:func:`pipeline.benchmark.interleaved`), and the FMA peak is measured in the same
+run (``bench/peak.py``).  GFLOP/s count the convolution's useful FLOPs (merged groups compute more).
+
+    python bench/conv_nchwc.py [--shapes r50_3x3,dw] [--runs 50] [--json out.json]
+
+Shapes (batch 1): ResNet-50's 3x3 (64x56x56, 64 filters), a 1x1 (256x56x56 -> 64), ResNeXt-50's grouped 3x3
+(128x56x56, 32 groups), MobileNet-v2's depthwise 3x3 (144x56x56).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+SHAPES = {
+    "r50_3x3": dict(c=64, hw=56, f=64, k=3, stride=1, pad=1, groups=1),
+    "r50_1x1": dict(c=256, hw=56, f=64, k=1, stride=1, pad=0, groups=1),
+    "rx_grouped": dict(c=128, hw=56, f=128, k=3, stride=1, pad=1, groups=32),
+    "mbv2_dw": dict(c=144, hw=56, f=144, k=3, stride=1, pad=1, groups=144),
+}
+
+
+def conv_model(c: int, hw: int, f: int, k: int, stride: int, pad: int, groups: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = rng.uniform(-0.1, 0.1, (f, c // groups, k, k)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[k, k], strides=[stride, stride],
+                            pads=[pad] * 4, group=groups)
+    oh = (hw + 2 * pad - k) // stride + 1
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, hw, hw])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, f, oh, oh])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    flops = 2 * f * oh * oh * (c // groups) * k * k
+    return model, flops
+
+
+def peak_gflops(threads: int) -> float:
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("peak.py")), "--threads", str(threads)],
+                         capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_gflops"])
+
+
+def kernel_runner(part, spec):
+    """The NCHWc conv kernel of a partitioned one-conv model, on its own blocked inputs (packed weights)."""
+    import tvm
+
+    from kerneltune import prepack, templates
+    from kerneltune.task import build_func
+
+    (task,) = [t.task for t in part.tasks if t.kind == "conv2d_nchwc"]
+    func, packings = prepack.strip(templates.apply(task, templates.default_config(task, spec.target), spec.target))
+    lib = build_func(func, spec.target)
+    inputs = prepack.pack_inputs(task.make_inputs(0), packings)
+    args = [tvm.runtime.tensor(x) for x in inputs] + [tvm.runtime.empty(o.shape, o.dtype) for o in task.outputs]
+    return lambda: lib["main"](*args), task
+
+
+def bench_shape(name: str, runs: int, threads: int) -> dict:
+    from graphopt.feeds import max_abs_err, ort_session, random_inputs
+    from kerneltune.templates.cpu import vector_lanes
+    from pipeline import layout
+    from pipeline.benchmark import interleaved
+    from pipeline.compile import compile_partition, device_for, outputs_numpy, to_device
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+    from pipeline.targets import parse_target
+
+    model, flops = conv_model(**SHAPES[name])
+    imported = import_model(model)
+    spec = parse_target("llvm", threads=threads)
+    feeds = random_inputs(imported.graph, 0)
+    sess = ort_session(model, threads, spin=False)
+    ref = sess.run(None, feeds)
+    engines = {"ort": lambda: sess.run(None, feeds)}
+    errors = {}
+    blocked, report = layout.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
+    nchwc_part = partition(blocked)
+    for key, part in (("tvm_nchw", partition(imported.mod)), ("tvm_nchwc", nchwc_part)):
+        cm = compile_partition(imported, part, spec)
+        main, dev = cm.vm()["main"], device_for(spec)
+        args = to_device(feeds, cm.input_names, dev)
+        engines[key] = lambda main=main, args=args: main(*args)
+        errors[key] = max_abs_err(ref, outputs_numpy(main(*args)))
+    engines["nchwc_kernel"], task = kernel_runner(nchwc_part, spec)
+    times = interleaved(engines, runs)
+    return {"shape": SHAPES[name], "useful_gflop": flops / 1e9, "executed_gflop": task.flops / 1e9,
+            "transforms": report.transforms, "errors": errors,
+            "ms": {k: t.median_ms for k, t in times.items()}, "min_ms": {k: t.min_ms for k, t in times.items()},
+            "gflops": {k: flops / (t.median_ms * 1e-3) / 1e9 for k, t in times.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    out = {"load_before": os.getloadavg(), "peak_gflops_before": peak_gflops(args.threads), "shapes": {}}
+    for name in args.shapes.split(","):
+        out["shapes"][name] = r = bench_shape(name, args.runs, args.threads)
+        print(name, json.dumps({k: {e: round(v, 1) for e, v in r[k].items()} for k in ("gflops",)}), flush=True)
+    out["peak_gflops_after"] = peak_gflops(args.threads)
+    out["load_after"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, args.json)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
