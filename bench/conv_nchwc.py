@@ -5,8 +5,9 @@ For each shape a one-node ONNX model (Conv, random weights) is run by
 * ``ort``: onnxruntime (2 threads; its NCHWc transformer reorders the input/output around MLAS' kernel);
 * ``tvm_nchw``: our pipeline with the NCHW conv template's default config;
 * ``tvm_nchwc``: our pipeline after :func:`pipeline.layout.to_nchwc` (transforms at the model's edges, which
-  a one-conv model is all edge: this is the pessimistic number);
-* ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph);
+  a one-conv model is all edge: this is the pessimistic number; narrow groups stay NCHW there);
+* ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph; narrow
+  groups merged to fill the blocks);
 
 all alternated run by run (:func:`pipeline.benchmark.interleaved`), and the FMA peak is measured in the same
 run (``bench/peak.py``).  GFLOP/s count the convolution's useful FLOPs (merged groups compute more).
@@ -66,14 +67,14 @@ def peak_gflops(threads: int) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_gflops"])
 
 
-def kernel_runner(part, spec):
-    """The NCHWc conv kernel of a partitioned one-conv model, on its own blocked inputs (packed weights)."""
+def kernel_runner(name: str, spec):
+    """The shape's NCHWc kernel (16-channel blocks; narrow groups merged) on blocked inputs, packed weights."""
     import tvm
 
     from kerneltune import prepack, templates
     from kerneltune.task import build_func
 
-    (task,) = [t.task for t in part.tasks if t.kind == "conv2d_nchwc"]
+    task = nchwc_task(name)
     func, packings = prepack.strip(templates.apply(task, templates.default_config(task, spec.target), spec.target))
     lib = build_func(func, spec.target)
     inputs = prepack.pack_inputs(task.make_inputs(0), packings)
@@ -100,14 +101,13 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     engines = {"ort": lambda: sess.run(None, feeds)}
     errors = {}
     blocked, report = layout.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
-    nchwc_part = partition(blocked)
-    for key, part in (("tvm_nchw", partition(imported.mod)), ("tvm_nchwc", nchwc_part)):
+    for key, part in (("tvm_nchw", partition(imported.mod)), ("tvm_nchwc", partition(blocked))):
         cm = compile_partition(imported, part, spec)
         main, dev = cm.vm()["main"], device_for(spec)
         args = to_device(feeds, cm.input_names, dev)
         engines[key] = lambda main=main, args=args: main(*args)
         errors[key] = max_abs_err(ref, outputs_numpy(main(*args)))
-    engines["nchwc_kernel"], task = kernel_runner(nchwc_part, spec)
+    engines["nchwc_kernel"], task = kernel_runner(name, spec)
     times = interleaved(engines, runs)
     return {"shape": SHAPES[name], "useful_gflop": flops / 1e9, "executed_gflop": task.flops / 1e9,
             "transforms": report.transforms, "errors": errors,
@@ -157,7 +157,7 @@ def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 
     from pipeline.targets import parse_target
 
     task = nchwc_task(name)
-    useful = task.dims["useful_flops"]
+    useful = conv_model(**SHAPES[name])[1]  # the grouped conv's own FLOPs, not those of merged groups
     target = parse_target("llvm", threads=threads).target
     space = templates.space_for(task, target)
     default = templates.default_config(task, target)
