@@ -9,7 +9,7 @@ For each shape a one-node ONNX model (Conv, random weights) is run by
 * ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph; narrow
   groups merged to fill the blocks);
 
-all alternated run by run (:func:`pipeline.benchmark.interleaved`), and the FMA peak is measured in the same
+all alternated run by run (:func:`graphopt.timing.time_interleaved`), and the FMA peak is measured in the same
 run (``bench/peak.py``).  GFLOP/s count the convolution's useful FLOPs (merged groups compute more).
 
     python bench/conv_nchwc.py [--shapes r50_3x3,mbv2_dw] [--runs 50] [--json out.json]
@@ -35,7 +35,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 SHAPES = {
@@ -84,13 +83,12 @@ def kernel_runner(name: str, spec):
 
 def bench_shape(name: str, runs: int, threads: int) -> dict:
     from graphopt.feeds import max_abs_err, ort_session, random_inputs
-    from kerneltune.templates.cpu import vector_lanes
+    from graphopt.timing import time_interleaved
+    from kerneltune.targets import device_for, parse_target, vector_lanes
     from pipeline import layout
-    from pipeline.benchmark import interleaved
-    from pipeline.compile import compile_partition, device_for, outputs_numpy, to_device
+    from pipeline.compile import compile_partition, outputs_numpy, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from pipeline.targets import parse_target
 
     model, flops = conv_model(**SHAPES[name])
     imported = import_model(model)
@@ -108,7 +106,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
         engines[key] = lambda main=main, args=args: main(*args)
         errors[key] = max_abs_err(ref, outputs_numpy(main(*args)))
     engines["nchwc_kernel"], task = kernel_runner(name, spec)
-    times = interleaved(engines, runs)
+    times = time_interleaved(engines, runs)
     return {"shape": SHAPES[name], "useful_gflop": flops / 1e9, "executed_gflop": task.flops / 1e9,
             "transforms": report.transforms, "errors": errors,
             "ms": {k: t.median_ms for k, t in times.items()}, "min_ms": {k: t.min_ms for k, t in times.items()},
@@ -116,13 +114,13 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
 
 
 def bench_model(path: str, runs: int, threads: int) -> dict:
-    from kerneltune.templates.cpu import vector_lanes
+    from kerneltune.targets import vector_lanes
     from pipeline import layout
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from pipeline.targets import parse_target
+    from kerneltune.targets import parse_target
 
     imported = import_model(path)
     spec = parse_target("llvm", threads=threads)
@@ -154,7 +152,7 @@ def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 
     from kerneltune.measure import Measurer
     from kerneltune.searchers import make_searcher
     from kerneltune.tune import tune
-    from pipeline.targets import parse_target
+    from kerneltune.targets import parse_target
 
     task = nchwc_task(name)
     useful = conv_model(**SHAPES[name])[1]  # the grouped conv's own FLOPs, not those of merged groups

@@ -19,13 +19,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kerneltune.targets import parse_target, set_num_threads
+
 SCHEDULERS = ("gradient", "round-robin")
 
 
 def objective_curve(records_path: Path, tasks, timing: str = "cold") -> list[tuple[int, float]]:
     """(trials, objective ms) after each measured record of ``tasks``, in file order.
 
-    ``tasks`` are :class:`pipeline.tuning.TaskTuning` reports; a task's latency starts at its default
+    ``tasks`` are :class:`kerneltune.tune_tasks.TaskTuning` reports; a task's latency starts at its default
     config's and drops whenever a record beats it.
     """
     from kerneltune.records import RecordLog
@@ -66,13 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args(argv)
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    set_num_threads(args.threads)
 
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from pipeline.targets import parse_target
     from pipeline.tuning import tune_model
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="schedulers-"))

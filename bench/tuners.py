@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads
 
 OPS: dict[str, dict[str, Any]] = {
     "mm1": {"kind": "matmul", "shape": (512, 1024, 1024)},
@@ -242,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown op/searcher {bad}")
 
-    from pipeline.targets import llvm_target
 
     target = llvm_target(args.threads)
-    os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
+    set_num_threads(tvm_num_threads(int(target.attrs["num-cores"])))
     from peak import fma_peak_gflops
 
-    from kerneltune.measure import Measurer, numpy_gflops
+    from kerneltune.baseline import numpy_gflops
+    from kerneltune.measure import Measurer
 
     # The baselines are measured before the Measurer starts: its worker processes import TVM at start-up,
     # and OpenBLAS sharing the two cores with them measured 27 instead of ~180 GFLOP/s.

@@ -322,9 +322,3 @@ def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
             if not (unknown_rank and "Field 'shape' of 'type' is required" in str(exc)):
                 raise RuntimeError(f"exported model fails onnx.checker: {str(exc).splitlines()[0]}") from exc
     return model
-
-
-def save_onnx(graph: Graph, path: str | os.PathLike) -> None:
-    model = export_onnx(graph)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))

@@ -28,7 +28,7 @@ Channel counts need not be multiples of the blocks: the blocked tensors are padd
 ``C`` are masked), so only finite values are required there; padded output lanes hold the epilogue of 0.
 
 Each compute tags its reduction block with :data:`ANCHOR_ATTR` (the :class:`ConvSpec` as JSON), which is how
-:func:`task_from_blocks` recognises the kernel after FuseOps/FuseTIR have added its epilogue.
+:func:`classify` recognises the kernel after FuseOps/FuseTIR have added its epilogue.
 """
 from __future__ import annotations
 
@@ -36,12 +36,14 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from functools import reduce
-from typing import Sequence
 
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import te, tirx
+from tvm import relax, te, tirx
+from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
+
+from .task import Axis, Task, _epilogue_names, _int, _io_specs, layout_free_params, root_blocks
 
 ANCHOR_ATTR = "kerneltune.conv_nchwc"
 KIND = "conv2d_nchwc"
@@ -254,7 +256,7 @@ def merge_factor(c: int, f: int, groups: int, ic_block: int, oc_block: int) -> i
     return None
 
 
-def legalize(bb, call) -> "tvm.relax.Expr":
+def legalize(bb, call) -> relax.Expr:
     """Lower a Relax ``nn.conv2d`` whose data/output layouts are ``NCHW<x>c`` and kernel layout ``OIHW`` to
     our compute (LegalizeOps has no lowering for blocked convs).  Usable in ``customize_legalize_map``."""
     spec = spec_of_call(call)
@@ -303,14 +305,14 @@ def _roles(spec: ConvSpec) -> tuple[str, ...]:
     return ("n", "ob", "y", "x", "o", "rco", "ry", "rx", "rci")
 
 
-def task_from_blocks(name: str, func: tirx.PrimFunc, blocks: Sequence) -> "Task | None":
-    """A Task for a fused PrimFunc whose anchor is one of our NCHWc convs; None if it is not, or if the
-    NCHWc template cannot schedule it (so the pipeline never meets a schedule error later)."""
-    from .prepack import layout_free_params
-    from .task import Axis, Task, _epilogue_names, _int, _io_specs
-
-    anchors = [(b, anchor_spec(b)) for b in blocks]
-    anchors = [(b, s) for b, s in anchors if s is not None]
+def classify(name: str, func: tirx.PrimFunc) -> Task | None:
+    """A Task for a fused PrimFunc whose anchor is one of our NCHWc convs (found by :data:`ANCHOR_ATTR`),
+    else None.  Whether the template can schedule it is :func:`kerneltune.templates.task_for`'s call."""
+    try:
+        blocks = root_blocks(func)
+    except Exception:  # noqa: BLE001 - not a TIR body we can walk
+        return None
+    anchors = [(b, s) for b, s in ((b, anchor_spec(b)) for b in blocks) if s is not None]
     reductions = [b for b in blocks if any(iv.iter_type == tirx.IterVar.CommReduce for iv in b.iter_vars)]
     if len(anchors) != 1 or len(reductions) != 1:
         return None
@@ -332,20 +334,8 @@ def task_from_blocks(name: str, func: tirx.PrimFunc, blocks: Sequence) -> "Task 
     shape_part = "x".join(f"{k}{v}" for k, v in dims.items() if k != "useful_flops")
     key = f"{KIND}_{shape_part}_{spec.dtype}_{'+'.join(epi) or 'none'}_{shash:08x}"
     weights = tuple(func.params[i].name for i in layout_free_params(func))
-    task = Task(name, KIND, func, executed, key, anchor.name_hint, axes, dims, spec.dtype, epi,
+    return Task(name, KIND, func, executed, key, anchor.name_hint, axes, dims, spec.dtype, epi,
                 tuple(b.name_hint for b in blocks), ins, outs, weights)
-    return task if _schedulable(task) else None
-
-
-def _schedulable(task) -> bool:
-    from .templates import cpu_nchwc
-
-    target = tvm.target.Target({"kind": "llvm"})
-    try:
-        cpu_nchwc.apply(task, cpu_nchwc.default_config(task, target), target)
-    except (RuntimeError, ValueError, IndexError):
-        return False
-    return True
 
 
 # ------------------------------------------------------------------------------------- standalone tasks
@@ -358,8 +348,6 @@ def make_relax(spec: ConvSpec, epilogue: str = "none", weight_const: np.ndarray 
     """A Relax module ``main(data, weight, [extra inputs]) -> conv + epilogue`` in the blocked layouts, the
     epilogue written with the Relax ops the ONNX importer produces (``bn``: per-channel multiply + add, as
     BatchNormalization folds to; ``relu6``: maximum/minimum as ONNX Clip imports)."""
-    from tvm import relax
-
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; use one of {', '.join(EPILOGUES)}")
     dt = spec.dtype
@@ -412,11 +400,9 @@ def make_relax(spec: ConvSpec, epilogue: str = "none", weight_const: np.ndarray 
     return mod
 
 
-def fuse_relax(mod) -> "tvm.IRModule":
+def fuse_relax(mod) -> tvm.IRModule:
     """Our conv legalized, everything else by LegalizeOps, then fused as the pipeline fuses (FuseOps attaches
     the elementwise epilogue to the conv; FuseTIR makes one PrimFunc of it)."""
-    from tvm import relax
-
     seq = tvm.transform.Sequential([
         relax.transform.LegalizeOps(customize_legalize_map={"relax.nn.conv2d": _legalize_any}),
         relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(), relax.transform.FuseOps(),
@@ -427,17 +413,13 @@ def fuse_relax(mod) -> "tvm.IRModule":
 
 def _legalize_any(bb, call):
     if str(call.attrs.data_layout) == "NCHW":
-        from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
-
         return _nn_conv2d(bb, call)
     return legalize(bb, call)
 
 
-def make_task(spec: ConvSpec, epilogue: str = "none", name: str | None = None) -> "Task":
+def make_task(spec: ConvSpec, epilogue: str = "none", name: str | None = None) -> Task:
     """A standalone NCHWc conv task shaped exactly like the pipeline's fused kernels.  The weight is a
     parameter marked layout-free (as the pipeline's constant weights are), so the template may pre-pack it."""
-    from .task import root_blocks
-
     spec.check()
     fused = fuse_relax(make_relax(spec, epilogue))
     funcs = [(gv.name_hint, f) for gv, f in fused.functions.items() if isinstance(f, tirx.PrimFunc)]
@@ -447,9 +429,9 @@ def make_task(spec: ConvSpec, epilogue: str = "none", name: str | None = None) -
     # The standalone weight is a parameter; in a model it is a constant, which is what layout-free means.
     if not list((func.attrs or {}).get("layout_free_buffers", [])):
         func = func.with_attr("layout_free_buffers", [tirx.IntImm("int32", _weight_param(func, spec))])
-    task = task_from_blocks(name or fname, func, root_blocks(func))
+    task = classify(name or fname, func)
     if task is None:
-        raise ValueError(f"the NCHWc template cannot schedule {fname}")
+        raise ValueError(f"{fname} has no NCHWc conv anchor")
     return task
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from graphopt.errors import UserError
+
 
 @dataclass
 class TaskInfo:
@@ -128,7 +130,5 @@ def make_scheduler(name: str, tasks: list[TaskInfo], **opts: float) -> TaskSched
     try:
         cls = SCHEDULERS[name]
     except KeyError:
-        from graphopt.errors import UserError
-
         raise UserError(f"unknown scheduler {name!r}: choose one of {', '.join(SCHEDULERS)}") from None
     return cls(tasks, **opts)

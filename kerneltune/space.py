@@ -12,8 +12,6 @@ A config is a tuple with one value per knob, in knob order (hashable, so it is i
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -140,16 +138,3 @@ class SearchSpace:
     def factor_only(self) -> bool:
         """G-BFS and N-A2C are defined on factor knobs only."""
         return all(isinstance(k, FactorKnob) for k in self.knobs)
-
-    def config_hash(self, config: Config) -> str:
-        return hashlib.sha1(json.dumps(self.as_dict(config), sort_keys=True).encode()).hexdigest()[:16]
-
-    def describe(self) -> list[dict[str, Any]]:
-        out = []
-        for k in self.knobs:
-            if isinstance(k, FactorKnob):
-                out.append({"name": k.name, "type": "factor", "product": k.product, "n": k.n})
-            else:
-                out.append({"name": k.name, "type": "discrete" if isinstance(k, DiscreteKnob) else "choice",
-                            "values": list(k.values)})
-        return out

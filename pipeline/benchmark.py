@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from graphopt.feeds import max_abs_err, ort_session, random_inputs
-from pipeline.targets import host_cpu, host_model_name
-
-
-@dataclass
-class Timing:
-    median_ms: float
-    min_ms: float
+from graphopt.fileio import write_text_atomic
+from graphopt.onnx_io import load_model
+from graphopt.timing import Timing, time_interleaved
+from kerneltune.targets import device_for, host_cpu, host_model_name
+from pipeline import metaschedule, tuning
+from pipeline.compile import compile_partition, outputs_numpy, to_device
+from pipeline.optimize import StageLog, graph_stage
+from pipeline.partition import partition, select_tasks
+from pipeline.relax_import import import_model
 
 
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
@@ -61,37 +63,10 @@ class BenchResult:
         return out
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int = 3) -> dict[str, Timing]:
-    """Time each engine ``runs`` times, alternating between them after ``warmup`` untimed rounds.
-
-    Each timed run follows one untimed run of the same engine: a thread pool that just served another
-    engine is cold (TVM's idle workers sleep), and whichever engine came right after onnxruntime measured
-    2-5x slower than the same build placed after another TVM engine.  Priming gives every engine the
-    steady state of back-to-back inference.
-    """
-    for _ in range(warmup):
-        for fn in engines.values():
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in engines}
-    for _ in range(runs):
-        for name, fn in engines.items():
-            fn()
-            samples[name].append(_timed(fn))
-    return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
-
-
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
           trials: int = 0) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
     onnxruntime on the original model, all interleaved in one loop."""
-    from pipeline.compile import device_for, outputs_numpy, to_device
-
     feeds = random_inputs(imported.graph, seed)
     sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
     ort_names = {i.name for i in sess.get_inputs()}
@@ -113,7 +88,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
 
         errors[key] = max_abs_err(reference, outputs_numpy(run_tvm()))
         engines[key] = run_tvm
-    times = interleaved(engines, runs)
+    times = time_interleaved(engines, runs)
     return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, errors, trials)
 
 
@@ -129,8 +104,6 @@ def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0) -> list[Ke
 
     This is what says which kernels dominate end to end, cold caches and call overheads included.
     """
-    from pipeline.compile import device_for, to_device
-
     dev = device_for(compiled.spec)
     vm = compiled.vm()
     args = to_device(random_inputs(imported.graph, seed), compiled.input_names, dev)
@@ -177,8 +150,7 @@ def format_table(res: BenchResult) -> str:
 
 
 def write_json(res: BenchResult, path: str | os.PathLike) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res.to_json(), indent=2) + "\n")
+    write_text_atomic(path, json.dumps(res.to_json(), indent=2) + "\n")
 
 
 def plot(res: BenchResult, path: str | os.PathLike) -> None:
@@ -223,14 +195,6 @@ def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: Ben
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
     serves both the graphopt engine and (with its tuned configs) the tuned engine.
     """
-    import tempfile
-
-    from graphopt.onnx_io import load_model
-    from pipeline.compile import compile_partition
-    from pipeline.optimize import StageLog, graph_stage
-    from pipeline.partition import partition, select_tasks
-    from pipeline.relax_import import import_model
-
     imported = import_model(model_path, input_shapes)
     base = partition(imported.mod)
     engines = {"tvm": compile_partition(imported, base, spec)}
@@ -242,11 +206,8 @@ def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: Ben
         graph_part = partition(graph_imported.mod)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
-        from pipeline import metaschedule
-        from pipeline.tuning import tune_model
-
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
-        result = tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
+        result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
                             work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
         engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
         if not opts.skip_metaschedule:

@@ -1,4 +1,8 @@
-"""Console scripts ``optimize-model`` and ``bench-model``.
+"""The console scripts, all composed here: ``optimize-model``, ``bench-model``, ``graphopt``, ``tune-kernels``.
+
+This module is the composition root: the lower packages define interfaces and the pipeline plugs the
+engines in (graphopt's measured cost model gets the TVM runner here, kerneltune's CLI the model mode), so no
+lower package imports upward.
 
 TVM's thread pool reads ``TVM_NUM_THREADS`` once, when it first starts, and uses one thread on this VM
 otherwise; so ``--threads`` is put into the environment before anything imports the TVM runtime (all
@@ -10,7 +14,16 @@ import argparse
 import os
 import sys
 
+from graphopt import cli as graphopt_cli
+from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import UserError, cli_entry
+from graphopt.onnx_io import load_model, parse_input_shapes
+from kerneltune import cli as kerneltune_cli
+from kerneltune.scheduler import SCHEDULERS
+from kerneltune.searchers import SEARCHERS
+from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, parse_target, set_num_threads
+from pipeline.model_mode import MODEL_MODE
+from pipeline.optimize import TuneOptions, optimize_model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
-    p.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
+    p.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for TVM and onnxruntime (default: the cores this process may use)")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
@@ -34,8 +47,8 @@ def set_threads(threads: int | None) -> int:
     """Fix the thread count for TVM's pool before it starts; returns the count used."""
     if threads is not None and threads < 1:
         raise UserError(f"--threads {threads}: give a positive number of threads")
-    n = threads or len(os.sched_getaffinity(0))
-    os.environ["TVM_NUM_THREADS"] = str(n)
+    n = threads or default_threads()
+    set_num_threads(n)
     return n
 
 
@@ -50,9 +63,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
                                                      "globs ('fused_matmul_add*'); see tune-kernels MODEL --list")
-    t.add_argument("--scheduler", default="gradient", choices=("gradient", "round-robin"),
+    t.add_argument("--scheduler", default="gradient", choices=tuple(SCHEDULERS),
                    help="how trials are spread over tasks (default gradient)")
-    t.add_argument("--searcher", default="opevo", help="opevo | gbfs | na2c | random (default opevo)")
+    t.add_argument("--searcher", default="opevo", help=f"{' | '.join(SEARCHERS)} (default opevo)")
     t.add_argument("--records", metavar="FILE", help="tuning records to resume from / append to "
                                                      "(default DIR/records.jsonl)")
     t.add_argument("--rpc", metavar="HOST:PORT:KEY", help="measure on a remote device through a TVM RPC tracker")
@@ -62,9 +75,6 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     if args.trials < 0:
         raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
     threads = set_threads(args.threads)
-
-    from graphopt.onnx_io import parse_input_shapes
-    from pipeline.optimize import TuneOptions, optimize_model
 
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
                          args.skip_tune, not args.no_progress)
@@ -87,8 +97,8 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=0,
                    help="also tune (ours and MetaSchedule) with this many trials each (default 0: no tuning)")
     p.add_argument("--kernels", metavar="SEL", help="tasks our tuner works on (see optimize-model --kernels)")
-    p.add_argument("--scheduler", default="gradient", choices=("gradient", "round-robin"))
-    p.add_argument("--searcher", default="opevo", help="opevo | gbfs | na2c | random (default opevo)")
+    p.add_argument("--scheduler", default="gradient", choices=tuple(SCHEDULERS))
+    p.add_argument("--searcher", default="opevo", help=f"{' | '.join(SEARCHERS)} (default opevo)")
     p.add_argument("--work-dir", metavar="DIR", help="tuning records of both tuners; rerunning resumes")
     p.add_argument("--skip-graph", action="store_true", help="no graphopt engine (tuning uses the original graph)")
     p.add_argument("--skip-metaschedule", action="store_true", help="no MetaSchedule engine (it is slow)")
@@ -105,12 +115,11 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
     threads = set_threads(args.threads)
 
-    from graphopt.onnx_io import load_model, parse_input_shapes
-    from pipeline import benchmark
-    from pipeline.targets import check_name, parse_target
 
     check_name(args.target)
     load_model(args.model)  # fail fast on a bad file, before TVM loads
+    from pipeline import benchmark  # deferred: loads TVM (seconds)
+
     spec = parse_target(args.target, threads)
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
@@ -130,6 +139,32 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         print(f"kernels of '{benchmark.ENGINES[best]}':")
         print(benchmark.format_profile(benchmark.profile_kernels(engines[best], imported, seed=args.seed)))
     return 0
+
+
+def _tvm_runner(threads: int) -> GraphRunner:
+    # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
+    from pipeline.graph_runner import TvmRunner
+
+    return TvmRunner(threads)
+
+
+GRAPHOPT_COMPONENTS = graphopt_cli.Components(
+    runners={"tvm": _tvm_runner, "ort": OrtRunner},
+    target_kinds=KINDS,
+    check_target=lambda name: check_name(name)[0],
+)
+
+
+@cli_entry
+def graphopt_main(argv: list[str] | None = None) -> int:
+    """``graphopt``: graphopt's own CLI with the TVM engine plugged into its measured cost model."""
+    return graphopt_cli.main(argv, GRAPHOPT_COMPONENTS)
+
+
+@cli_entry
+def tune_kernels_main(argv: list[str] | None = None) -> int:
+    """``tune-kernels``: kerneltune's single-operator CLI plus the pipeline's model mode (``MODEL --list``)."""
+    return kerneltune_cli.main(argv, MODEL_MODE)
 
 
 if __name__ == "__main__":  # pragma: no cover

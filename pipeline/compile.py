@@ -26,14 +26,17 @@ import numpy as np
 import onnx
 import tvm
 from tvm import relax
+from tvm.s_tir import dlight as dl
 
-from graphopt.errors import UserError
 from graphopt.feeds import max_abs_err, random_inputs, run_ort
 from graphopt.ir import Graph
+from kerneltune import templates
+from kerneltune.native_log import quiet_native_stderr
+from kerneltune.prepack import fold_weight_packing
+from kerneltune.targets import TargetSpec, device_for
+from pipeline.cpu_rules import Injective, ParallelFallback
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
-from pipeline.targets import TargetSpec
-from kerneltune.native_log import quiet_native_stderr
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +89,7 @@ def amdgpu_code_objects(blob: bytes) -> list[bytes]:
     return out
 
 
-def device_for(spec: TargetSpec):
-    if not spec.can_run:
-        raise UserError(f"cannot run the {spec.kind} build here: {spec.note}")
-    return {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[spec.kind](0)
-
-
 def _cpu_rules() -> list:
-    from tvm.s_tir import dlight as dl
-
-    from pipeline.cpu_rules import Injective, ParallelFallback
-
     # Injective first: it declines any kernel with a reduction, and dlight's rules start by inlining every
     # block (try_inline), which recomputes reused values exponentially before they decline an elementwise
     # kernel (see pipeline.cpu_rules).
@@ -104,8 +97,6 @@ def _cpu_rules() -> list:
 
 
 def _gpu_rules() -> list:
-    from tvm.s_tir import dlight as dl
-
     return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 
 
@@ -124,8 +115,6 @@ def _apply_rules(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rules: list
 
 
 def _template_schedule(task: FusedTask, config: Any | None, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
-    from kerneltune import templates
-
     cfg = config if config is not None else templates.default_config(task.task, target)
     return templates.apply(task.task, cfg, target)
 
@@ -179,8 +168,6 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
 def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
     """relax.build of an already fused and scheduled module (the default pipeline only lowers it now),
     after running the kernels' weight-packing copies on the constant weights (kerneltune.prepack)."""
-    from kerneltune.prepack import fold_weight_packing
-
     return relax.build(fold_weight_packing(mod), spec.target)
 
 

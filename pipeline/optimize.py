@@ -1,13 +1,13 @@
 """``optimize-model``: graph stage -> Relax import -> partition -> tuning -> compile -> check -> write DIR.
 
-Each stage is timed into report.json.  The graph stage is :func:`graphopt.search.optimize`
-(TASO-style substitutions, measured cost); with ``--skip-graph`` the model is imported and exported through
+Each stage is timed into report.json.  The graph stage is :func:`graphopt.stage.optimize_graph`
+(TASO-style substitutions, measured cost timed with TVM); with ``--skip-graph`` the model is imported and
+exported through
 the graph IR unchanged, so DIR/optimized.onnx is always the graph the library was compiled from.
 """
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +15,13 @@ from typing import Any
 
 import onnx
 
+from graphopt.cost.factory import make_cost_model
 from graphopt.errors import UserError
+from graphopt.fileio import write_bytes_atomic, write_text_atomic
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.stage import GraphStageOptions, optimize_graph
+from kerneltune.targets import check_name, parse_target
+from pipeline.frontend import legalize_for_tvm
 
 
 @dataclass
@@ -31,21 +36,27 @@ class StageLog:
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
-    """The model the compiler sees: graphopt's optimized graph, or the imported graph re-exported."""
+    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM), or the
+    imported graph re-exported."""
     t0 = time.perf_counter()
-    graph = import_onnx(model, input_shapes, require_static=True)
+    legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
+    graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
+    if legal.changed:
+        log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, nodes=len(graph.nodes))
+        t0 = time.perf_counter()
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
         return export_onnx(graph)
-    from graphopt.search import optimize
+    from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
-    result = optimize(graph, target=target, threads=threads, progress=progress)
-    optimized = result.graph
-    facts = {k: getattr(result, k) for k in ("cost_before", "cost_after", "applied", "stopped_by")}
-    facts.update({k: result.e2e.get(k) for k in ("kept", "e2e_ms_before", "e2e_ms_after")})  # end-to-end verdict
+    cost = make_cost_model("measured", target, TvmRunner(threads))
+    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
+    facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
+             "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
+             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
-            nodes_after=len(optimized.nodes), **facts)
-    return export_onnx(optimized)
+            nodes_after=len(result.graph.nodes), **facts)
+    return export_onnx(result.graph)
 
 
 @dataclass
@@ -77,10 +88,11 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                    seed: int = 0, tuning: TuneOptions | None = None) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
     report.md when tuning)."""
+    # Deferred: these load TVM (seconds), after the target and the file are checked (one-line errors at once).
     from pipeline.compile import ATOL, check_outputs, compile_partition
     from pipeline.partition import partition, select_tasks
     from pipeline.relax_import import import_model
-    from pipeline.targets import check_name, parse_target
+    from pipeline.tuning import plot_tuning, tune_model
 
     tuning = tuning or TuneOptions()
     check_name(target)
@@ -100,8 +112,6 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     tuned: dict[str, Any] = {}
     tune_result = None
     if tuning.enabled:
-        from pipeline.tuning import tune_model
-
         selected = select_tasks(part.tasks, tuning.kernels)
         records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
@@ -131,17 +141,15 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     log.add("compile", compiled.build_s, **facts)
 
     out.mkdir(parents=True, exist_ok=True)
-    onnx.save(optimized, str(out / "optimized.onnx"))
+    write_bytes_atomic(out / "optimized.onnx", optimized.SerializeToString())
     lib = compiled.export(out / "model.so")
     files = {"optimized": "optimized.onnx", "library": lib.name, "report_md": "report.md"}
     if lib.with_suffix(".hsaco").exists():
         files["code_object"] = lib.with_suffix(".hsaco").name
     if tune_result is not None:
-        from pipeline.tuning import plot_tuning
-
         records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
-            shutil.copyfile(records, out / "records.jsonl")
+            write_bytes_atomic(out / "records.jsonl", records.read_bytes())
         plot_tuning(tune_result, out / "tuning.png")
         files.update(records="records.jsonl", tuning_plot="tuning.png")
     report = {
@@ -151,8 +159,8 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                                         for t in part.tasks],
         "files": files,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(report_markdown(report))
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out / "report.md", report_markdown(report))
     return OptimizeResult(out, report)
 
 

@@ -12,9 +12,10 @@ import tvm
 from kerneltune import prepack, templates
 from kerneltune.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
                                    merge_groups, to_blocked)
+from kerneltune.targets import llvm_target
 from kerneltune.task import build_func, run_func
 
-LLVM = templates.host_target(2)
+LLVM = llvm_target(2)
 
 
 def np_conv(x, w, spec: ConvSpec) -> np.ndarray:

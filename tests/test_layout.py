@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 from torch import nn  # noqa: E402
 
 from graphopt.feeds import random_inputs, run_ort  # noqa: E402
+from kerneltune.targets import device_for, parse_target  # noqa: E402
 from pipeline import layout  # noqa: E402
-from pipeline.compile import compile_partition, outputs_numpy, to_device, device_for  # noqa: E402
+from pipeline.compile import compile_partition, outputs_numpy, to_device  # noqa: E402
 from pipeline.partition import partition  # noqa: E402
 from pipeline.relax_import import import_model  # noqa: E402
-from pipeline.targets import parse_target  # noqa: E402
 
 
 class ChainCNN(nn.Module):

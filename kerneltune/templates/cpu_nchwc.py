@@ -29,10 +29,12 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
+from ..prepack import PREPROC
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, SearchSpace
+from ..targets import vector_lanes
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
-from .cpu import _largest_divisor_at_most, has_producers, vector_lanes
+from .cpu import _largest_divisor_at_most, has_producers
 
 UNROLL = (0, 16, 64, 512)
 # Register tiles with more vector accumulators than this spill (32 zmm registers, some for operands) and
@@ -137,8 +139,6 @@ def _pack_weight(sch, anchor, task: Task, ocb: int, icb: int, dw: bool) -> None:
     channel and tap.  A model weight (layout-free) gets the copy as a build-time rewrite block
     (:data:`kerneltune.prepack.PREPROC`); a runtime weight is copied per call.  Blocks that do not divide the
     channels (padded layouts) read the OIHW weight directly."""
-    from ..prepack import PREPROC
-
     f, cg = task.dims["F"], task.dims["C"] // task.dims["G"]
     if f % ocb or cg % icb:
         return
