@@ -52,7 +52,7 @@ def test_corrupt_trailing_line_is_skipped_and_isolated(tmp_path, caplog):
         fh.write(b'{"task": "t", "target": "llvm", "conf')   # a write cut short by a kill
     with caplog.at_level(logging.WARNING):
         assert len(RecordLog(path).load()) == 1
-    assert "line 2 is not a complete tuning record" in caplog.text
+    assert "line 2 is not a valid tuning record" in caplog.text
     with RecordLog(path) as log:
         log.append([Record("t", "llvm", {"i": [2]}, 2.0, 0.5)])
     assert [r.config for r in RecordLog(path).load()] == [{"i": [1]}, {"i": [2]}]
