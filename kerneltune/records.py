@@ -147,8 +147,12 @@ class RecordLog:
         ``wait_s`` for another holder, then a one-line UserError naming it."""
         if self._fh is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "ab")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(self.path, "ab")
+        except OSError as exc:
+            raise UserError(f"cannot write the records file {self.path} ({exc.strerror or exc}); pass a writable "
+                            "--records FILE") from None
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -21,11 +21,12 @@ Ansor begins with one round-robin round so that every task has a latency; with t
 job is done, and a task without a valid latency still goes first (its gradient is -inf), so there is no
 warm-up round: at t_i = 0 the forward term is -g_i (t_i counts as 1), the first batches go to the tasks with
 the largest weighted default latency, and the backward term starts with the first round.  The warm-up would
-spend 8 trials on each of ResNet-50's 25 tasks - the whole of a 200-trial budget.  Simulated on ResNet-50's
-25 tasks (weights and FLOPs from its partition; default speeds 15-90 GFLOP/s, attainable speeds shared by a
-kind within +-15%, a 50% chance per round of closing 5-40% of the gap; 200 seeds), the fraction of the
-default-to-attainable gap left was 0.57 without the warm-up vs 0.78 with it at 200 trials, 0.41 vs 0.44 at
-400, and equal (0.25, 0.08) at 800 and 2000; round-robin left 0.78, 0.59, 0.37, 0.12.
+spend 8 trials on each of ResNet-50's 25 tasks - the whole of a 200-trial budget.  Simulated
+(``bench/scheduler_warmup.py``: ResNet-50's 25 tasks, 200 seeds; lower = less of the default-to-attainable
+gap left): without the warm-up 0.575 / 0.413 / 0.249 / 0.083 at 200 / 400 / 800 / 2000 trials, with it
+0.772 / 0.447 / 0.254 / 0.084 (round-robin 0.772 / 0.582 / 0.359 / 0.118).  When similar tasks do *not*
+reach similar speeds (``--independent``) both gradient variants fall behind round-robin from 800 trials on
+(0.52 and 0.50 vs 0.46 at 800): the similar-task term keeps pulling at tasks that cannot follow.
 """
 from __future__ import annotations
 
