@@ -142,6 +142,17 @@ class RecordLog:
                     out.append(rec)
         return out
 
+    def check_free(self, wait_s: float = LOCK_WAIT_S) -> None:
+        """Fail now, creating nothing, if the file cannot be a records file or another tuner holds it (a
+        check before long work; the lock itself is taken by :meth:`acquire`)."""
+        if self.path.is_dir():
+            raise UserError(f"the records file {self.path} is a directory; pass a file: --records FILE")
+        if not self.path.exists():
+            return
+        probe = RecordLog(self.path)
+        probe.acquire(wait_s)
+        probe.close()
+
     def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
         """Open the file for appending and take its exclusive lock (one tuner per file); wait up to
         ``wait_s`` for another holder, then a one-line UserError naming it."""

@@ -20,6 +20,7 @@ from graphopt.errors import UserError
 from graphopt.fileio import write_bytes_atomic, write_text_atomic
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 from graphopt.stage import GraphStageOptions, optimize_graph
+from kerneltune.records import RecordLog
 from kerneltune.targets import check_name, parse_target
 from pipeline.frontend import legalize_for_tvm
 
@@ -98,11 +99,14 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     check_name(target)
     original = load_model(model_path)  # file problems are reported before TVM loads (seconds)
     spec = parse_target(target, threads)
-    if tuning.enabled and tuning.rpc:
-        from kerneltune.runner import check_device  # deferred with TVM (see above)
-
-        check_device(tuning.rpc)  # an unreachable device: one line now, before the graph stage and tuning
     out = Path(out_dir)
+    records = Path(tuning.records) if tuning.records else out / "records.jsonl"
+    if tuning.enabled:  # fail in seconds, not after the graph stage: records in use / unwritable, no device
+        RecordLog(records).check_free()
+        if tuning.rpc:
+            from kerneltune.runner import check_device  # deferred with TVM (see above)
+
+            check_device(tuning.rpc)
     log = StageLog()
     optimized = graph_stage(original, input_shapes, skip_graph, log, spec.kind,
                             int(threads or 1), tuning.progress)
@@ -115,7 +119,6 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
     tuned: dict[str, Any] = {}
     tune_result = None
-    records = Path(tuning.records) if tuning.records else out / "records.jsonl"
     if tuning.enabled:
         selected = select_tasks(part.tasks, tuning.kernels)
         tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,

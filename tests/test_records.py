@@ -231,7 +231,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
-def test_one_tuner_per_records_file(tmp_path):
+def test_one_tuner_per_records_file(tmp_path, capsys):
     """A second writer waits a bounded time, then refuses with one line naming the file and the holder."""
     from graphopt.errors import UserError
 
@@ -251,6 +251,16 @@ def test_one_tuner_per_records_file(tmp_path):
             with RecordLog(path) as log:
                 tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 4, task_key="t", target="llvm",
                      records=log, progress=False)
+        # optimize-model refuses before any work (no graph stage, no output directory), in one line.
+        from pathlib import Path
+
+        from pipeline.cli import optimize_model_main
+
+        bert = Path(__file__).resolve().parents[1] / "models" / "bert_tiny.onnx"
+        rc = optimize_model_main([str(bert), "--trials", "8", "--records", str(path), "-o", str(tmp_path / "o")])
+        assert rc == 2 and not (tmp_path / "o").exists()
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"in use by another tuner (PID {holder.pid})" in err
     finally:
         holder.kill()
         holder.wait()
