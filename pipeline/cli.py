@@ -85,6 +85,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     check = f"max abs err vs onnxruntime {err:.3g}" if err is not None else comp.get("not_run", "")
     print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json "
           f"({len(res.report['tasks'])} kernels; {check})")
+    note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 

@@ -160,6 +160,13 @@ def test_rpc_tracker_hands_out_the_keyed_device():
             time.sleep(0.5)
         result = _measure_default(f"127.0.0.1:{tracker_port}:testcpu")
         assert result.error is None and result.gflops > 0
+        # The up-front check: a key no server registered is refused at once, naming the keys there are.
+        from graphopt.errors import UserError
+        from kerneltune.runner import check_device
+
+        check_device(f"127.0.0.1:{tracker_port}:testcpu")
+        with pytest.raises(UserError, match=r"no device registered under key 'gpu0' \(registered: testcpu\)"):
+            check_device(f"127.0.0.1:{tracker_port}:gpu0")
     finally:
         for proc in procs:
             proc.kill()
