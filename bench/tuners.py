@@ -10,7 +10,11 @@ Operators (fp32, OpEvo paper's Table 1 with the batch scaled down so a run fits 
     bert  matmul (128,768)x(768,3072)                          (BERT-base FFN1)
 
 Every searcher measures through the same :class:`kerneltune.measure.Measurer` (builds in worker processes,
-timing one config at a time, outputs checked).  G-BFS and N-A2C only move prime factors: when the
+timing one config at a time, outputs checked) and gets the same warm start: trial 1 of each of our
+searchers is the template's default config, measured, recorded and observed before the search proposes
+anything (:func:`kerneltune.tune.tune`'s ``warm_start``, the path ``optimize-model`` takes), so OpEvo evolves
+from it and G-BFS / N-A2C expand it instead of the untiled config.  MetaSchedule searches its own schedule
+space, where our default has no equivalent: it starts cold.  G-BFS and N-A2C only move prime factors: when the
 template's space also has other knobs (the CPU template's unroll depth) they search the factor knobs with the
 other knobs at the template's ``default_config``, and the output says so.  MetaSchedule runs ``tune_tir``
 (evolutionary search + XGBoost cost model, its own schedule space) with the same trial count; a measure
@@ -67,16 +71,20 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
     from kerneltune.space import FactorKnob
     from kerneltune.tune import tune
 
+    from kerneltune.targets import gflops_ceiling
+
     space = templates.space_for(task, target)
+    default = templates.default_config(task, target)
     fixed, note = None, ""
     if searcher_name in FACTOR_ONLY and not space.factor_only:
-        fixed = templates.default_config(task, target)
+        fixed = default
         pinned = {k.name: v for k, v in zip(space.knobs, fixed) if not isinstance(k, FactorKnob)}
         note = f"factor knobs searched; non-factor knobs fixed at default_config {pinned}"
     searcher = make_searcher(searcher_name, space, seed, fixed=fixed)
     with RecordLog(records_path) as log:
         res = tune(space, searcher, lambda cs: measurer.measure(task, cs), trials, task_key=task.key,
-                   target=str(target), records=log, progress=True, desc=f"{searcher_name} s{seed}")
+                   target=str(target), records=log, progress=True, desc=f"{searcher_name} s{seed}",
+                   timing=measurer.timing, warm_start=default, flops=task.flops, ceiling=gflops_ceiling(target))
     return res.curve[:trials], note
 
 

@@ -6,8 +6,10 @@
 SHAPE is ``M,K,N`` for matmul (A is MxK, B is KxN), ``B,M,K,N`` for batch_matmul and ``N,C,H,W,F,KH,KW`` for
 conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--json``) is
 ``{"best_gflops", "best_ms", "best_config", "trials", "numpy_gflops", ...}``; ``numpy_gflops`` is numpy's
-(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  Rerunning
-with the same ``--records`` resumes: stored configs count towards ``--trials`` and are not measured again.
+(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  The first
+trial is the template's default config (the warm start every searcher gets, :func:`kerneltune.tune.tune`).
+Rerunning the same command with the same ``--records`` resumes: the search runs again, finds what the
+interrupted run measured in the records and measures only the rest (:mod:`kerneltune.tune`).
 
 Structure: :func:`build_parser` declares the options, :func:`run_operator` does the single-operator mode.
 A model mode (``tune-kernels MODEL --list``) belongs to the pipeline, which owns model import: the console
@@ -29,7 +31,7 @@ from kerneltune.baseline import numpy_gflops
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
-from kerneltune.targets import TARGET_HELP, check_name, parse_target
+from kerneltune.targets import TARGET_HELP, check_name, gflops_ceiling, parse_target
 from kerneltune.tune import tune
 
 @dataclass(frozen=True)
@@ -121,10 +123,15 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     if not spec.can_run and not args.rpc:
         raise UserError(f"cannot measure on {args.target} here ({spec.note}); pass --rpc HOST:PORT:KEY of a "
                         "TVM RPC tracker with that device")
+    if args.rpc:
+        from kerneltune.runner import check_device
+
+        check_device(args.rpc)  # an unreachable device: one line now, not a run of failed trials
     space = templates.space_for(task, spec.target)
+    default = templates.default_config(task, spec.target)
     fixed = None
     if args.searcher in FACTOR_ONLY and not space.factor_only:
-        fixed = templates.default_config(task, spec.target)
+        fixed = default
         others = [k.name for k in space.knobs if type(k).__name__ != "FactorKnob"]
         print(f"note: {args.searcher} searches factor knobs only; {others} stay at the default config",
               file=sys.stderr)
@@ -142,7 +149,8 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         res = tune(space, searcher, measure, args.trials, task_key=task.key, target=target_key, records=records,
-                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm")
+                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm",
+                   warm_start=default, flops=task.flops, ceiling=gflops_ceiling(spec.target))
     finally:
         for m in measurer:
             m.close()
@@ -161,6 +169,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "measured_now": res.measured_now,
         "failures": res.failures,
+        "default_ms": res.warm_start_latency_s * 1e3 if res.warm_start_latency_s else None,
     }
 
 

@@ -68,7 +68,7 @@ class FactorKnob:
         """Move one prime factor p of slot i to slot j (i != j)."""
         out = []
         for i, vi in enumerate(v):
-            for p in set(prime_factors(vi)):
+            for p in sorted(set(prime_factors(vi))):  # a fixed order: searchers replay exactly
                 for j in range(self.n):
                     if j != i:
                         w = list(v)

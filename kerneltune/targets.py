@@ -288,6 +288,24 @@ def _llvm_spec(arch: str | None, threads: int | None) -> TargetSpec:
     return TargetSpec("llvm", llvm_target(threads), True)
 
 
+# Clock and FMA pipes no x86 core exceeds (boost clocks top out near 6 GHz; two FMA pipes per core), and a
+# factor 2 on top: the ceiling only has to catch impossible numbers (a forged 1e6 GFLOP/s), never a real one.
+_CPU_GHZ, _FMA_PIPES, _CEILING_SLACK = 6.0, 2, 2.0
+# fp32 GFLOP/s no GPU reaches without tensor cores (an H100 does ~67 TFLOP/s), which our templates never use.
+_GPU_CEILING = 2e5
+
+
+def _cpu_ceiling(target: "tvm.target.Target") -> float:
+    lanes = vector_lanes(target, "float32")
+    return num_cores(target) * lanes * 2 * _FMA_PIPES * _CPU_GHZ * _CEILING_SLACK
+
+
+def gflops_ceiling(target: "tvm.target.Target") -> float:
+    """GFLOP/s no kernel can reach on ``target`` (fp32 FMA peak with headroom): a stored record claiming
+    more is forged or corrupt and is never believed (:func:`kerneltune.tune.record_problem`)."""
+    return _cpu_ceiling(target) if not kind_of(target).is_gpu else _GPU_CEILING
+
+
 REGISTRY: dict[str, TargetKind] = {k.name: k for k in (
     TargetKind("llvm", "cpu", False, "cpu", _llvm_spec),
     TargetKind("cuda", "cuda", True, "gpu", lambda arch, threads: _cuda_spec(arch), "sm_XX"),

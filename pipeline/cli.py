@@ -109,6 +109,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     if comp.get("not_run"):
         check += f"; kernels not run: {comp['not_run']}"
     print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json ({len(res.report['tasks'])} kernels; {check})")
+    note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 

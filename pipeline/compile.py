@@ -20,7 +20,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -178,6 +178,21 @@ def compile_partition(imported: ImportedModel, part: Partition, spec: TargetSpec
 
 def to_device(feeds: dict[str, np.ndarray], names: Sequence[str], dev) -> list:
     return [tvm.runtime.tensor(feeds[n], dev) for n in names]
+
+
+def model_runner(compiled: CompiledModel, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    """One inference of ``compiled`` on ``feeds`` (already on the device), returning when the result is
+    ready: a runner for :mod:`graphopt.timing`."""
+    dev = device_for(compiled.spec)
+    main = compiled.vm()["main"]
+    args = to_device(feeds, compiled.input_names, dev)
+
+    def run() -> object:
+        out = main(*args)
+        dev.sync()
+        return out
+
+    return run
 
 
 def outputs_numpy(result) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 from graphopt.validate import check_model
 from graphopt.stage import GraphStageOptions, optimize_graph
+from kerneltune.records import RecordLog
 from kerneltune.targets import check_name, parse_target
 from pipeline.frontend import legalize_for_tvm
 
@@ -102,18 +103,23 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     check_name(target)
     out = check_output_dir(out_dir, "-o")
     records = Path(tuning.records) if tuning.records else out / "records.jsonl"
-    if tuning.enabled:
+    if tuning.enabled:  # a records path we cannot write, or one another tuner holds
         check_output_file(records, "--records")
+        RecordLog(records).check_free()
     model = check_model(model_path, input_shapes, inputs)
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
     # Deferred: these load TVM (seconds), after every cheap check above has passed.
     from pipeline.compile import check_outputs, compile_partition
     from pipeline.partition import partition, select_tasks
     from pipeline.relax_import import import_model
-    from pipeline.tuning import plot_tuning, tune_model
+    from pipeline.tuning import pick_build, plot_tuning, tune_model
 
     original = model.proto
     spec = parse_target(target, threads)
+    if tuning.enabled and tuning.rpc:  # fail in seconds, not after the graph stage: no device
+        from kerneltune.runner import check_device  # deferred with TVM (see above)
+
+        check_device(tuning.rpc)
     log = StageLog()
     optimized = graph_stage(original, model.input_shapes, skip_graph, log, spec.kind,
                             int(threads or 1), tuning.progress)
@@ -133,8 +139,9 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         tuned = tune_result.best_configs
         before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
         after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
-        log.add("tune", tune_result.seconds, trials=tune_result.trials, scheduler=tune_result.scheduler,
-                searcher=tune_result.searcher, records=str(records), kernel_ms_before=round(before, 4),
+        log.add("tune", tune_result.seconds, trials=tune_result.trials, measured_now=tune_result.measured_now,
+                scheduler=tune_result.scheduler, searcher=tune_result.searcher, records=str(records),
+                kernel_ms_before=round(before, 4),
                 kernel_ms_after=round(after, 4),
                 tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
                         "best_ms": t.best_ms, "weight": t.weight} for t in tune_result.tasks])
@@ -142,6 +149,10 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
 
     compiled = compile_partition(imported, part, spec, tuned)
+    if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
+        compiled, choice = pick_build(compiled, imported, part, spec, tuned, records,
+                                      optimized.SerializeToString(), seed, tuning.rpc)
+        log.stages["tune"]["e2e"] = choice.to_json()
     facts: dict[str, Any] = {"schedules": compiled.schedules}
     if spec.can_run:
         # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
@@ -211,9 +222,14 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = [f"# optimize-model: {report['model']} on {report['target']}", "", "| stage | time s | facts |",
              "|---|---|---|"]
     for name, st in report["stages"].items():
-        facts = ", ".join(f"{k}={v}" for k, v in st.items() if k not in ("time_s", "tasks", "schedules"))
+        facts = ", ".join(f"{k}={v}" for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
         lines.append(f"| {name} | {st['time_s']} | {facts} |")
     tune = report["stages"].get("tune", {})
+    if tune.get("e2e"):
+        e2e = tune["e2e"]
+        ms = (f"; default build {e2e['default_ms']} ms, tuned build {e2e['tuned_ms']} ms"
+              if e2e.get("tuned_ms") is not None else "")
+        lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
     if tune.get("tasks"):
         lines += ["", "## tuned tasks", "", "| idx | task | weight | trials | default ms | best ms |",
                   "|---|---|---|---|---|---|"]

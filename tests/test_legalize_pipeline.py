@@ -74,7 +74,7 @@ TORCH_CASES = {"torchscript": (True, True, False, False), "dynamo": (False, Fals
 
 @pytest.fixture(scope="module")
 def llvm():
-    from pipeline.targets import parse_target
+    from kerneltune.targets import parse_target
 
     return parse_target("llvm", 2)
 
@@ -125,7 +125,7 @@ def test_optimize_model_on_torchscript_export_writes_the_legalized_graph(torch_m
 
 
 def test_tune_kernels_lists_tasks_of_an_rnn_model(torch_models, tmp_path, capsys):
-    from kerneltune.cli import main as tune_main
+    from pipeline.cli import tune_kernels_main as tune_main
 
     src = tmp_path / "lm.onnx"
     onnx.save(torch_models["dynamo"], str(src))

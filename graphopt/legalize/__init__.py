@@ -12,7 +12,7 @@ converter stops the lowering by itself).  A lowering may decline a node it was a
 that node needs no rewrite, e.g. a ConstantOfShape that produces a non-scalar tensor.
 
 Lowerings live beside this file, one module per family (:mod:`.rnn`, :mod:`.sequence`,
-:mod:`.constants`); each registers itself with :func:`register`.
+:mod:`.constants`); each registers itself with :func:`register` (:mod:`.registry`).
 """
 from __future__ import annotations
 
@@ -20,22 +20,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from graphopt.ir import Graph, Node
+from graphopt.legalize import constants, rnn, sequence  # noqa: F401  (each registers its lowerings)
 from graphopt.legalize.builder import Builder
-
-# A lowering gets the node and a Builder on the graph; it returns {original output name: tensor computing it}
-# for the outputs it replaced (absent optional outputs need no entry), or None to leave the node as it is.
-Lowering = Callable[[Node, Builder], "dict[str, str] | None"]
-
-LOWERINGS: dict[str, Lowering] = {}
-
-
-def register(*op_types: str) -> Callable[[Lowering], Lowering]:
-    def deco(fn: Lowering) -> Lowering:
-        for t in op_types:
-            LOWERINGS[t] = fn
-        return fn
-    return deco
-
+from graphopt.legalize.registry import LOWERINGS, Lowering, register  # noqa: F401  (the package's API)
 
 @dataclass
 class Legalized:
@@ -113,5 +100,3 @@ def _bind_outputs(b: Builder, new_nodes: list[Node], replaced: dict[str, str]) -
             info.name = original
             vi[original] = info
 
-
-from graphopt.legalize import constants, rnn, sequence  # noqa: E402,F401  (registers the lowerings)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.ir import Node
-from graphopt.legalize import register
+from graphopt.legalize.registry import register
 from graphopt.legalize.builder import Builder
 
 

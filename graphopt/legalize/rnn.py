@@ -52,7 +52,7 @@ import numpy as np
 
 from graphopt.errors import UserError
 from graphopt.ir import Node
-from graphopt.legalize import register
+from graphopt.legalize.registry import register
 from graphopt.legalize.builder import Builder
 from graphopt.legalize.sequence import reversal_index, reverse_steps, step_mask
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from graphopt.errors import UserError
 from graphopt.ir import Node
-from graphopt.legalize import register
+from graphopt.legalize.registry import register
 from graphopt.legalize.builder import Builder
 
 
