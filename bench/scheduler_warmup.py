@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from graphopt.fileio import write_text_atomic
 from kerneltune.scheduler import GradientScheduler, RoundRobinScheduler, TaskInfo
 
 BUDGETS = (200, 400, 800, 2000)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{budget:5d} trials: " + ", ".join(f"{k} {x:.3f}" for k, x in row.items()), file=sys.stderr)
     print(json.dumps(out, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_text_atomic(args.json, json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from graphopt.fileio import save_figure, write_text_atomic
 from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads
 
 OPS: dict[str, dict[str, Any]] = {
@@ -130,7 +131,7 @@ def run_metaschedule(task, target, seed: int, trials: int, work_dir: Path) -> li
     for g in gflops[:trials]:
         best = max(best, g)
         curve.append(best)
-    done.write_text(json.dumps(curve))
+    write_text_atomic(done, json.dumps(curve))  # a resumed run reads it: whole or absent
     return curve
 
 
@@ -173,8 +174,7 @@ def plot(results: dict[str, Any], trials: int, path: str, peak: float | None = N
         ax.set_ylabel("best GFLOP/s")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def print_table(results: dict[str, Any], peak: float | None = None) -> None:
@@ -202,8 +202,7 @@ def report(doc: dict[str, Any], json_path: str | None, plot_path: str | None) ->
     text = json.dumps(doc, indent=1)
     print(text)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(text + "\n")
+        write_text_atomic(json_path, text + "\n")
     if plot_path:
         plot(results, doc["trials"], plot_path, doc["peak_gflops"])
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,7 +271,17 @@ def check_name(name: str) -> tuple[str, str | None]:
         raise UserError(f"unknown target {name!r}: use one of {', '.join(KINDS)} (e.g. --target llvm)")
     if kind == "llvm" and arch:
         raise UserError(f"--target {name!r}: llvm takes no architecture, it compiles for this host's CPU")
+    pattern = ARCH_PATTERNS.get(kind)
+    if arch and pattern and not re.fullmatch(pattern, arch):
+        example = REGISTRY[kind].arch_example
+        raise UserError(f"--target {name!r}: {arch!r} is not a {kind} architecture; write {kind}:{example}, e.g. "
+                        f"{kind}:{DEFAULT_CUDA_ARCH if kind == 'cuda' else DEFAULT_ROCM_ARCH}")
     return kind, arch
+
+
+# What an architecture after ``cuda:`` / ``rocm:`` looks like (TVM fails deep in code generation otherwise):
+# NVIDIA compute capabilities sm_50 ... sm_120a, AMD GPU names gfx803 ... gfx1201.
+ARCH_PATTERNS = {"cuda": r"sm_\d{2,3}[a-z]?", "rocm": r"gfx[0-9a-f]{3,4}"}
 
 
 def _llvm_spec(arch: str | None, threads: int | None) -> TargetSpec:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from graphopt.errors import UserError
 from graphopt.feeds import random_inputs
+from graphopt.fileio import save_figure
 from graphopt.timing import compare
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.records import Record, RecordLog
@@ -151,6 +152,5 @@ def plot_tuning(result: TuningResult, path: str | Path) -> None:
     ax2.set_ylabel("sum weight x latency, ms")
     ax2.set_title(f"objective ({result.scheduler}, {result.searcher})")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
