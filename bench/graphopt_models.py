@@ -1,6 +1,7 @@
 """Benchmark the graph stage on the model set: cost and measured end-to-end latency before/after.
 
-Per model: build it (``models`` registry), run ``graphopt`` optimize (verified library, cost-based search),
+Per model: build it (``models`` registry), run the graph stage (:func:`graphopt.stage.optimize_onnx`, the
+function ``graphopt optimize`` and the pipeline run: verified library, cost-based search, end-to-end check),
 then time the input and the optimized model end to end with the same engine - onnxruntime (CPU EP) and,
 with ``--tvm``, TVM through the pipeline's compile (template/dlight default schedules, no tuning).  Runs of
 the two models are interleaved so machine noise hits both alike; medians are reported.
@@ -20,28 +21,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from graphopt.cost.factory import COST_KINDS, make_cost_model
+from graphopt.fileio import save_figure, write_text_atomic
+from graphopt.timing import time_interleaved
+from kerneltune.targets import host_model_name, set_num_threads, tvm_num_threads
+from pipeline.cli import GRAPHOPT_COMPONENTS
+
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
-    """Median milliseconds per engine, alternating between them run by run."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            samples[k].append((time.perf_counter() - t) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+def _interleaved(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """Median milliseconds per model, from the project's one whole-model timer."""
+    return {k: t.median_ms for k, t in time_interleaved(fns, runs).items()}
 
 
 def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, float]:
@@ -58,10 +54,10 @@ def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
 
 def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, Any]:
     """Compile the models with the pipeline's default schedules and time them on the Relax VM."""
-    from pipeline.compile import compile_partition, device_for, to_device
+    from kerneltune.targets import device_for, parse_target
+    from pipeline.compile import compile_partition, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from pipeline.targets import parse_target
 
     spec = parse_target("llvm", threads)
     dev = device_for(spec)
@@ -79,27 +75,35 @@ def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
     return out
 
 
+def _cost_model(args: argparse.Namespace):
+    """The cost model the graph stage runs with here: ``--cost``, timed by ``--backend`` (the engines the
+    ``graphopt`` command offers)."""
+    return make_cost_model(args.cost, "llvm", GRAPHOPT_COMPONENTS.runners[args.backend](args.threads))
+
+
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from graphopt.cost.kernel_count import KernelCountCost
     from graphopt.feeds import random_inputs
     from graphopt.onnx_io import import_onnx
-    from graphopt.cost import KernelCountCost
-    from graphopt.optimize import library, merge_rules, optimize
+    from graphopt.rules import merge_rules, verified_library
+    from graphopt.stage import GraphStageOptions, optimize_onnx, searched_cost
     from models.registry import build
 
     proto = build(name, args.seed)
-    optimized, report = optimize(proto, target="llvm", alpha=args.alpha, budget=args.budget,
-                                 time_limit=args.time_limit, cost=args.cost, backend=args.backend,
-                                 threads=args.threads, seed=args.seed)
+    cost = _cost_model(args)
+    optimized, report = optimize_onnx(proto, cost, GraphStageOptions(args.alpha, args.budget, args.time_limit),
+                                      seed=args.seed)
     row: dict[str, Any] = {"model": name, **report}
     models = {"before": proto, "after": optimized}
     if args.merged:
-        merged, mrep = optimize(proto, target="llvm", budget=args.budget, time_limit=args.time_limit,
-                                cost=KernelCountCost(), rules=merge_rules(library()), e2e_check=False,
-                                seed=args.seed)
+        merged, mrep = optimize_onnx(proto, KernelCountCost(), GraphStageOptions(
+            budget=args.budget, time_limit=args.time_limit, rules=merge_rules(verified_library()), e2e_check=False),
+            seed=args.seed)
         if any(mrep["applied"].values()) and mrep["applied"] != report["applied"]:
             models["merged"] = merged
+            # priced in the form the search prices (conv biases split), so it compares with cost_before
             row["merged"] = {"applied": mrep["applied"], "max_abs_err": mrep["max_abs_err"],
-                             "cost_after": _price(merged, args), "nodes_after": mrep["nodes_after"]}
+                             "cost_after": searched_cost(import_onnx(merged), cost), "nodes_after": mrep["nodes_after"]}
     feeds = random_inputs(import_onnx(proto), args.seed)
     row["ort_ms"] = ort_latency(models, feeds, args.threads, args.runs)
     row["ort_speedup"] = row["ort_ms"]["before"] / row["ort_ms"]["after"]
@@ -115,16 +119,6 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             row["tvm_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     row["cost_speedup"] = report["cost_before"] / report["cost_after"] if report["cost_after"] else None
     return row
-
-
-def _price(model, args: argparse.Namespace) -> float:
-    """What the benchmark's cost model says ``model`` costs, in the form the search prices (conv biases
-    split), so it compares with ``cost_before``."""
-    from graphopt.cost import make_cost_model
-    from graphopt.onnx_io import import_onnx
-    from graphopt.optimize import searched_cost
-
-    return searched_cost(import_onnx(model), make_cost_model(args.cost, "llvm", args.backend, args.threads))
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -149,15 +143,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_title("graphopt: before / after, end to end")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
-    p.add_argument("--cost", choices=["measured", "analytic"], default="measured")
-    p.add_argument("--backend", choices=["tvm", "ort"], default="tvm", help="what the measured cost model times")
+    p.add_argument("--cost", choices=COST_KINDS, default="measured")
+    p.add_argument("--backend", choices=list(GRAPHOPT_COMPONENTS.runners), default="tvm",
+                   help="what the measured cost model times")
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--budget", type=int, default=1000)
     p.add_argument("--time-limit", type=float, default=60.0)
@@ -170,20 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench/results/graphopt_models.json")
     p.add_argument("--png", default="bench/results/graphopt_models.png")
     args = p.parse_args(argv)
-    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    set_num_threads(tvm_num_threads(args.threads))
     rows = []
     for name in args.models:
         row = bench_model(name, args)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    from pipeline.targets import host_model_name
 
     doc = {"threads": args.threads, "cpu": host_model_name(), "cost": args.cost, "backend": args.backend,
            "runs": args.runs, "models": rows}
     text = json.dumps(doc, indent=2)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(text + "\n")
+    write_text_atomic(args.json, text + "\n")
     plot(rows, args.png)
     return 0
 

@@ -15,10 +15,14 @@ import hashlib
 import heapq
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable
 
-import networkx as nx
 import numpy as np
+
+from graphopt.memo import IdentityCache
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 Dim = int | str  # str for a symbolic dimension that shape inference could not resolve
 
@@ -145,8 +149,10 @@ class Graph:
             raise ValueError("graph has a cycle")
         self.nodes = [self.nodes[i] for i in order]
 
-    def to_networkx(self) -> nx.MultiDiGraph:
+    def to_networkx(self) -> "nx.MultiDiGraph":
         """Node-level dataflow graph: vertices are node indices, edges carry the tensor name."""
+        import networkx as nx  # here, not at module level: it costs every command ~0.2 s at start-up
+
         g = nx.MultiDiGraph()
         produced = self.producers()
         index = {id(n): i for i, n in enumerate(self.nodes)}
@@ -212,13 +218,6 @@ class Graph:
             used.add(n.name)
         return used
 
-    def iter_tensors(self) -> Iterator[str]:
-        seen: set[str] = set()
-        for name in self.input_names + list(self.initializers) + [o for n in self.nodes for o in n.outputs]:
-            if name and name not in seen:
-                seen.add(name)
-                yield name
-
     def structural_hash(self) -> str:
         """Hash of the computation (ops, attributes, wiring, weight identities), independent of node names.
 
@@ -234,7 +233,7 @@ class Graph:
             if t in produced:
                 n, k = produced[t]
                 h = hashlib.sha1()
-                h.update(f"{n.domain}:{n.op_type}:{_attrs_key(n.attrs)}:{k}".encode())
+                h.update(f"{n.domain}:{n.op_type}:{attrs_key(n.attrs)}:{k}".encode())
                 for i in n.inputs:
                     h.update(tensor_key(i).encode() if i else b"-")
                 key = h.hexdigest()
@@ -251,12 +250,6 @@ class Graph:
             h.update(tensor_key(o).encode())
         return h.hexdigest()
 
-    def op_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for n in self.nodes:
-            counts[n.op_type] = counts.get(n.op_type, 0) + 1
-        return counts
-
 
 def _subgraph_inputs(node: Node) -> Iterable[str]:
     """Outer-scope tensors referenced by a control-flow body (If/Loop/Scan), which keep them alive."""
@@ -271,7 +264,7 @@ def _subgraph_inputs(node: Node) -> Iterable[str]:
                         yield t
 
 
-def _attrs_key(attrs: dict[str, Any]) -> str:
+def attrs_key(attrs: dict[str, Any]) -> str:
     parts = []
     for k in sorted(attrs):
         v = attrs[k]
@@ -283,14 +276,13 @@ def _attrs_key(attrs: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
-_ARRAY_KEYS: dict[int, tuple[np.ndarray, str]] = {}
+_ARRAY_KEYS: IdentityCache[str] = IdentityCache(1 << 14)
 
 
 def _array_key(arr: np.ndarray) -> str:
     """Content hash of a weight, cached by identity because weights are shared between graph copies."""
-    hit = _ARRAY_KEYS.get(id(arr))
-    if hit is not None and hit[0] is arr:
-        return hit[1]
+    hit = _ARRAY_KEYS.get(arr)
+    if hit is not None:
+        return hit
     key = f"{arr.dtype}{arr.shape}" + hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()[:16]
-    _ARRAY_KEYS[id(arr)] = (arr, key)
-    return key
+    return _ARRAY_KEYS.put(arr, key)

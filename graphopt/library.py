@@ -4,24 +4,24 @@
 process per domain, ``--jobs`` at a time), drops pairs implied by more general ones and renaming
 duplicates (:mod:`graphopt.prune`), proves each remaining candidate with Z3 in a process pool
 (:mod:`graphopt.verifier`) and writes the proved ones.  The file's ``meta`` holds the statistics and a cache
-key - a hash of the operator specs and of the generator/prune/property/verifier sources - so a rebuild
-with nothing changed returns at once (the result is also kept under ``~/.cache/graphopt``).
+key (:data:`LIBRARY_VERSION`, the operator set and the options), so a rebuild with nothing changed returns
+at once (the result is also kept under ``~/.cache/graphopt``).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import multiprocessing as mp
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from graphopt import ops
 from graphopt.errors import UserError
+from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
 from graphopt.rules import LIBRARY_PATH, Rule, load_meta, load_rules, save_rules
 
 CACHE_DIR = Path(os.environ.get("GRAPHOPT_CACHE", Path.home() / ".cache" / "graphopt"))
@@ -29,12 +29,21 @@ STATS_KEYS = ("enumerated_graphs", "candidate_pairs", "verified", "rejected", "u
               "properties", "seconds", "max_ops")
 
 
+# The version of what `rules generate` produces.  Bump it whenever a change to the generator, the pruning,
+# the properties, the verifier, an operator spec or the rule format could change the library: the cache key
+# below then misses and the next `graphopt rules generate` rebuilds.  (It used to hash those modules'
+# source, so any edit - a comment, a moved import - invalidated the shipped library's key.)
+LIBRARY_VERSION = 1
+
+
 def cache_key(max_ops: int, timeout_ms: int) -> str:
-    from graphopt import generator, ops, properties, prune, rules, verifier
-    h = hashlib.sha256(f"{ops.specs_hash()}|{max_ops}|{timeout_ms}".encode())
-    for m in (generator, prune, properties, verifier, rules, sys.modules[__name__]):
-        h.update(inspect.getsource(m).encode())
-    return h.hexdigest()[:20]
+    """Key of one library build: the version, the operator set (a new op always rebuilds) and the options."""
+    text = f"v{LIBRARY_VERSION}|ops={','.join(sorted(ops.REGISTRY))}|max_ops={max_ops}|timeout_ms={timeout_ms}"
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+# The generator, pruning, properties and verifier (Z3) are imported where they run: this module is also the
+# `rules` sub-command of every `graphopt` call, and none of them is needed to show or count rules.
 
 
 def _enumerate(args: tuple[Any, int]) -> tuple[str, dict[str, int], list[Rule]]:
@@ -137,14 +146,12 @@ def generate_cached(output: Path, max_ops: int, jobs: int, timeout_ms: int, forc
             pass
     cached = CACHE_DIR / f"rules-{key}.json"
     if not force and cached.exists():
-        output.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(cached, output)
+        write_bytes_atomic(output, cached.read_bytes())
         return load_meta(output), True
     rules, meta = generate(max_ops, jobs, timeout_ms, progress)
     save_rules(rules, output, meta)
     try:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(output, cached)
+        write_bytes_atomic(cached, output.read_bytes())
     except OSError:
         pass  # a read-only home only costs the cross-path cache
     return meta, False
@@ -188,6 +195,7 @@ def _library(path: str) -> Path:
 def _run_generate(args: argparse.Namespace) -> int:
     if args.max_ops < 1 or args.jobs < 1:
         raise UserError("--max-ops and --jobs must be at least 1")
+    check_output_file(args.output, "-o")
     meta, hit = generate_cached(Path(args.output), args.max_ops, args.jobs, args.timeout_ms, args.force)
     if hit:
         print(f"{args.output} is up to date (cache key {meta['cache_key']})", file=sys.stderr)
@@ -196,6 +204,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_stats(args: argparse.Namespace) -> int:
+    if args.json:
+        check_output_file(args.json, "--json")
     path = _library(args.library)
     meta = load_meta(path)
     rules = load_rules(path, verified_only=False)
@@ -207,8 +217,7 @@ def _run_stats(args: argparse.Namespace) -> int:
     text = json.dumps(stats)
     print(text)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     return 0
 
 
@@ -223,6 +232,8 @@ def _run_show(args: argparse.Namespace) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     from graphopt.properties import PROPERTIES, check_property
     from graphopt.verifier import redundant_properties
+    if args.json:
+        check_output_file(args.json, "--json")
     results = []
     for p in PROPERTIES:
         r = check_property(p, per_params=args.per_params)
@@ -237,6 +248,5 @@ def _run_check(args: argparse.Namespace) -> int:
                "redundant": redundant}
     print(json.dumps(summary))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({**summary, "results": results}, indent=1) + "\n")
+        write_text_atomic(args.json, json.dumps({**summary, "results": results}, indent=1) + "\n")
     return 0 if not failed else 1

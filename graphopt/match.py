@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from graphopt import ops
 from graphopt.ir import Graph, Node
+from graphopt.memo import IdentityCache
 from graphopt.rules import PNode, Pattern, Rule, _freeze
 
 
@@ -52,8 +54,6 @@ class ViewCache:
 
 
 def compute_view(node: Node, graph: Graph) -> OpView | None:
-    from graphopt import ops
-
     parsed = ops.from_onnx(node, graph)
     if parsed is None:
         return None
@@ -207,15 +207,12 @@ class _Compiled:
 
 
 _NO_VIEW = OpView("", (), (), 0)
-_COMPILED: dict[int, tuple[Pattern, _Compiled]] = {}
+_COMPILED: IdentityCache[_Compiled] = IdentityCache(1 << 13)  # a library's patterns, with their reverses
 
 
 def _compile(pattern: Pattern) -> _Compiled:
-    hit = _COMPILED.get(id(pattern))
-    if hit is None or hit[0] is not pattern:
-        hit = (pattern, _Compiled(pattern))
-        _COMPILED[id(pattern)] = hit
-    return hit[1]
+    hit = _COMPILED.get(pattern)
+    return hit if hit is not None else _COMPILED.put(pattern, _Compiled(pattern))
 
 
 class _Matcher:
@@ -237,8 +234,6 @@ class _Matcher:
         return set(have) == self.c.param_keys[j] and all(have[k] == val for k, val in self.c.static[j].items())
 
     def _symbolic_ok(self, assign: dict[int, str], bind: dict[str, str]) -> bool:
-        from graphopt import ops
-
         dims = {x: self.ix.graph.shape(t) for x, t in bind.items()}
         for j, name in assign.items():
             if self.symbolic[j]:
@@ -425,8 +420,6 @@ class RuleIndex:
     cannot contain an anchor node's operator."""
 
     def __init__(self, rules: list[Rule]):
-        from graphopt import ops
-
         # Source patterns must be connected and made of operators a graph node can be: constants such as
         # Imatmul or Iconv only ever appear on the target side of an applicable rule.
         importable = {name for name, spec in ops.REGISTRY.items() if spec.onnx_types}

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from graphopt.errors import UserError
+from graphopt.fileio import write_text_atomic
+
 
 def _freeze(v: Any) -> Any:
     return tuple(_freeze(x) for x in v) if isinstance(v, (list, tuple)) else v
@@ -130,9 +133,8 @@ LIBRARY_PATH = Path(__file__).parent / "data" / "rules.json"
 
 
 def save_rules(rules: list[Rule], path: str | Path, meta: dict[str, Any] | None = None) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta or {}, "rules": [r.to_json() for r in rules]}
-    Path(path).write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
+    write_text_atomic(path, json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
 
 
 def load_rules(path: str | Path = LIBRARY_PATH, verified_only: bool = True) -> list[Rule]:
@@ -144,3 +146,28 @@ def load_rules(path: str | Path = LIBRARY_PATH, verified_only: bool = True) -> l
 
 def load_meta(path: str | Path = LIBRARY_PATH) -> dict[str, Any]:
     return json.loads(Path(path).read_text()).get("meta", {})
+
+
+def verified_library() -> list[Rule]:
+    """The shipped verified library, or a one-line error saying how to build it."""
+    if not LIBRARY_PATH.exists():
+        raise UserError(f"rule library {LIBRARY_PATH} is missing: run `graphopt rules generate` to build it")
+    rules = load_rules()
+    if not rules:
+        raise UserError(f"rule library {LIBRARY_PATH} holds no verified rule: rebuild it with `graphopt rules generate`")
+    return rules
+
+
+def merge_rules(rules: list[Rule]) -> list[Rule]:
+    """The merge substitutions among ``rules``: ops side by side in the source (or on the outputs of one
+    split), one op on concatenated weights followed by a split in the target (matmul+matmul,
+    conv2d+conv2d(+relu), and split+bias_add+bias_add, which moves merged biases before the split)."""
+    out = []
+    for r in rules:
+        ops = r.name.split(":", 1)[-1]  # generated rules are named "r0742:matmul+matmul->concat+matmul+split"
+        if "->" not in ops:
+            continue
+        src, dst = ops.split("->", 1)
+        if "concat" not in src and "concat" in dst and "split" in dst:
+            out.append(r)
+    return out

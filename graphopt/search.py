@@ -19,7 +19,7 @@ Two things make it fast enough for BERT-base (~1000 nodes, hundreds of matches p
 
 Beyond TASO: verified rules are also applied right to left (an equivalence holds both ways; see
 :func:`graphopt.match.with_reverses`), and the cost model prices element-wise epilogues as fused into their
-producer (:func:`graphopt.cost.fused_epilogue`), which is what both backends do and what decides whether a
+producer (:func:`graphopt.cost.analysis.fused_epilogue`), which is what both backends do and what decides whether a
 merge that puts a ``Split`` between a kernel and its epilogue pays.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from graphopt.cost import CostModel, constant_tensors, foldable
+from graphopt.cost.analysis import constant_tensors, foldable
+from graphopt.cost.base import CostModel
 from graphopt.ir import Graph
 from graphopt.match import GraphIndex, Match, RuleIndex, ViewCache, with_reverses
 from graphopt.rewrite import Rewrite, RewriteError, apply_match, creates_cycle, target_plan
@@ -65,9 +66,6 @@ class SearchResult:
     # the cheapest way to apply each rule on the input graph and what it would change the cost by: the
     # record of why a substitution (e.g. BERT's Q/K/V merge) was not taken on this target
     root_candidates: list[dict] = field(default_factory=list)
-    # graphopt.optimize.optimize / search.optimize only: the end-to-end check's verdict (E2ECheck.report())
-    # and, when it handed the input back, what the search had found
-    e2e: dict = field(default_factory=dict)
 
 
 class Searcher:
@@ -242,48 +240,3 @@ def search(graph: Graph, rules: list[Rule], cost: CostModel, alpha: float = 1.05
     """Best graph found for ``graph`` under ``cost`` using ``rules`` (see module docstring)."""
     return Searcher(rules, cost, alpha, budget, time_limit, progress).run(graph)
 
-
-def optimize(graph: Graph, target: str = "llvm", cost: str | CostModel = "measured", alpha: float = 1.05,
-             budget: int = 1000, time_limit: float = 60.0, rules: list[Rule] | None = None,
-             backend: str = "tvm", threads: int = 1, progress: bool = False, e2e_check: bool = True,
-             e2e_margin: float | None = None, e2e_runs: int | None = None) -> SearchResult:
-    """Graph in, graph out (the pipeline's graph stage): search with the shipped verified library, then
-    fold weight-only subgraphs so the returned ``result.graph`` is ready to export.
-
-    The result then goes through :func:`graphopt.optimize.check_end_to_end`: if it is not measurably faster
-    end to end (or nothing was applied), the merge-everything graph is tried against the input
-    (:func:`graphopt.optimize.merged_alternative`, ``e2e["kept"] == "merged"`` when it wins); failing that
-    ``result.graph`` is a copy of the input, ``applied`` is empty, ``cost_after == cost_before``, and
-    ``result.e2e`` holds the timings and what the search had applied."""
-    from graphopt.cost import make_cost_model
-    from graphopt.optimize import (E2E_MARGIN, E2E_RUNS, check_end_to_end, check_margin, finish, library,
-                                   merged_alternative, searched_cost)
-    from graphopt.rewrite import split_conv_bias
-
-    margin = E2E_MARGIN if e2e_margin is None else e2e_margin
-    runs = E2E_RUNS if e2e_runs is None else e2e_runs
-    check_margin(margin)
-    model = make_cost_model(cost, target, backend, threads) if isinstance(cost, str) else cost
-    rules = library() if rules is None else rules
-    original = graph.copy()
-    graph = graph.copy()
-    split_conv_bias(graph)
-    result = search(graph, rules, model, alpha, budget, time_limit, progress)
-    best = finish(result.graph)[0]
-    check = check_end_to_end(original, best, model, result.applied, e2e_check, margin, runs)
-    result.e2e = check.report()
-    if check.kept == "optimized" and any(result.applied.values()):
-        result.graph = best
-        return result
-    merged, info = (merged_alternative(original, graph, rules, model, margin, runs, alpha, budget, time_limit)
-                    if e2e_check else (None, {}))
-    result.e2e.update(candidate_applied=result.applied, candidate_cost_after=result.cost_after, merge_all=info)
-    if merged is not None:
-        result.e2e.update(kept="merged", e2e_ms_before=info["e2e_ms_before"], e2e_ms_after=info["e2e_ms_after"])
-        result.graph, result.applied, result.cost_after = merged, info["applied"], searched_cost(merged, model)
-        return result
-    if check.kept == "optimized":  # nothing applied: the folded input
-        result.graph = best
-    else:
-        result.graph, result.applied, result.cost_after = original, {}, result.cost_before
-    return result

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 from graphopt import ops
-from graphopt.properties import PROPERTIES, Property, z3_axiom
+from graphopt.properties import PROPERTIES, Property, param_vars, tensor_vars, z3_axiom, z3_term
 from graphopt.rules import Rule
 
 DEFAULT_TIMEOUT_MS = 1500
@@ -164,7 +164,6 @@ def verify_rules(rules: Sequence[Rule], jobs: int = 2, timeout_ms: int = DEFAULT
 
 def redundant_properties(properties: Sequence[Property] = PROPERTIES, timeout_ms: int = 2000) -> list[str]:
     """Names of properties that Z3 proves from all the others (within ``timeout_ms`` each)."""
-    from graphopt.properties import param_vars, tensor_vars, z3_term
     env = Z3Env(properties)
     z3 = env.z3
     out = []

@@ -6,53 +6,60 @@
 SHAPE is ``M,K,N`` for matmul (A is MxK, B is KxN), ``B,M,K,N`` for batch_matmul and ``N,C,H,W,F,KH,KW`` for
 conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--json``) is
 ``{"best_gflops", "best_ms", "best_config", "trials", "numpy_gflops", ...}``; ``numpy_gflops`` is numpy's
-(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  Rerunning
-with the same ``--records`` resumes: stored configs count towards ``--trials`` and are not measured again.
+(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  The first
+trial is the template's default config (the warm start every searcher gets, :func:`kerneltune.tune.tune`).
+Rerunning the same command with the same ``--records`` resumes: the search runs again, finds what the
+interrupted run measured in the records and measures only the rest (:mod:`kerneltune.tune`).
 
 Structure: :func:`build_parser` declares the options, :func:`run_operator` does the single-operator mode.
-A model mode (``tune-kernels MODEL --list`` ...) belongs to the pipeline; it plugs in at the two places
-marked "MODEL MODE" below, leaving the single-operator path untouched.
+A model mode (``tune-kernels MODEL --list``) belongs to the pipeline, which owns model import: the console
+script is composed in :mod:`pipeline.cli` and passes it in as a :class:`ModelMode`, leaving the
+single-operator path untouched.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from graphopt.errors import UserError, cli_entry
-from kerneltune.searchers import FACTOR_ONLY, SEARCHERS
+from graphopt.errors import ArgumentParser, UserError, seed
+from graphopt.fileio import check_output_file, write_text_atomic
+from graphopt.validate import TensorSize, check_memory, check_threads
+from kerneltune.baseline import numpy_gflops
+from kerneltune.records import RecordLog
+from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
+from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
+from kerneltune.targets import TARGET_HELP, check_name, gflops_ceiling, parse_target
+from kerneltune.tune import tune
 
-OPS = ("matmul", "batch_matmul", "conv2d")
+@dataclass(frozen=True)
+class ModelMode:
+    """A mode working on a whole model, plugged in by the composition root (:mod:`pipeline.cli`)."""
+
+    add_arguments: Callable[[argparse.ArgumentParser], None]  # its options (e.g. a positional MODEL)
+    selected: Callable[[argparse.Namespace], bool]  # whether the parsed options ask for it
+    run: Callable[[argparse.Namespace], int]  # the mode itself; returns the exit code
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad options as a one-line UserError (exit 2) instead of usage + exit."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see tune-kernels --help)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
-    # MODEL MODE (1/2): the pipeline adds its positional ``model`` (nargs="?") and ``--list`` here.
-    from pipeline.model_mode import add_model_arguments  # MODEL MODE: pipeline/model_mode.py
-
-    add_model_arguments(p)
+def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
+    if model_mode is not None:
+        model_mode.add_arguments(p)
     op = p.add_argument_group("single operator")
-    op.add_argument("--op", help=f"operator: {', '.join(OPS)}")
-    op.add_argument("--shape", help="M,K,N (matmul) | B,M,K,N (batch_matmul) | N,C,H,W,F,KH,KW (conv2d)")
+    op.add_argument("--op", help=f"operator: {', '.join(KINDS)}")
+    op.add_argument("--shape", help=" | ".join(f"{k.shape} ({k.name})" for k in OP_KINDS.values()))
     op.add_argument("--transpose-a", action="store_true", help="matmuls: A is stored transposed")
     op.add_argument("--transpose-b", action="store_true", help="matmuls: B is stored transposed")
     op.add_argument("--stride", type=int, help="conv2d stride (default 1)")
     op.add_argument("--pad", type=int, help="conv2d padding (default 0)")
     op.add_argument("--groups", type=int, help="conv2d groups (default 1)")
     tune = p.add_argument_group("tuning")
-    tune.add_argument("--target", default="llvm", help="llvm | cuda[:sm_XX] | rocm[:gfxNNN] (default llvm)")
+    tune.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     tune.add_argument("--searcher", default="opevo", help=f"{' | '.join(sorted(SEARCHERS))} (default opevo)")
     tune.add_argument("--trials", type=int, default=64, help="configs to measure in total (default 64)")
-    tune.add_argument("--seed", type=int, default=0, help="searcher seed (default 0)")
+    tune.add_argument("--seed", type=seed, default=0, help="searcher seed (default 0)")
     tune.add_argument("--records", help="JSON-lines records file; reused to resume")
     tune.add_argument("--json", help="also write the result JSON to this file")
     tune.add_argument("--threads", type=int, help="CPU threads for the kernels (default: all this process may use)")
@@ -69,34 +76,46 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_operator_args(args: argparse.Namespace) -> None:
     """Every mistake that needs no TVM is caught here, before seconds of imports."""
     if not args.op:
-        raise UserError(f"--op is required: one of {', '.join(OPS)}")
-    if args.op not in OPS:
-        raise UserError(f"unknown op {args.op!r}; use one of {', '.join(OPS)}")
+        raise UserError(f"--op is required: one of {', '.join(KINDS)}")
+    kind = op_kind(args.op)
     if not args.shape:
-        raise UserError("--shape is required (M,K,N for matmul, B,M,K,N for batch_matmul, N,C,H,W,F,KH,KW for conv2d)")
+        raise UserError("--shape is required (" + ", ".join(f"{k.shape} for {k.name}" for k in OP_KINDS.values())
+                        + ")")
+    dims = parse_shape(args.op, args.shape)
     if args.searcher not in SEARCHERS:
         raise UserError(f"unknown searcher {args.searcher!r}; use one of {', '.join(sorted(SEARCHERS))}")
     if args.trials <= 0:
         raise UserError("--trials must be positive")
-    if args.op == "conv2d" and (args.transpose_a or args.transpose_b):
-        raise UserError("--transpose-a/--transpose-b apply to matmul and batch_matmul only")
-    if args.op != "conv2d" and any(v is not None for v in (args.stride, args.pad, args.groups)):
-        raise UserError("--stride/--pad/--groups apply to conv2d only")
-    from pipeline.targets import check_name
-
+    shapes = operand_shapes(args.op, dims, args.stride or 1, args.pad or 0, args.groups or 1)
+    # Extents beyond memory are refused here: the templates enumerate each axis's divisors.
+    check_memory([TensorSize(name, shape, "float32", "input") for name, shape in shapes.items()],
+                 hint="give a smaller --shape")
+    check_threads(args.threads)
+    check_threads(args.workers, "--workers")
+    check_output_paths(args)
+    for names, given in ((("transpose_a", "transpose_b"), args.transpose_a or args.transpose_b),
+                         (("stride", "pad", "groups"), any(getattr(args, n) is not None for n in ("stride", "pad", "groups")))):
+        if given and not set(names) <= set(kind.options):
+            takers = [k.name for k in OP_KINDS.values() if set(names) <= set(k.options)]
+            raise UserError(f"{'/'.join('--' + n.replace('_', '-') for n in names)} apply to {' and '.join(takers)} only")
     check_name(args.target)
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """--records and --json are writable files, checked before any tuning."""
+    if args.records:
+        check_output_file(args.records, "--records")
+    if args.json:
+        check_output_file(args.json, "--json")
 
 
 def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     """Tune one operator; returns the result dict (also printed / written by :func:`main`)."""
     _check_operator_args(args)
+    # Deferred: these load TVM (seconds); --help and every argument check above run without it.
     from kerneltune import templates
-    from kerneltune.measure import Measurer, numpy_gflops
-    from kerneltune.records import RecordLog
-    from kerneltune.searchers import make_searcher
+    from kerneltune.measure import Measurer
     from kerneltune.task import make_task
-    from kerneltune.tune import tune
-    from pipeline.targets import parse_target
 
     task = make_task(args.op, args.shape, args.transpose_a, args.transpose_b, args.stride or 1, args.pad or 0,
                      args.groups or 1)
@@ -104,10 +123,15 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     if not spec.can_run and not args.rpc:
         raise UserError(f"cannot measure on {args.target} here ({spec.note}); pass --rpc HOST:PORT:KEY of a "
                         "TVM RPC tracker with that device")
+    if args.rpc:
+        from kerneltune.runner import check_device
+
+        check_device(args.rpc)  # an unreachable device: one line now, not a run of failed trials
     space = templates.space_for(task, spec.target)
+    default = templates.default_config(task, spec.target)
     fixed = None
     if args.searcher in FACTOR_ONLY and not space.factor_only:
-        fixed = templates.default_config(task, spec.target)
+        fixed = default
         others = [k.name for k in space.knobs if type(k).__name__ != "FactorKnob"]
         print(f"note: {args.searcher} searches factor knobs only; {others} stay at the default config",
               file=sys.stderr)
@@ -125,7 +149,8 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         res = tune(space, searcher, measure, args.trials, task_key=task.key, target=target_key, records=records,
-                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm")
+                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm",
+                   warm_start=default, flops=task.flops, ceiling=gflops_ceiling(spec.target))
     finally:
         for m in measurer:
             m.close()
@@ -144,25 +169,21 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "measured_now": res.measured_now,
         "failures": res.failures,
+        "default_ms": res.warm_start_latency_s * 1e3 if res.warm_start_latency_s else None,
     }
 
 
-def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    # MODEL MODE (2/2): ``if args.model: return run_model(args)`` goes here.
-    if args.model:
-        from pipeline.model_mode import run_model
-
-        return run_model(args)
+def main(argv: list[str] | None, model_mode: ModelMode | None = None) -> int:
+    """Run ``tune-kernels`` (wrapped by :func:`graphopt.errors.cli_entry` in the console script)."""
+    args = build_parser(model_mode).parse_args(argv)
+    if model_mode is not None and model_mode.selected(args):
+        return model_mode.run(args)
     result = run_operator(args)
     text = json.dumps(result, indent=2, default=list)
     print(text)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     if result["best_config"] is None:
         print("error: no config built and ran correctly; the records say why each one failed", file=sys.stderr)
         return 1
     return 0
-
-
-main = cli_entry(_main)

@@ -9,7 +9,8 @@ caches (2 threads, Zen 5, the tuned configs of BERT-base): 128x768x768 0.461 -> 
 How, with TVM's own machinery (the path MetaSchedule's ``RewriteLayout`` takes):
 
 * the partition marks the parameters the Relax graph feeds with constants (``layout_free_buffers``, set by
-  ``relax.transform.AttachAttrLayoutFreeBuffers``); the CPU template offers ``pack = prepack`` only for
+  ``relax.transform.AttachAttrLayoutFreeBuffers``, read by :func:`kerneltune.task.layout_free_params`); the
+  CPU template offers ``pack = prepack`` only for
   those, and writes the copy as a root block annotated :data:`PREPROC`;
 * tuning times the kernel without the copy: :func:`strip` removes it (``RemoveWeightLayoutRewriteBlock``,
   the parameter takes the packed layout) and returns how to pack each such input, which
@@ -26,6 +27,8 @@ from typing import Sequence
 import numpy as np
 import tvm
 from tvm import tirx
+
+from kerneltune.task import root_blocks
 
 PREPROC = "meta_schedule.layout_rewrite_preproc"
 
@@ -50,19 +53,8 @@ class Packing:
         return dst
 
 
-def layout_free_params(func: tirx.PrimFunc) -> tuple[int, ...]:
-    """Indices of the parameters the model always feeds with constants (weights), from the PrimFunc's
-    ``layout_free_buffers`` attribute."""
-    attrs = func.attrs
-    if attrs is None or "layout_free_buffers" not in attrs:
-        return ()
-    return tuple(int(i) for i in attrs["layout_free_buffers"])
-
-
 def _preproc_blocks(func: tirx.PrimFunc) -> list:
     """The packing copies (root-level blocks, where the template's ``cache_read`` puts them)."""
-    from .task import root_blocks
-
     return [b for b in root_blocks(func) if PREPROC in b.annotations]
 
 

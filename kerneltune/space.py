@@ -12,8 +12,6 @@ A config is a tuple with one value per knob, in knob order (hashable, so it is i
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,15 +34,22 @@ def prime_factors(n: int) -> list[int]:
     return out
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, built from its prime factors: O(sqrt n) for the factoring instead of a
+    scan of 1..n, which spun for minutes on a 99999999999-long axis.  (Extents are bounded by memory before
+    they get here - graphopt.validate.check_memory - so sqrt n stays small.)"""
+    out = [1]
+    factors = prime_factors(n)
+    for p in sorted(set(factors)):
+        out = [d * p**k for d in out for k in range(factors.count(p) + 1)]
+    return sorted(out)
+
+
 def factorizations(product: int, n: int) -> list[tuple[int, ...]]:
     """All ordered n-tuples of positive ints whose product is ``product``."""
     if n == 1:
         return [(product,)]
-    out = []
-    for d in range(1, product + 1):
-        if product % d == 0:
-            out.extend((d,) + rest for rest in factorizations(product // d, n - 1))
-    return out
+    return [(d,) + rest for d in divisors(product) for rest in factorizations(product // d, n - 1)]
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class FactorKnob:
         """Move one prime factor p of slot i to slot j (i != j)."""
         out = []
         for i, vi in enumerate(v):
-            for p in set(prime_factors(vi)):
+            for p in sorted(set(prime_factors(vi))):  # a fixed order: searchers replay exactly
                 for j in range(self.n):
                     if j != i:
                         w = list(v)
@@ -140,16 +145,3 @@ class SearchSpace:
     def factor_only(self) -> bool:
         """G-BFS and N-A2C are defined on factor knobs only."""
         return all(isinstance(k, FactorKnob) for k in self.knobs)
-
-    def config_hash(self, config: Config) -> str:
-        return hashlib.sha1(json.dumps(self.as_dict(config), sort_keys=True).encode()).hexdigest()[:16]
-
-    def describe(self) -> list[dict[str, Any]]:
-        out = []
-        for k in self.knobs:
-            if isinstance(k, FactorKnob):
-                out.append({"name": k.name, "type": "factor", "product": k.product, "n": k.n})
-            else:
-                out.append({"name": k.name, "type": "discrete" if isinstance(k, DiscreteKnob) else "choice",
-                            "values": list(k.values)})
-        return out

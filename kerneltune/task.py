@@ -9,11 +9,14 @@ Two ways to get one:
 * ``make_task(kind, shape, ...)`` for a standalone operator, written the way Relax's LegalizeOps writes it
   (same block names ``matmul`` / ``conv2d_nchw``, int64 loops), so a standalone task is scheduled exactly
   like the pipeline's fused ones.
-* ``task_from_primfunc(name, func)`` for a PrimFunc that came out of LegalizeOps + FuseOps + FuseTIR, e.g.
+* ``classify_primfunc(name, func)`` for a PrimFunc that came out of LegalizeOps + FuseOps + FuseTIR, e.g.
   ``fused_matmul_add_gelu``, ``fused_conv2d_add_relu``, a rank-4 attention matmul.  It finds the single
   multiply-accumulate reduction block (the *anchor*), classifies its iterators by which operand they index,
   and returns ``None`` when the function has no such anchor (softmax, layernorm, transposes...) or has other
-  reductions the templates cannot place.
+  reductions the templates cannot place.  Whether a template can schedule the task is the templates' call:
+  :func:`kerneltune.templates.task_for` is what the pipeline uses.
+
+The kinds themselves (names, standalone SHAPE signatures) are the table in :mod:`kerneltune.opkinds`.
 
 The reference output is computed by the *unscheduled* PrimFunc compiled with plain LLVM (naive loops):
 slow but independent of any template, and valid for every epilogue without re-implementing it in numpy.
@@ -31,7 +34,8 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.tirx.analysis import undefined_vars
 
-KINDS = ("matmul", "batch_matmul", "conv2d")
+from graphopt.errors import UserError
+from kerneltune.opkinds import op_kind, parse_shape
 
 
 @dataclass(frozen=True)
@@ -207,11 +211,19 @@ def _epilogue_names(blocks, anchor: tirx.SBlock) -> tuple[str, ...]:
     return tuple(_DIGITS.sub("", b.name_hint) for b in after)
 
 
-def task_from_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
-    """Classify a (fused) PrimFunc; a Task when it has one matmul/conv anchor the templates can schedule.
+def layout_free_params(func: tirx.PrimFunc) -> tuple[int, ...]:
+    """Indices of the parameters the model always feeds with constants (weights), from the PrimFunc's
+    ``layout_free_buffers`` attribute (set by Relax's AttachAttrLayoutFreeBuffers; see kerneltune.prepack)."""
+    attrs = func.attrs
+    if attrs is None or "layout_free_buffers" not in attrs:
+        return ()
+    return tuple(int(i) for i in attrs["layout_free_buffers"])
 
-    A Task is returned only if the CPU template can schedule it with its default config, so callers such as
-    the pipeline never meet a schedule error later.  Rules: exactly one reduction block, it is a multiply-accumulate with constant extents, and its operands
+
+def classify_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
+    """Classify a (fused) PrimFunc; a Task when it has one matmul/conv anchor.
+
+    Rules: exactly one reduction block, it is a multiply-accumulate with constant extents, and its operands
     fit a matmul (every index a bare iterator) or an NCHW conv2d (weight ``W[f, rc, ry, rx]``, 4-d output).
     Anything else (dynamic shapes, softmax's max/sum, pooling) gives ``None``: TVM's default schedule stays.
     """
@@ -248,23 +260,8 @@ def task_from_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
     shash = tvm_ffi.structural_hash(func) & 0xFFFFFFFF
     key = f"{kind}_{shape_part}_{dtype}_{'+'.join(epi) or 'none'}_{shash:08x}"
     names = tuple(b.name_hint for b in blocks)
-    from .prepack import layout_free_params
-
     weights = tuple(func.params[i].name for i in layout_free_params(func))
-    task = Task(name, kind, func, flops, key, anchor.name_hint, axes, dims, dtype, epi, names, ins, outs, weights)
-    return task if _schedulable(task) else None
-
-
-def _schedulable(task: Task) -> bool:
-    """Whether the CPU template can schedule the task (e.g. an epilogue that cannot follow the tiles)."""
-    from .templates import cpu
-
-    target = tvm.target.Target({"kind": "llvm"})
-    try:
-        cpu.apply(task, cpu.default_config(task, target), target)
-    except (RuntimeError, ValueError, IndexError):  # ScheduleError and TVM internal errors are RuntimeErrors
-        return False
-    return True
+    return Task(name, kind, func, flops, key, anchor.name_hint, axes, dims, dtype, epi, names, ins, outs, weights)
 
 
 def _classify_matmul(xv, yv, out_vars, k, ext):
@@ -365,40 +362,33 @@ def _conv_relax(shape, stride, pad, groups, dtype):
     return funcs[0]
 
 
-def parse_shape(kind: str, shape: str | Sequence[int]) -> tuple[int, ...]:
-    """``"128,768,768"`` -> (128, 768, 768), checking the arity of ``kind``'s SHAPE."""
-    from graphopt.errors import UserError
+def _build_matmul(kind: str, dims: tuple[int, ...], transpose_a: bool = False, transpose_b: bool = False,
+                  dtype: str = "float32") -> tuple[tirx.PrimFunc, str]:
+    func = _matmul_te(dims, transpose_a, transpose_b, dtype, kind == "batch_matmul")
+    name = f"{kind}_{'_'.join(map(str, dims))}" + ("_ta" if transpose_a else "") + ("_tb" if transpose_b else "")
+    return func, name
 
-    arity = {"matmul": 3, "batch_matmul": 4, "conv2d": 7}
-    if kind not in arity:
-        raise UserError(f"unknown op {kind!r}; use one of {', '.join(KINDS)}")
-    try:
-        dims = tuple(int(s) for s in shape.split(",")) if isinstance(shape, str) else tuple(int(s) for s in shape)
-    except ValueError:
-        raise UserError(f"bad shape {shape!r}: comma-separated integers expected") from None
-    if len(dims) != arity[kind] or min(dims) <= 0:
-        names = {"matmul": "M,K,N", "batch_matmul": "B,M,K,N", "conv2d": "N,C,H,W,F,KH,KW"}[kind]
-        raise UserError(f"bad shape {shape!r} for {kind}: expected {arity[kind]} positive integers {names}")
-    return dims
+
+def _build_conv2d(kind: str, dims: tuple[int, ...], stride: int = 1, pad: int = 0, groups: int = 1,
+                  dtype: str = "float32") -> tuple[tirx.PrimFunc, str]:
+    n, c, h, w, f, kh, kw = dims
+    if groups <= 0 or c % groups or f % groups:
+        raise UserError(f"groups={groups} must divide input channels {c} and output channels {f}")
+    if stride <= 0 or pad < 0 or h + 2 * pad < kh or w + 2 * pad < kw:
+        raise UserError(f"conv2d stride {stride} / pad {pad} / kernel {kh}x{kw} do not fit input {h}x{w}")
+    return _conv_relax(dims, stride, pad, groups, dtype), f"conv2d_{'_'.join(map(str, dims))}_s{stride}p{pad}g{groups}"
+
+
+# Standalone builders per op kind (the kinds' table: kerneltune.opkinds); each takes the kind's options.
+_BUILDERS = {"matmul": _build_matmul, "batch_matmul": _build_matmul, "conv2d": _build_conv2d}
 
 
 def make_task(kind: str, shape: str | Sequence[int], transpose_a: bool = False, transpose_b: bool = False,
               stride: int = 1, pad: int = 0, groups: int = 1, dtype: str = "float32") -> Task:
     """A standalone operator task.  SHAPE: ``M,K,N`` (A MxK, B KxN), ``B,M,K,N``, ``N,C,H,W,F,KH,KW`` (NCHW)."""
-    from graphopt.errors import UserError
-
     dims = parse_shape(kind, shape)
-    if kind == "conv2d":
-        n, c, h, w, f, kh, kw = dims
-        if groups <= 0 or c % groups or f % groups:
-            raise UserError(f"groups={groups} must divide input channels {c} and output channels {f}")
-        if stride <= 0 or pad < 0 or h + 2 * pad < kh or w + 2 * pad < kw:
-            raise UserError(f"conv2d stride {stride} / pad {pad} / kernel {kh}x{kw} do not fit input {h}x{w}")
-        func = _conv_relax(dims, stride, pad, groups, dtype)
-        name = f"conv2d_{'_'.join(map(str, dims))}_s{stride}p{pad}g{groups}"
-    else:
-        func = _matmul_te(dims, transpose_a, transpose_b, dtype, kind == "batch_matmul")
-        name = f"{kind}_{'_'.join(map(str, dims))}" + ("_ta" if transpose_a else "") + ("_tb" if transpose_b else "")
-    task = task_from_primfunc(name, func)
+    given = {"transpose_a": transpose_a, "transpose_b": transpose_b, "stride": stride, "pad": pad, "groups": groups}
+    func, name = _BUILDERS[kind](kind, dims, **{k: given[k] for k in op_kind(kind).options}, dtype=dtype)
+    task = classify_primfunc(name, func)
     assert task is not None and task.kind == (kind if kind != "batch_matmul" or dims[0] > 1 else "matmul"), name
     return task

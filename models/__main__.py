@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import onnx
-
-from graphopt.errors import UserError, cli_entry
+from graphopt.errors import ArgumentParser, cli_entry, seed
+from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
 from models.registry import MODELS, build, get_model
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m models", description="Build the benchmark ONNX models")
+    p = ArgumentParser(prog="python -m models", description="Build the benchmark ONNX models")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the model names with a one-line description")
     b = sub.add_parser("build", help="build one model and save it as ONNX")
     b.add_argument("name", help="model name (see list)")
     b.add_argument("-o", "--output", required=True, help="output .onnx file")
-    b.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    b.add_argument("--seed", type=seed, default=0, help="seed for the random weights")
     sub.add_parser("corpus", help="print the exported-model corpus: names, exporters, description")
     e = sub.add_parser("export", help="export one corpus model with torch (needs torch, torchvision, transformers); "
                                       "writes FILE, and FILE.json with the --input-shape it needs (+ FILE.npz "
@@ -31,37 +29,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """Export one corpus model; FILE.json beside it records the --input-shape (and FILE.npz the inputs) it needs."""
+    import io
     import json
-    import os
     import time
 
     import numpy as np
 
     from models.exported import build_exported, get_spec
 
-    get_spec(args.name)
-    out = Path(args.output)
-    if out.is_dir():
-        raise UserError(f"output {str(out)!r} is a directory: pass a file name such as {args.name}.onnx")
+    get_spec(args.name)  # fail on a bad name before torch spends a minute
+    out = check_output_file(args.output, "-o")
     t0 = time.perf_counter()
     m = build_exported(args.name, args.size, args.exporter)
     seconds = time.perf_counter() - t0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    onnx.save(m.model, str(tmp))
-    os.replace(tmp, out)
+    write_bytes_atomic(out, m.model.SerializeToString())
     meta = {"model": m.name, "size": m.size, "exporter": m.exporter, "opset": m.opset, "export_s": round(seconds, 2),
             "input_shapes": {k: list(v) for k, v in m.input_shapes.items()}, "shape_args": m.shape_args(),
             "nodes": len(m.model.graph.node), "inputs": None}
     if m.sample_inputs is not None:
         npz = out.with_suffix(".npz")
-        with open(npz.with_name(npz.name + ".tmp"), "wb") as f:
-            np.savez(f, **m.sample_inputs)
-        os.replace(npz.with_name(npz.name + ".tmp"), npz)
+        buf = io.BytesIO()
+        np.savez(buf, **m.sample_inputs)
+        write_bytes_atomic(npz, buf.getvalue())
         meta["inputs"] = npz.name
-    side = out.with_name(out.name + ".json")
-    side.with_name(side.name + ".tmp").write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(side.with_name(side.name + ".tmp"), side)
+    write_text_atomic(out.with_name(out.name + ".json"), json.dumps(meta, indent=2) + "\n")
     print(f"wrote {out} ({meta['nodes']} nodes, opset {m.opset}, {out.stat().st_size / 1e6:.1f} MB, "
           f"{seconds:.1f} s){' ' + ' '.join(m.shape_args()) if m.shape_args() else ''}")
     return 0
@@ -85,15 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     get_model(args.name)  # fail on a bad name before creating anything
-    out = Path(args.output)
-    if out.is_dir():
-        raise UserError(f"output {str(out)!r} is a directory: pass a file name such as {args.name}.onnx")
+    out = check_output_file(args.output, "-o")
     model = build(args.name, args.seed)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(model, str(out))
-    except OSError as exc:
-        raise UserError(f"cannot write {str(out)!r} ({exc.strerror or exc}); choose a writable path with -o") from None
+    write_bytes_atomic(out, model.SerializeToString())
     print(f"wrote {out} ({len(model.graph.node)} nodes, {out.stat().st_size / 1e6:.1f} MB)")
     return 0
 

@@ -16,6 +16,7 @@ from models.inception import build_inception
 from models.mlp import build_mlp
 from models.nasrnn import build_nasrnn
 from models.resnet import RESNET50, RESNEXT50, build_resnet
+from models.rnn_lm import build_rnn_lm
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               lambda seed: build_inception(seed)),
     ModelSpec("nasrnn", "TASO's NASRNN cell unrolled 5 steps, hidden 512 (16 small MatMuls per step)",
               lambda seed: build_nasrnn(seed)),
+    ModelSpec("lstm-lm", "word-level LSTM LM: embedding, 2 ONNX LSTM layers of hidden 256, vocab 1000 head; "
+              "seq 32, batch 1", lambda seed: build_rnn_lm(seed)),
+    ModelSpec("gru-lm", "the same LM with bidirectional GRU layers (linear_before_reset, as torch exports)",
+              lambda seed: build_rnn_lm(seed, "GRU", bidirectional=True, name="gru-lm")),
     ModelSpec("mlp", "MLP 784-1024-1024-1024-10, batch 64 (Gemm+Relu layers, MatMul+Add head)",
               lambda seed: build_mlp(seed)),
 ]}

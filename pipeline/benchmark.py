@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from graphopt.feeds import max_abs_err, ort_session, random_inputs
-from pipeline.targets import host_cpu, host_model_name
-
-
-@dataclass
-class Timing:
-    median_ms: float
-    min_ms: float
+from graphopt.compare import Comparison, compare_runs
+from graphopt.errors import UserError
+from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
+from graphopt.fileio import save_figure, write_text_atomic
+from graphopt.validate import ModelInput, check_model
+from graphopt.timing import Timing, time_interleaved
+from kerneltune.targets import device_for, host_cpu, host_model_name
+from pipeline import metaschedule, tuning
+from pipeline.compile import compile_partition, outputs_numpy, to_device
+from pipeline.optimize import StageLog, graph_stage
+from pipeline.partition import partition, select_tasks
+from pipeline.relax_import import import_model
 
 
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
@@ -43,8 +47,13 @@ class BenchResult:
     threads: int
     runs: int
     timings: dict[str, Timing]  # engine key -> timing (only the engines that ran)
-    errors: dict[str, float]  # TVM engine key -> max abs err vs onnxruntime
+    checks: dict[str, Comparison]  # TVM engine key -> its outputs vs onnxruntime's
     trials: int = 0
+
+    @property
+    def errors(self) -> dict[str, float]:
+        """TVM engine key -> max abs err vs onnxruntime."""
+        return {k: c.max_abs_err for k, c in self.checks.items()}
 
     @property
     def max_abs_err(self) -> float:
@@ -52,53 +61,32 @@ class BenchResult:
 
     def to_json(self) -> dict:
         """Flat keys as issues 2 and 6 specify (``ort_ms``, ``tvm_ms``, ``graphopt_ms``, ``tuned_ms``,
-        ``metaschedule_ms``: median ms or null when not run; ``max_abs_err`` over all TVM engines)."""
+        ``metaschedule_ms``: median ms or null when not run; ``max_abs_err`` over all TVM engines), and each
+        engine's full check (``checks``: abs and rel error, tolerance, top-1 agreement)."""
         out: dict = {f"{k}_ms": (self.timings[k].median_ms if k in self.timings else None) for k in ENGINES}
         out.update({f"{k}_min_ms": t.min_ms for k, t in self.timings.items()})
         out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
                    target=self.target, threads=self.threads, runs=self.runs, cpu=host_model_name(),
-                   mcpu=host_cpu())
+                   mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()})
         return out
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def interleaved(engines: dict[str, Callable[[], object]], runs: int, warmup: int = 3) -> dict[str, Timing]:
-    """Time each engine ``runs`` times, alternating between them after ``warmup`` untimed rounds.
-
-    Each timed run follows one untimed run of the same engine: a thread pool that just served another
-    engine is cold (TVM's idle workers sleep), and whichever engine came right after onnxruntime measured
-    2-5x slower than the same build placed after another TVM engine.  Priming gives every engine the
-    steady state of back-to-back inference.
-    """
-    for _ in range(warmup):
-        for fn in engines.values():
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in engines}
-    for _ in range(runs):
-        for name, fn in engines.items():
-            fn()
-            samples[name].append(_timed(fn))
-    return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
-
-
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
-          trials: int = 0) -> BenchResult:
+          trials: int = 0, samples: dict | None = None) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
-    onnxruntime on the original model, all interleaved in one loop."""
-    from pipeline.compile import device_for, outputs_numpy, to_device
+    onnxruntime on the original model, all interleaved in one loop.
 
-    feeds = random_inputs(imported.graph, seed)
+    Every engine is first checked against onnxruntime on the check inputs (the samples, or several seeded
+    sets); a wrong engine is a UserError: the latency of a wrong build means nothing.  The timed runs use
+    the samples (or the first seeded set)."""
+    feeds = sample_feeds(imported.graph, samples, seed)
+    sets = feed_sets(imported.graph, seed, samples)
+    references = run_ort_sets(imported.onnx_model, sets, threads)
     sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
-    reference = sess.run(None, ort_feeds)
     engines: dict[str, Callable[[], object]] = {"ort": lambda: sess.run(None, ort_feeds)}
-    errors: dict[str, float] = {}
+    checks: dict[str, Comparison] = {}
     spec = None
     for key, cm in compiled.items():
         spec = cm.spec
@@ -111,10 +99,14 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
             dev.sync()
             return out
 
-        errors[key] = max_abs_err(reference, outputs_numpy(run_tvm()))
+        checks[key] = compare_runs([(ref, outputs_numpy(main(*to_device(f, cm.input_names, dev))))
+                                    for f, ref in zip(sets, references)])
+        if not checks[key].ok:
+            raise UserError(f"'{ENGINES[key]}' differs from onnxruntime: {checks[key].reason()}; no latency of a "
+                            "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
         engines[key] = run_tvm
-    times = interleaved(engines, runs)
-    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, errors, trials)
+    times = time_interleaved(engines, runs)
+    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials)
 
 
 @dataclass
@@ -124,16 +116,14 @@ class KernelTime:
     ms: float  # total per model run
 
 
-def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0) -> list[KernelTime]:
+def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0, samples: dict | None = None) -> list[KernelTime]:
     """Per-kernel time inside the VM (``set_instrument`` times each call in place), slowest first.
 
     This is what says which kernels dominate end to end, cold caches and call overheads included.
     """
-    from pipeline.compile import device_for, to_device
-
     dev = device_for(compiled.spec)
     vm = compiled.vm()
-    args = to_device(random_inputs(imported.graph, seed), compiled.input_names, dev)
+    args = to_device(sample_feeds(imported.graph, samples, seed), compiled.input_names, dev)
     vm["main"](*args)  # warm-up outside the instrument
     total: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -177,8 +167,7 @@ def format_table(res: BenchResult) -> str:
 
 
 def write_json(res: BenchResult, path: str | os.PathLike) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res.to_json(), indent=2) + "\n")
+    write_text_atomic(path, json.dumps(res.to_json(), indent=2) + "\n")
 
 
 def plot(res: BenchResult, path: str | os.PathLike) -> None:
@@ -200,8 +189,7 @@ def plot(res: BenchResult, path: str | os.PathLike) -> None:
     for i, v in enumerate(med):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -217,36 +205,29 @@ class BenchOptions:
     progress: bool = True
 
 
-def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
+def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
     """(imported original, {engine key: CompiledModel}) for every TVM variant the options ask for.
 
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
-    serves both the graphopt engine and (with its tuned configs) the tuned engine.
+    serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
+    model (:func:`graphopt.validate.check_model`) or a path, checked here.
     """
-    import tempfile
-
-    from graphopt.onnx_io import load_model
-    from pipeline.compile import compile_partition
-    from pipeline.optimize import StageLog, graph_stage
-    from pipeline.partition import partition, select_tasks
-    from pipeline.relax_import import import_model
-
-    imported = import_model(model_path, input_shapes)
+    if not isinstance(model, ModelInput):
+        model = check_model(model, input_shapes)
+    input_shapes = model.input_shapes
+    imported = import_model(model.proto, input_shapes)
     base = partition(imported.mod)
     engines = {"tvm": compile_partition(imported, base, spec)}
     graph_part, graph_imported = base, imported
     if not opts.skip_graph:
-        optimized = graph_stage(load_model(model_path), input_shapes, False, StageLog(), spec.kind, threads,
+        optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
                                 opts.progress)
         graph_imported = import_model(optimized)
         graph_part = partition(graph_imported.mod)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
-        from pipeline import metaschedule
-        from pipeline.tuning import tune_model
-
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
-        result = tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
+        result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
                             work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
         engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
         if not opts.skip_metaschedule:

@@ -20,7 +20,8 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base.utils import get_extent
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
+
+from kerneltune.targets import vector_bits
 
 # Below this many output elements per thread the fork/join of the pool costs more than it saves.
 MIN_PARALLEL_ELEMS = 4096
@@ -96,11 +97,6 @@ def inline_without_blowup(sch: s_tir.Schedule, blocks: list) -> list:
         blocks.pop(i)
 
 
-def vector_lanes(target: Target, dtype_bits: int = 32) -> int:
-    bits = llvm_get_vector_width(target)
-    return max((bits if bits > 0 else 128) // dtype_bits, 1)
-
-
 def _out_bits(sch: s_tir.Schedule, block) -> int:
     writes = sch.get(block).writes
     return writes[0].source.dtype.bits if writes else 32
@@ -149,7 +145,7 @@ class Injective(CPUScheduleRule):
         infos = inline_without_blowup(sch, infos)
         cores = int(target.attrs.get("num-cores", 1))
         for info in infos:
-            _parallel_vectorize(sch, info.block_rv, vector_lanes(target, _out_bits(sch, info.block_rv)), cores)
+            _parallel_vectorize(sch, info.block_rv, max(vector_bits(target) // _out_bits(sch, info.block_rv), 1), cores)
         return sch
 
 

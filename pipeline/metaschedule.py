@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from pipeline.partition import Partition
-from pipeline.targets import TargetSpec
+from kerneltune.targets import TargetSpec
 
 
 def tune(part: Partition, spec: TargetSpec, trials: int, work_dir: str | Path, seed: int = 0) -> tvm.IRModule:

@@ -1,11 +1,16 @@
 """``tune-kernels MODEL --list``: the model's fused kernels as tuning tasks, with the indices ``--kernels``
-takes.  Plugged into kerneltune's CLI (which owns the single-operator mode) by two calls.
+takes.  Plugged into kerneltune's CLI (which owns the single-operator mode) as :data:`MODEL_MODE`.
 """
 from __future__ import annotations
 
 import argparse
 
 from graphopt.errors import UserError
+from graphopt.onnx_io import parse_input_shapes
+from graphopt.validate import check_model
+from kerneltune.cli import ModelMode
+from kerneltune.opkinds import KINDS as OP_KINDS
+from kerneltune.targets import check_name
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,18 +29,19 @@ def run_model(args: argparse.Namespace) -> int:
                         "`optimize-model MODEL --trials N --kernels SEL -o DIR`)")
     if args.op:
         raise UserError("give either a MODEL or --op, not both")
-    from graphopt.onnx_io import load_model, parse_input_shapes
-    from pipeline.targets import check_name
-
     check_name(args.target)
-    load_model(args.model)
+    model = check_model(args.model, parse_input_shapes(args.input_shape))  # a model we would refuse is not listed
+    # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
     from pipeline.partition import format_tasks, partition
     from pipeline.relax_import import import_model
 
-    imported = import_model(args.model, parse_input_shapes(args.input_shape))
+    imported = import_model(model.proto, model.input_shapes)
     part = partition(imported.mod)
     print(format_tasks(part.tasks))
     tunable = [t for t in part.tasks if t.task is not None]
-    print(f"{len(part.tasks)} tasks, {len(tunable)} tunable (matmul / batch_matmul / conv2d), "
+    print(f"{len(part.tasks)} tasks, {len(tunable)} tunable ({' / '.join(OP_KINDS)}), "
           f"{part.total_flops() / 1e9:.3f} GFLOP per run")
     return 0
+
+
+MODEL_MODE = ModelMode(add_model_arguments, lambda args: bool(args.model), run_model)

@@ -20,9 +20,11 @@ import tvm_ffi
 from tvm import relax
 
 from graphopt.errors import UserError
+from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
+from kerneltune.opkinds import KINDS as OP_KINDS
 
-KINDS = ("matmul", "batch_matmul", "conv2d", "other")
+KINDS = OP_KINDS + ("other",)  # FusedTask.kind: a tunable op kind, or a kernel no template covers
 
 # FastMathTransform first: it swaps erf/exp/tanh/softmax for TOPI's polynomial versions, which vectorize;
 # the exact ones lower to scalar libm calls, and on BERT the GELU's erf alone made the FFN1 kernel ~4x
@@ -65,12 +67,6 @@ class Partition:
     mod: tvm.IRModule
     tasks: list[FusedTask]
 
-    def task_of(self, global_name: str) -> FusedTask:
-        for t in self.tasks:
-            if global_name in t.names:
-                return t
-        raise KeyError(global_name)
-
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)
 
@@ -107,12 +103,6 @@ def _call_sites(mod: tvm.IRModule):
                 yield gv, shapes, getattr(call.ty, "dtype", "")
 
 
-def _kerneltune_task(name: str, func: tvm.tirx.PrimFunc):
-    from kerneltune.task import task_from_primfunc
-
-    return task_from_primfunc(name, func)
-
-
 def _flops(func: tvm.tirx.PrimFunc) -> float:
     from tvm.s_tir.analysis import estimate_tir_flops
 
@@ -137,7 +127,7 @@ def list_tasks(fused: tvm.IRModule) -> list[FusedTask]:
             if gv.name_hint not in task.names:
                 task.names.append(gv.name_hint)
             continue
-        kt = _kerneltune_task(gv.name_hint, func)
+        kt = templates.task_for(gv.name_hint, func)
         kind = getattr(kt, "kind", None) or "other"
         flops = float(getattr(kt, "flops", 0) or 0) or _flops(func)
         task = FusedTask(len(tasks), gv.name_hint, kind, shapes, str(dtype), 1, flops, func, [gv.name_hint], kt)

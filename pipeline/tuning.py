@@ -1,174 +1,130 @@
-"""The tuning stage of ``optimize-model``: spend a global trial budget over the model's tasks.
+"""The tuning stage of ``optimize-model`` and ``bench-model``: the model's fused tasks handed to kerneltune's
+multi-task tuner (:func:`kerneltune.tune_tasks.tune_tasks`), the end-to-end check that decides which build
+ships, and the plot of how the tuning went.
 
-A task scheduler (:mod:`kerneltune.scheduler`: Ansor's gradient rule or round-robin) picks which task gets
-the next batch; :func:`kerneltune.tune.tune` runs that batch with the task's own searcher (kept across
-rounds, so its population / model carries on) and appends every measurement to the records file.
-The objective is the model's kernel time, sum of weight x best latency.
+Which build ships (:func:`pick_build`).  Tuning judges kernels one by one; the model is judged whole (cold
+weights, epilogues, every kernel in sequence - a kernel sum once said 66 ms of a model that ran in 125 ms).
+So after compiling, the tuned build is timed against the default-schedule build (what ``--skip-tune``
+gives) with :func:`graphopt.timing.compare`, the timer bench-model uses: blocks of interleaved runs, the
+order swapped between blocks, the median of the blocks' ratios.  The tuned build ships only when it is
+faster by :data:`E2E_MARGIN`; otherwise the default build ships and the report says tuning lost (slower
+beyond the margin) or was undecided (within it).  Undecided keeps the default because the default is the
+reference a tuned build has to beat, the same rule as a task's default config at the kernel level, and
+because a 2% difference is inside what this shared machine's noise can fake either way.
 
-Resuming: before the first round every task replays its stored records (same file, same target) into its
-searcher; those trials count towards ``--trials``, so rerunning a finished command measures nothing.
+The same command must give the same artifact, and a timing is never exactly repeatable: the verdict is
+recorded in the records file (a line of kind ``"e2e"``, keyed by a fingerprint of the tuned configs, the
+target and the model), and a rerun whose tuning ends with the same configs reuses it instead of timing
+again.  So rerunning or resuming a finished run ships the same build; only a run whose tuning found other
+configs measures anew.
 """
 from __future__ import annotations
 
-import math
+import hashlib
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.errors import UserError
-from pipeline.partition import FusedTask
-from pipeline.targets import TargetSpec
+from graphopt.feeds import random_inputs
+from graphopt.fileio import save_figure
+from graphopt.timing import compare
+from kerneltune.opkinds import KINDS as OP_KINDS
+from kerneltune.records import Record, RecordLog
+from kerneltune.targets import TargetSpec
+from kerneltune.tune_tasks import TuningResult, TuningTask, tune_tasks
+from pipeline.compile import CompiledModel, compile_partition, model_runner
+from pipeline.partition import FusedTask, Partition
+from pipeline.relax_import import ImportedModel
 
-
-@dataclass
-class TaskTuning:
-    """Per-task outcome for report.json."""
-
-    index: int
-    name: str
-    key: str
-    kind: str
-    weight: int
-    flops: float
-    default_ms: float | None  # the template's default config, measured in this run
-    best_ms: float | None  # best tuned config (None when nothing beat failure)
-    trials: int = 0  # measured for this task in total, resumed ones included
-    curve: list[tuple[int, float]] = field(default_factory=list)  # (global trials spent, best ms) per round
-
-    @property
-    def final_ms(self) -> float | None:
-        vals = [v for v in (self.default_ms, self.best_ms) if v is not None]
-        return min(vals) if vals else None
-
-
-@dataclass
-class TuningResult:
-    best_configs: dict[str, Any]  # task key -> config (only where tuning beat the default)
-    tasks: list[TaskTuning]
-    trials: int
-    objective: list[tuple[int, float]]  # (global trials spent, sum weight x best ms) after each round
-    scheduler: str
-    searcher: str
-    seconds: float
-
-
-class _NoReplay:
-    """The records log seen by later rounds of a task: appends go to the file, nothing is replayed again
-    (the task's searcher already observed its stored records in the first round)."""
-
-    def __init__(self, log):
-        self._log = log
-        self.path = log.path
-
-    def load(self, *_: Any, **__: Any) -> list:
-        return []
-
-    def append(self, records) -> None:
-        self._log.append(records)
-
-
-@dataclass
-class _State:
-    task: FusedTask
-    space: Any
-    searcher: Any
-    report: TaskTuning
-    best: tuple[float, Any] = (math.inf, None)  # (latency s, config)
-    exhausted: bool = False
-
-
-def _objective(states: list[_State]) -> float:
-    return sum(s.report.weight * (s.report.final_ms or math.inf) for s in states)
+E2E_MARGIN = 0.02  # the tuned build must be this much faster end to end to ship (graphopt's stage uses 2% too)
+E2E_BLOCKS = 3  # interleaved blocks; the verdict takes the median of their ratios
+E2E_RUNS = 10  # timed runs per build per block
+VERDICT = "e2e"  # the records' kind for the end-to-end verdict
 
 
 def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_path: str | Path,
                scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
                measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
-    """Tune ``tasks`` (those with a template) with ``trials`` measurements in total.
+    """Tune ``tasks`` (those with a template) with ``trials`` measurements in total; see
+    :func:`kerneltune.tune_tasks.tune_tasks` for the loop and ``measure_factory``."""
+    tunable = [TuningTask(t.task, t.weight, t.index) for t in tasks if t.task is not None]
+    if not tunable:
+        raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune")
+    return tune_tasks(tunable, spec, trials, records_path, scheduler, searcher, seed, rpc, measure_factory,
+                      progress)
 
-    ``measure_factory(target, rpc)`` returns a context manager with ``measure(task, configs)``; the default
-    is :class:`kerneltune.measure.Measurer` (tests pass a fake one).
-    """
-    from tqdm import tqdm
 
-    from kerneltune import templates
-    from kerneltune.records import RecordLog
-    from kerneltune.scheduler import TaskInfo, make_scheduler
-    from kerneltune.searchers import FACTOR_ONLY, make_searcher
-    from kerneltune.tune import tune
+@dataclass
+class BuildChoice:
+    """Which build ships after tuning, and the end-to-end evidence (report.json's ``tune.e2e``)."""
 
-    tasks = [t for t in tasks if t.task is not None]
-    if not tasks:
-        raise UserError("no selected task has a kernel template (matmul, batch_matmul, conv2d): nothing to tune")
-    if not spec.can_run and not rpc:
-        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
-                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
-    if measure_factory is None:
-        from kerneltune.measure import Measurer
+    kept: str  # "tuned" or "default"
+    status: str  # "measured", "recorded" (a rerun: the stored verdict), or "skipped: <why>"
+    default_ms: float | None = None
+    tuned_ms: float | None = None
+    ratios: list[float] = field(default_factory=list)  # tuned / default, per interleaved block
+    margin: float = E2E_MARGIN
 
-        # Cold caches (CPU): in the model a kernel's weights come from DRAM, see kerneltune.measure.
-        measure_factory = lambda target, rpc_: Measurer(target, rpc=rpc_, cache_flush=True)  # noqa: E731
-    target = spec.target
-    target_key = str(target)
+    @property
+    def note(self) -> str | None:
+        """One line for the user when tuning did not earn its place, else None."""
+        if self.kept != "default" or self.tuned_ms is None or self.default_ms is None:
+            return None
+        how = "slower" if self.tuned_ms > self.default_ms * (1 + self.margin) else "not faster beyond noise"
+        return (f"tuning lost: the tuned build was {how} end to end ({self.tuned_ms:.3f} ms vs "
+                f"{self.default_ms:.3f} ms with default schedules, margin {self.margin:.0%}); shipped the "
+                "default build")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"note": self.note}
+
+
+def fingerprint(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> str:
+    """What the end-to-end verdict depends on: the tuned configs, the target (threads included) and the
+    model compiled."""
+    blob = json.dumps({"tuned": sorted((k, repr(v)) for k, v in tuned.items()), "target": str(spec.target),
+                       "model": hashlib.sha256(model_bytes).hexdigest()}, sort_keys=True)
+    return "e2e:" + hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partition, spec: TargetSpec,
+               tuned: dict[str, Any], records_path: str | Path, model_bytes: bytes, seed: int = 0,
+               rpc: str | None = None, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
+    """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
+    ``timer`` replaces :func:`graphopt.timing.time_interleaved` (tests)."""
+    if not tuned:
+        return tuned_build, BuildChoice("default", "skipped: no tuned config beat its default schedule")
+    if rpc:
+        return tuned_build, BuildChoice("tuned", "skipped: the kernels were measured on the --rpc device; the "
+                                                 "model cannot be timed there")
+    if not spec.can_run:
+        return tuned_build, BuildChoice("tuned", f"skipped: cannot run {spec.kind} here ({spec.note})")
+    key = fingerprint(tuned, spec, model_bytes)
     log = RecordLog(records_path)
-    t0 = time.perf_counter()
-    states: list[_State] = []
-    with measure_factory(target, rpc) as m:
-        timing = getattr(m, "timing", "warm")
-        spent = 0
-        for t in tasks:
-            space = templates.space_for(t.task, target)
-            default = templates.default_config(t.task, target)
-            fixed = default if searcher in FACTOR_ONLY and not space.factor_only else None
-            srch = make_searcher(searcher, space, seed, fixed=fixed)
-            base = m.measure(t.task, [default])[0]
-            rep = TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops,
-                             base.latency_s * 1e3 if base.latency_s else None, None)
-            st = _State(t, space, srch, rep)
-            # Replay stored records (resume): counts towards the budget, measures nothing.
-            res = tune(space, srch, lambda cs, task=t.task: m.measure(task, cs), 0, task_key=t.task.key,
-                       target=target_key, records=log, progress=False, timing=timing)
-            _account(st, res, space)
-            spent += res.trials
-            states.append(st)
-        sched = make_scheduler(scheduler, [TaskInfo(s.task.name, s.task.weight, s.task.flops, s.task.kind,
-                                                    (s.report.final_ms or math.inf) / 1e3) for s in states])
-        objective = [(spent, _objective(states))]
-        bar = tqdm(total=trials, initial=min(spent, trials), desc="tuning", disable=not progress, unit="trial")
-        try:
-            while spent < trials and not all(s.exhausted for s in states):
-                i = sched.next_task()
-                st = states[i]
-                if st.exhausted:
-                    sched.update(i, (st.report.final_ms or math.inf) / 1e3)
-                    continue
-                n = min(st.searcher.batch_size, trials - spent)
-                res = tune(st.space, st.searcher, lambda cs, task=st.task.task: m.measure(task, cs), n,
-                           task_key=st.task.task.key, target=target_key, records=_NoReplay(log), progress=False,
-                           timing=timing)
-                st.exhausted = res.measured_now == 0
-                _account(st, res, st.space)
-                spent += res.measured_now
-                bar.update(res.measured_now)
-                sched.update(i, (st.report.final_ms or math.inf) / 1e3)
-                st.report.curve.append((spent, st.report.final_ms or math.inf))
-                objective.append((spent, _objective(states)))
-                bar.set_postfix(objective_ms=f"{objective[-1][1]:.2f}")
-        finally:
-            bar.close()
-            log.close()
-    best = {s.report.key: s.best[1] for s in states
-            if s.best[1] is not None and (s.report.default_ms is None or s.best[0] * 1e3 < s.report.default_ms)}
-    return TuningResult(best, [s.report for s in states], spent, objective, scheduler, searcher,
-                        time.perf_counter() - t0)
-
-
-def _account(st: _State, res, space) -> None:
-    st.report.trials += res.trials  # the replay call: stored ones; later rounds: measured now
-    if res.best_config is not None and res.best_latency_s and res.best_latency_s < st.best[0]:
-        st.best = (res.best_latency_s, res.best_config)
-        st.report.best_ms = res.best_latency_s * 1e3
+    stored = log.load(task=key, target=str(spec.target), kind=VERDICT)
+    if stored:  # a rerun of a finished run: the same verdict, so the same artifact
+        rec = stored[-1]
+        choice = BuildChoice(rec.config.get("build", "default"), "recorded", rec.extra.get("default_ms"),
+                             rec.extra.get("tuned_ms"), rec.extra.get("ratios", []),
+                             rec.extra.get("margin", E2E_MARGIN))
+        if choice.kept == "tuned":
+            return tuned_build, choice
+        return compile_partition(imported, part, spec, {}), choice
+    default_build = compile_partition(imported, part, spec, {})
+    feeds = random_inputs(imported.graph, seed)
+    cmp = compare(model_runner(default_build, feeds), model_runner(tuned_build, feeds), E2E_MARGIN, E2E_BLOCKS,
+                  E2E_RUNS, timer=timer)
+    choice = BuildChoice("tuned" if cmp.faster else "default", "measured", round(cmp.baseline_ms, 4),
+                         round(cmp.candidate_ms, 4), [round(r, 4) for r in cmp.ratios], E2E_MARGIN)
+    with log:
+        log.append([Record(task=key, target=str(spec.target), config={"build": choice.kept}, gflops=0.0,
+                           time=time.time(), kind=VERDICT,
+                           extra={"default_ms": choice.default_ms, "tuned_ms": choice.tuned_ms,
+                                  "ratios": choice.ratios, "margin": choice.margin})])
+    return (tuned_build if choice.kept == "tuned" else default_build), choice
 
 
 def plot_tuning(result: TuningResult, path: str | Path) -> None:
@@ -196,6 +152,5 @@ def plot_tuning(result: TuningResult, path: str | Path) -> None:
     ax2.set_ylabel("sum weight x latency, ms")
     ax2.set_title(f"objective ({result.scheduler}, {result.searcher})")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -24,7 +24,8 @@ import onnx
 import pytest
 
 os.environ.setdefault("TVM_NUM_THREADS", "2")
-from graphopt.feeds import max_abs_err, random_inputs, run_ort  # noqa: E402
+from graphopt.compare import max_abs_err  # noqa: E402
+from graphopt.feeds import random_inputs, run_ort  # noqa: E402
 from graphopt.onnx_io import account_nodes, export_onnx, import_onnx  # noqa: E402
 from graphopt.roundtrip import roundtrip  # noqa: E402
 from models.exported import ExportedModel, build_exported, matrix, missing_dependency  # noqa: E402

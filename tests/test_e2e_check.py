@@ -1,5 +1,5 @@
 """The graph stage's end-to-end guard: a search result that is not measurably faster as a whole model than
-the input is rejected, and the input handed back unchanged (graphopt.optimize.check_end_to_end)."""
+the input is rejected, and the input handed back unchanged (graphopt.stage.check_end_to_end)."""
 from __future__ import annotations
 
 import json
@@ -8,14 +8,18 @@ import numpy as np
 import onnx
 import pytest
 
-from graphopt.cli import main
-from graphopt.cost import AnalyticCost, MeasuredCost, ModelTimes, interleaved_medians
+from graphopt.cost.analytic import AnalyticCost
+from graphopt.cost.base import ModelTimes
+from graphopt.cost.measured import MeasuredCost
+from graphopt.cost.runners import OrtRunner
+from graphopt.timing import time_interleaved
 from graphopt.errors import UserError
 from graphopt.onnx_io import import_onnx
-from graphopt.optimize import check_end_to_end, optimize
-from graphopt.search import optimize as graph_stage
+from graphopt.stage import check_end_to_end
 from models.builder import GraphBuilder
+from pipeline.cli import graphopt_main as main
 from test_match import merge_bias, merge_matmul, three_projections
+from test_optimize import graph_stage, optimize
 from test_search import LaunchCost
 
 HAND = [merge_matmul(2), merge_matmul(3), merge_bias(2), merge_bias(3)]
@@ -76,14 +80,14 @@ def test_disabled_check_times_nothing():
 
 
 def test_pipeline_entry_point_is_guarded_too():
-    """``graphopt.search.optimize`` (what pipeline/ calls) hands back the input graph when it is slower."""
+    """``graphopt.stage.optimize_graph`` (what pipeline/ calls) hands back the input graph when it is slower."""
     g = import_onnx(three_projections())
     res = graph_stage(g, cost=TimedLaunchCost(1.0, 1.2), rules=HAND, budget=60)
     assert res.applied == {} and res.cost_after == res.cost_before
     assert [n.op_type for n in res.graph.nodes] == [n.op_type for n in g.nodes]
-    assert res.e2e["kept"] == "original" and res.e2e["candidate_applied"]
+    assert res.kept == "original" and res.search.applied
     res = graph_stage(g, cost=TimedLaunchCost(1.0, 0.5), rules=HAND, budget=60)
-    assert res.e2e["kept"] == "optimized" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == 1
+    assert res.kept == "optimized" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == 1
 
 
 def test_analytic_cost_model_skips_the_check_and_says_so():
@@ -117,15 +121,17 @@ def _matmul_model(n: int) -> onnx.ModelProto:
 
 def test_measured_cost_times_whole_models_with_its_backend(tmp_path):
     """Real onnxruntime timing of two whole models, interleaved: a 256^3 matmul is slower than an 8^3 one."""
-    cost = MeasuredCost(threads=1, path=tmp_path / "cost.json", backend="ort")
+    cost = MeasuredCost(OrtRunner(threads=1), path=tmp_path / "cost.json")
     times = cost.time_models([import_onnx(_matmul_model(8)), import_onnx(_matmul_model(256))], runs=9)
     assert times.backend == "ort" and 0 < times.seconds[0] < times.seconds[1]
 
 
 def test_interleaved_medians_are_per_runner():
     calls: list[str] = []
-    meds = interleaved_medians([lambda: calls.append("a"), lambda: np.linalg.inv(np.eye(200))], runs=5, warmup=1)
-    assert calls == ["a"] * 6 and meds[0] < meds[1]
+    times = time_interleaved({"a": lambda: calls.append("a"), "inv": lambda: np.linalg.inv(np.eye(200))}, runs=5,
+                             warmup=1)
+    assert calls == ["a"] * 11  # 1 warm-up + 5 x (priming + timed)
+    assert times["a"].median_ms < times["inv"].median_ms and times["a"].min_ms <= times["a"].median_ms
 
 
 def test_merge_everything_wins_when_the_whole_model_says_so():
@@ -140,7 +146,7 @@ def test_merge_everything_wins_when_the_whole_model_says_so():
     merged = _matmuls(out)
     assert merged < 3 and cost.timed == [[3, merged]]  # only the input and the merged graph were timed
     res = graph_stage(import_onnx(three_projections()), cost=cost, rules=None, budget=60)
-    assert res.e2e["kept"] == "merged" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == merged
+    assert res.kept == "merged" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == merged
     slower = TimedLaunchCost(1.0, 1.2)
     slower.table = cost.table
     out, rep = optimize(three_projections(), cost=slower, rules=None, budget=60)

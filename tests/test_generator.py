@@ -121,7 +121,7 @@ def test_rebuild_with_unchanged_specs_is_instant(tmp_path):
 
 
 def test_cli_stats_and_show(tmp_path, capsys):
-    from graphopt.cli import main
+    from pipeline.cli import graphopt_main as main
     assert main(["rules", "stats", "--json", str(tmp_path / "s.json")]) == 0
     stats = json.loads((tmp_path / "s.json").read_text())
     assert set(stats) == {"enumerated_graphs", "candidate_pairs", "verified", "rejected", "unverified",

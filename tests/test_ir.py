@@ -5,7 +5,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import UserError
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import max_abs_err
+from graphopt.feeds import random_inputs, run_ort
 from graphopt.onnx_io import export_onnx, import_onnx, parse_input_shapes
 
 
@@ -95,3 +96,25 @@ def test_remove_unused_drops_dead_nodes_and_weights():
     g.outputs = [o for o in g.outputs if o.name == "y"]
     assert g.remove_unused() == 3
     assert "emb" not in g.initializers and "w" in g.initializers
+
+
+def test_identity_cache_is_bounded_and_forgets_dead_objects():
+    """The weight-hash and compiled-pattern caches are keyed by id(): bounded, and an entry made for an
+    object that died is never handed to a new object that reuses its id."""
+    import gc
+
+    from graphopt.memo import IdentityCache
+
+    cache: IdentityCache[str] = IdentityCache(4)
+    arrays = [np.full(3, i, np.float32) for i in range(6)]
+    for i, a in enumerate(arrays):
+        cache.put(a, f"v{i}")
+    assert len(cache) == 4 and cache.get(arrays[0]) is None and cache.get(arrays[5]) == "v5"
+    dead = np.zeros(2)
+    cache.put(dead, "dead")
+    dead_id = id(dead)
+    del dead
+    gc.collect()
+    reborn = [np.ones(2) for _ in range(50)]  # some may reuse the dead array's id
+    assert all(cache.get(r) is None for r in reborn if id(r) == dead_id)
+    assert all(cache.get(r) != "dead" for r in reborn)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import max_abs_err
+from graphopt.feeds import random_inputs, run_ort
 from graphopt.match import GraphIndex, RuleIndex, find_matches
 from graphopt.onnx_io import export_onnx, import_onnx
-from graphopt.rewrite import RewriteError, apply_match, fold_constants, target_plan
+from graphopt.cleanup import fold_constants
+from graphopt.rewrite import RewriteError, apply_match, target_plan
 from graphopt.rules import PNode, Pattern, Rule
 from models.builder import GraphBuilder
 
@@ -210,7 +212,7 @@ def test_disconnected_source_patterns_are_not_matched():
 
 
 def test_common_subexpressions_are_merged_once():
-    from graphopt.rewrite import eliminate_common_subexpressions
+    from graphopt.cleanup import eliminate_common_subexpressions
 
     b = GraphBuilder("cse", seed=8)
     x, y = b.input("x", (2, 4)), b.input("y", (2, 4))

@@ -10,10 +10,13 @@ import pytest
 import tvm
 
 from kerneltune import templates
-from kerneltune.measure import Measurer, _run_in_worker, numpy_gflops
+from kerneltune.targets import llvm_target
+from kerneltune.baseline import numpy_gflops
+from kerneltune.measure import Measurer
+from kerneltune.runner import RunConfig, run
 from kerneltune.task import build_func, make_task
 
-LLVM = templates.host_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
+LLVM = llvm_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def test_measure_valid_invalid_and_broken_configs(measurer):
     assert after.error is None and after.gflops > 0
 
     # Builders never import the slow tensor intrinsics module.
-    status, modules = measurer._builders.call("modules", (), 60)
+    status, modules = measurer._builders.call("kerneltune.pool:loaded_modules", (), 60)
     assert status == "ok" and "tvm.s_tir.tensor_intrin" not in modules and "tvm" in modules
 
 
@@ -70,13 +73,13 @@ def test_wrong_kernel_is_caught(tmp_path):
     wrong_task = make_task("matmul", "16,16,16", transpose_b=True)
     path = str(tmp_path / "wrong.so")
     build_func(templates.apply(wrong_task, templates.default_config(wrong_task, LLVM), LLVM), LLVM).export_library(path)
-    latency, error = _run_in_worker(task, path, "cpu", 1, 1, None, None, 60)
+    latency, error = run(task, path, RunConfig("cpu", 1, 1), None)
     assert latency > 0 and error is not None and error.startswith("wrong result: max err")
     right = str(tmp_path / "right.so")
     build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM).export_library(right)
-    assert _run_in_worker(task, right, "cpu", 1, 1, None, None, 60)[1] is None
+    assert run(task, right, RunConfig("cpu", 1, 1), None)[1] is None
     # Above the best so far -> checked; at or below it -> not re-checked (the check costs a run).
-    assert _run_in_worker(task, path, "cpu", 1, 1, float("inf"), None, 60)[1] is None
+    assert run(task, path, RunConfig("cpu", 1, 1), float("inf"))[1] is None
 
 
 def test_numpy_gflops_positive():
@@ -157,22 +160,37 @@ def test_rpc_tracker_hands_out_the_keyed_device():
             time.sleep(0.5)
         result = _measure_default(f"127.0.0.1:{tracker_port}:testcpu")
         assert result.error is None and result.gflops > 0
+        # The up-front check: a key no server registered is refused at once, naming the keys there are.
+        from graphopt.errors import UserError
+        from kerneltune.runner import check_device
+
+        check_device(f"127.0.0.1:{tracker_port}:testcpu")
+        with pytest.raises(UserError, match=r"no device registered under key 'gpu0' \(registered: testcpu\)"):
+            check_device(f"127.0.0.1:{tracker_port}:gpu0")
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
 
 
+@pytest.mark.slow
 def test_cold_cache_timing_is_slower_on_a_weight_bound_kernel(tmp_path):
     """``cache_flush`` times the kernel with its weight in DRAM, as in a model: on a matmul that streams an
-    8 MiB weight for 8 rows, cold calls must cost clearly more than warm ones (cache-resident weight)."""
+    8 MiB weight for 8 rows, cold calls must cost clearly more than warm ones (cache-resident weight).
+    A comparison of two timings: slow (run it on a quiet machine), since other load on the cores moves both."""
     task = make_task("matmul", "8,2048,1024")
     lib_path = str(tmp_path / "k.so")
     build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM).export_library(lib_path)
-    warm, err_w = _run_in_worker(task, lib_path, "cpu", 20, 5, None, None, 60)
-    cold, err_c = _run_in_worker(task, lib_path, "cpu", 20, 5, None, None, 60, cache_flush=True)
+    warm, err_w = run(task, lib_path, RunConfig("cpu", 20, 5), None)
+    cold, err_c = run(task, lib_path, RunConfig("cpu", 20, 5, cache_flush=True), None)
     assert err_w is None and err_c is None
     assert cold > 1.2 * warm, (cold, warm)
+
+
+def test_cold_cache_measurer_times_and_labels_its_records():
+    """A measurer with ``cache_flush`` runs the kernel correctly and labels its timings "cold", so records
+    taken with warm caches never resume it."""
+    task = make_task("matmul", "8,2048,1024")
     with Measurer(LLVM, workers=1, cache_flush=True) as m:
         assert m.timing == "cold"
         res = m.measure(task, [templates.default_config(task, LLVM)])[0]
@@ -182,7 +200,7 @@ def test_cold_cache_timing_is_slower_on_a_weight_bound_kernel(tmp_path):
 def test_slow_kernels_get_fewer_timed_calls():
     """An untiled kernel (G-BFS's start) must not cost 30 calls of half a second: the calls per timing
     shrink to fit the budget; fast kernels keep what was asked; cold timings keep one call each."""
-    from kerneltune.measure import COLD_REPEAT, TIMING_BUDGET_S, timing_plan
+    from kerneltune.runner import COLD_REPEAT, TIMING_BUDGET_S, timing_plan
 
     assert timing_plan(1e-4, 10, 3, False) == (10, 3)
     number, repeat = timing_plan(0.05, 10, 3, False)

@@ -1,4 +1,4 @@
-"""The graph stage end to end (graphopt.optimize, ``graphopt optimize``): robustness on awkward graphs and
+"""The graph stage end to end (graphopt.stage, ``graphopt optimize``): robustness on awkward graphs and
 the shipped verified library on real model shapes."""
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import numpy as np
 import onnx
 import pytest
 
-from graphopt.cli import main
+from graphopt.cost.analytic import AnalyticCost
+from graphopt.cost.base import CostModel
+from graphopt.ir import Graph
 from graphopt.onnx_io import import_onnx
-from graphopt.optimize import optimize
 from graphopt.rules import load_rules
+from graphopt.stage import GraphStageOptions, GraphStageResult, optimize_graph, optimize_onnx
+from pipeline.cli import graphopt_main as main
 from models.bert import BertConfig, build_bert
 from models.builder import GraphBuilder
 from models.inception import build_inception
@@ -19,6 +22,16 @@ from test_match import merge_bias, merge_matmul, three_projections
 from test_search import LaunchCost
 
 HAND = [merge_matmul(2), merge_matmul(3), merge_bias(2), merge_bias(3)]
+
+
+def optimize(proto: onnx.ModelProto, cost: CostModel, **options) -> tuple[onnx.ModelProto, dict]:
+    """The graph stage on an ONNX model, with its options as keywords."""
+    return optimize_onnx(proto, cost, GraphStageOptions(**options))
+
+
+def graph_stage(graph: Graph, cost: CostModel, **options) -> GraphStageResult:
+    """The graph stage on a graph (what the pipeline calls), with its options as keywords."""
+    return optimize_graph(graph, cost, GraphStageOptions(**options))
 
 
 def _ops(model: onnx.ModelProto) -> list[str]:
@@ -129,7 +142,7 @@ def test_library_is_verified_and_loaded():
 
 def test_library_keeps_awkward_models_correct():
     for proto in (opaque_model(), multi_output_model(), three_projections(True, True)):
-        _check(proto, rules=None, cost="analytic")
+        _check(proto, rules=None, cost=AnalyticCost())
 
 
 def test_library_merges_bert_qkv_when_launches_dominate():
@@ -157,10 +170,10 @@ def test_library_merges_parallel_inception_convs(tmp_path):
 
 
 def test_pipeline_entry_point_returns_an_exportable_graph():
-    """``pipeline.optimize`` calls ``graphopt.search.optimize(graph)`` and exports ``result.graph``."""
-    from graphopt.feeds import max_abs_err, random_inputs, run_ort
+    """``pipeline.optimize`` calls ``graphopt.stage.optimize_graph(graph)`` and exports ``result.graph``."""
+    from graphopt.compare import max_abs_err
+    from graphopt.feeds import random_inputs, run_ort
     from graphopt.onnx_io import export_onnx
-    from graphopt.search import optimize as graph_stage
 
     proto = opaque_model()
     g = import_onnx(proto)

@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.cli import main as graphopt_main
+from pipeline.cli import graphopt_main
 from graphopt.feeds import ort_session, random_inputs, run_ort
 from graphopt.onnx_io import account_nodes, export_onnx, import_onnx
 from graphopt.roundtrip import roundtrip

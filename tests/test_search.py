@@ -6,11 +6,16 @@ import random
 import numpy as np
 import pytest
 
-from graphopt.cost import AnalyticCost, CostModel, MeasuredCost, constant_tensors
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.cost.analysis import constant_tensors
+from graphopt.cost.analytic import AnalyticCost
+from graphopt.cost.base import CostModel
+from graphopt.cost.measured import MeasuredCost
+from graphopt.cost.runners import OrtRunner
+from graphopt.compare import max_abs_err
+from graphopt.feeds import random_inputs, run_ort
 from graphopt.match import GraphIndex
 from graphopt.onnx_io import export_onnx, import_onnx
-from graphopt.rewrite import fold_constants
+from graphopt.cleanup import fold_constants
 from graphopt.search import Searcher, search
 from models.bert import BertConfig, build_bert
 from test_match import merge_bias, merge_matmul, three_projections
@@ -122,13 +127,13 @@ def test_analytic_cost_follows_flops_and_bytes():
 
 def test_measured_cost_times_once_and_caches_on_disk(tmp_path):
     path = tmp_path / "cost.json"
-    cm = MeasuredCost("llvm", path=path, backend="ort")
+    cm = MeasuredCost(OrtRunner(1), "llvm", path=path)
     a = cm.op_cost("matmul", {}, [(64, 128), (128, 128)])
     b = cm.op_cost("relu", {}, [(64, 128)])
     assert a > 0 and b > 0 and cm.measured == 2
     assert cm.op_cost("matmul", {}, [(64, 128), (128, 128)]) == a and cm.measured == 2
     cm.flush()
-    again = MeasuredCost("llvm", path=path, backend="ort")
+    again = MeasuredCost(OrtRunner(1), "llvm", path=path)
     assert again.op_cost("matmul", {}, [(64, 128), (128, 128)]) == a and again.measured == 0
     big = again.op_cost("matmul", {}, [(64, 128), (128, 2048)])
     assert big > a  # 16x the work

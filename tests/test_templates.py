@@ -9,9 +9,10 @@ import pytest
 import tvm
 
 from kerneltune import templates
-from kerneltune.task import build_func, make_task, run_func, task_from_primfunc
+from kerneltune.targets import llvm_target
+from kerneltune.task import build_func, make_task, run_func
 
-LLVM = templates.host_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
+LLVM = llvm_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
 
@@ -136,7 +137,7 @@ def _fused_model_funcs():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fused_pipeline_funcs_classified_and_scheduled():
     funcs = _fused_model_funcs()
-    tasks = {name: task_from_primfunc(name, f) for name, f in funcs.items()}
+    tasks = {name: templates.task_for(name, f) for name, f in funcs.items()}
     kinds = sorted(t.kind for t in tasks.values() if t is not None)
     # two rank-4 attention matmuls, four dense ones (relu, residual, gelu, Gemm transB), two convs
     assert kinds == ["batch_matmul"] * 2 + ["conv2d"] * 2 + ["matmul"] * 4, {n: t and t.key for n, t in tasks.items()}
@@ -243,7 +244,7 @@ def test_cuda_template_builds_for_sm90_without_gpu(kind, shape, kw):
 
 def test_host_target_gets_avx512_code_and_bare_llvm_does_not():
     task = make_task("matmul", "32,32,64")
-    host = templates.host_target(2)
+    host = llvm_target(2)
     assert str(host.attrs["mcpu"]) != ""
     asm_host = build_func(templates.apply(task, templates.default_config(task, host), host), host).inspect_source("asm")
     bare = tvm.target.Target({"kind": "llvm", "num-cores": 2})

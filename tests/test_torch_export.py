@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: these tests
                                             "(pip install -e .[test])")
 from torch import nn  # noqa: E402
 
-from graphopt.cli import main as graphopt_main  # noqa: E402
+from pipeline.cli import graphopt_main  # noqa: E402
 from graphopt.errors import UserError  # noqa: E402
 from graphopt.onnx_io import account_nodes, export_onnx, import_onnx  # noqa: E402
 from graphopt.roundtrip import roundtrip  # noqa: E402

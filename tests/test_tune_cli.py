@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kerneltune.cli import main
+from pipeline.cli import tune_kernels_main as main
 
 TINY = ["--op", "matmul", "--shape", "32,64,32", "--target", "llvm", "--threads", "1", "--workers", "1",
         "--no-progress"]
@@ -54,7 +54,7 @@ def test_config_failing_to_build_does_not_stop_tuning():
     from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
     from kerneltune.tune import tune
-    from pipeline.targets import llvm_target
+    from kerneltune.targets import llvm_target
 
     task = make_task("matmul", "32,64,32")
     target = llvm_target(1)

@@ -25,8 +25,6 @@ Ops taking a *shape reference* (``OpSpec.shape_inputs``): ``enlarge(w, ref)`` an
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
 from typing import Sequence
 
 import numpy as np
@@ -36,7 +34,7 @@ from graphopt.ops import conv, elementwise, layout, linalg, pool
 from graphopt.ops.base import FLOAT, INT, Arith, OpSpec, Shape, encode_param, symbolic_arith
 
 __all__ = ["REGISTRY", "OpSpec", "Arith", "INT", "FLOAT", "symbolic_arith", "from_onnx", "to_onnx", "infer_shape",
-           "understood", "op_inputs", "bind_params", "evaluate", "specs_hash", "z3_args", "encode_param"]
+           "understood", "op_inputs", "bind_params", "evaluate", "z3_args", "encode_param"]
 
 REGISTRY: dict[str, OpSpec] = {s.name: s for m in (linalg, conv, pool, elementwise, layout) for s in m.SPECS}
 _BY_ONNX: dict[str, list[OpSpec]] = {}
@@ -115,12 +113,3 @@ def z3_args(op: str, params: dict) -> tuple[int, ...]:
     """The integer arguments of ``op``'s uninterpreted Z3 function for concrete ``params``."""
     return tuple(encode_param(k, params[k] if k in params else (1 if k == "groups" else "none"))
                  for k in REGISTRY[op].z3_params)
-
-
-def specs_hash() -> str:
-    """Hash of the source of every operator spec module: the rule-library cache key."""
-    from graphopt.ops import base, onnx_util
-    h = hashlib.sha256()
-    for m in (base, onnx_util, linalg, conv, pool, elementwise, layout):
-        h.update(inspect.getsource(m).encode())
-    return h.hexdigest()[:16]

@@ -100,6 +100,9 @@ class OpSpec:
     ``emit(params, inputs, outputs, graph) -> list[Node]`` is the ONNX mapping (export);
     ``onnx_types`` + ``parse(node, graph)`` the import side (parse returns params or None).
     ``shape_inputs`` are inputs whose *shape* only is used (references for constants and enlarge).
+    ``fusion`` says how the backends fuse the op (what the cost models price as free, see
+    :mod:`graphopt.cost.analysis`): ``"anchor"`` - a kernel that takes element-wise epilogues (matmul,
+    conv); ``"elementwise"`` - runs inside its producer's kernel when it reads that kernel's only use.
     """
 
     name: str
@@ -115,6 +118,7 @@ class OpSpec:
     shape_inputs: tuple[int, ...] = ()
     doc: str = ""
     variadic: bool = False  # concat: any number (>= 2) of inputs when imported from ONNX
+    fusion: str = ""  # "anchor" | "elementwise" | "" (see docstring)
     extra: dict = field(default_factory=dict)
 
 

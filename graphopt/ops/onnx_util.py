@@ -33,8 +33,3 @@ def dtype_of(graph: Graph, name: str) -> str:
 def static_shape(graph: Graph, name: str) -> tuple[int, ...] | None:
     s = graph.shape(name)
     return tuple(s) if s is not None and all(isinstance(d, int) for d in s) else None
-
-
-def const_input(graph: Graph, name: str) -> np.ndarray | None:
-    """Value of an input that is a weight (initializer not overridable as graph input), else None."""
-    return graph.initializers[name] if name and graph.is_constant(name) else None

@@ -9,51 +9,76 @@ API used by the searchers, the measurer and the pipeline:
   shared memory).
 * ``default_config(task, target) -> config``: a heuristic config used without tuning (the pipeline's
   default for every matmul/conv task).
+* ``task_for(name, func) -> Task | None``: a fused PrimFunc as a tuning task, when it has a matmul/conv
+  anchor (:func:`kerneltune.task.classify_primfunc`) *and* the CPU template can schedule it with its default
+  config, so callers such as the pipeline never meet a schedule error later.
 
-``llvm`` -> :mod:`.cpu` (Ansor SSRSRS multi-level tiling), ``cuda``/``rocm`` -> :mod:`.gpu`.
-
-``host_target(num_cores)``: the llvm target for this CPU (with ``mcpu``; a bare ``llvm`` target gets no
-AVX/FMA code at all -- use this, or name ``mcpu`` yourself).
+Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets` (``llvm`` ->
+:mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
+(:mod:`kerneltune.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`.  For CPU code use
+:func:`kerneltune.targets.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
 
 import tvm
 
 from ..space import SearchSpace
-from ..task import Task
-from . import cpu, gpu
+from .. import conv_nchwc
+from ..task import Task, classify_primfunc
+from ..targets import kind_of
+from . import cpu, cpu_nchwc, gpu
 from .common import InvalidConfig
-from .cpu import host_target
 
-__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for", "host_target"]
+__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for", "task_for"]
+
+FAMILIES = {"cpu": cpu, "gpu": gpu}  # TargetKind.template -> module
 
 
 def template_for(target: tvm.target.Target):
     """The template module for ``target`` (cpu or gpu); a UserError for kinds without one."""
-    kind = target.kind.name
-    if kind == "llvm":
-        return cpu
-    if kind in ("cuda", "rocm"):
-        return gpu
-    from graphopt.errors import UserError
-
-    raise UserError(f"no schedule template for target kind {kind!r}; use llvm, cuda or rocm")
+    return FAMILIES[kind_of(target).template]
 
 
 def _target(target) -> tvm.target.Target:
     return target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
 
 
+def _template(task: Task, t: tvm.target.Target):
+    """NCHWc convolutions (a CPU layout, :mod:`kerneltune.conv_nchwc`) have their own CPU template."""
+    if task.kind == conv_nchwc.KIND:
+        if t.kind.name != "llvm":
+            from graphopt.errors import UserError
+
+            raise UserError(f"NCHWc convolutions are a CPU layout; no {t.kind.name} template for {task.name}")
+        return cpu_nchwc
+    return template_for(t)
+
+
 def space_for(task: Task, target) -> SearchSpace:
     t = _target(target)
-    return template_for(t).space(task)
+    return _template(task, t).space(task)
 
 
 def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
     t = _target(target)
-    return template_for(t).apply(task, config, t)
+    return _template(task, t).apply(task, config, t)
 
 
 def default_config(task: Task, target):
     t = _target(target)
-    return template_for(t).default_config(task, t)
+    return _template(task, t).default_config(task, t)
+
+
+def task_for(name: str, func: tvm.tirx.PrimFunc) -> Task | None:
+    """A fused PrimFunc as a tuning task, or None when it has no anchor or the CPU template cannot schedule
+    it (e.g. an epilogue that cannot follow the tiles)."""
+    task = conv_nchwc.classify(name, func) or classify_primfunc(name, func)
+    if task is None:
+        return None
+    target = tvm.target.Target({"kind": "llvm"})
+    template = _template(task, target)
+    try:
+        template.apply(task, template.default_config(task, target), target)
+    except (RuntimeError, ValueError, IndexError):  # ScheduleError and TVM internal errors are RuntimeErrors
+        return None
+    return task

@@ -25,8 +25,10 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ..space import ChoiceKnob, SearchSpace
-from ..task import Task
+from ..space import ChoiceKnob, SearchSpace, divisors
+from ..targets import num_cores, vector_lanes
+from ..prepack import PREPROC
+from ..task import Task, root_blocks
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob
 
 UNROLL = (0, 16, 64, 512)
@@ -53,38 +55,12 @@ def space(task: Task) -> SearchSpace:
     return SearchSpace(knobs)
 
 
-def vector_lanes(target: tvm.target.Target, dtype: str) -> int:
-    """Lanes of ``dtype`` in the target's widest vector register: 512-bit with AVX-512, 256 with AVX2,
-    else 128.  Follows the target's ``mcpu``/``mattr``: a bare ``llvm`` target emits SSE2 code only."""
-    from tvm.target import codegen
-
-    if codegen.target_has_features("avx512f", target):
-        bits = 512
-    elif codegen.target_has_features("avx2", target):
-        bits = 256
-    else:
-        bits = 128
-    return max(1, bits // tvm.DataType(dtype).bits)
-
-
-def host_target(num_cores: int = 2) -> tvm.target.Target:
-    """LLVM target for this machine's CPU (``mcpu`` from LLVM's host detection, e.g. znver5 here).
-
-    Without ``mcpu`` LLVM generates baseline x86-64 code: no AVX, no FMA (4x fewer FLOPs per instruction).
-    """
-    from tvm.target import codegen
-
-    return tvm.target.Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": num_cores})
-
-
 def _vector_operand(sch, anchor, task: Task) -> str:
     """Name of the input the anchor reads along the vector axis (B of a matmul)."""
     return _operand_along(sch.get(anchor), task)
 
 
 def _vector_operand_name(task: Task) -> str | None:
-    from ..task import root_blocks
-
     found = [b for b in root_blocks(task.func) if b.name_hint == task.anchor]
     try:
         return _operand_along(found[0], task) if found else None
@@ -102,10 +78,6 @@ def _operand_along(block, task: Task) -> str:
         if region.source.name != out and var in used:
             return region.source.name
     raise ValueError(f"no operand of {task.anchor} is indexed by {var}")
-
-
-def num_cores(target: tvm.target.Target) -> int:
-    return int(target.attrs["num-cores"]) if "num-cores" in target.attrs else 1
 
 
 def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
@@ -176,8 +148,6 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     """Store the weight B as panels ``[.., N/nb, K, nb]`` (nb = the S2*S3 tile of the vector axis), so the
     k-loop over one output tile reads one contiguous stream.  The copy is a root block annotated for
     ``RemoveWeightLayoutRewriteBlock`` (tuning) and ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (build)."""
-    from ..prepack import PREPROC
-
     nb = _panel_width(task, factors)
     packed = sch.cache_read(anchor, _vector_operand(sch, anchor, task), "global")
     if task.dims.get("tb"):   # B[.., j, k]
@@ -187,12 +157,8 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     sch.annotate(packed, PREPROC, True)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in _divisors(n) if d <= cap)
+    return max(d for d in divisors(n) if d <= cap)
 
 
 def rows_axis(task: Task) -> str | None:
@@ -272,7 +238,7 @@ def _vector_tile(extent: int, lanes: int) -> int:
     """Innermost vector length: a multiple of ``lanes`` dividing ``extent`` (<= 4 vectors), else the largest
     divisor of ``extent`` that fits one vector (a partial vector, e.g. 14 of 16 lanes, is one masked op;
     a length such as 28 or 56 that is neither becomes a pile of shuffles: measured 7 vs 105 GFLOP/s)."""
-    whole = [d for d in _divisors(extent) if d % lanes == 0 and d <= 4 * lanes]
+    whole = [d for d in divisors(extent) if d % lanes == 0 and d <= 4 * lanes]
     if whole:
         return max(whole)
     return _largest_divisor_at_most(extent, lanes)
@@ -289,9 +255,9 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int) -> None:
     for lvl in (1, 2, 3):
         for r in roles:
             while par() < want and cfg[r][lvl] > 1:
-                p = min(d for d in _divisors(cfg[r][lvl]) if d > 1)
+                p = min(d for d in divisors(cfg[r][lvl]) if d > 1)
                 cfg[r][lvl] //= p
                 cfg[r][0] *= p
 
 
-__all__ = ["space", "apply", "default_config", "InvalidConfig", "vector_lanes", "host_target"]
+__all__ = ["space", "apply", "default_config", "InvalidConfig"]

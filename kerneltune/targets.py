@@ -1,4 +1,10 @@
-"""Turn the user's ``--target llvm|cuda|rocm`` into a TVM :class:`~tvm.target.Target`.
+"""The one target registry: target kinds, ``--target`` parsing, host detection, vector width, devices.
+
+Everything that knows what ``llvm``, ``cuda`` or ``rocm`` means lives here (:data:`REGISTRY`); the
+templates, the measurer, the compiler and every CLI ask this module instead of spelling kinds themselves.
+
+``--target llvm|cuda[:sm_XX]|rocm[:gfxNNN]`` becomes a :class:`TargetSpec` (a TVM
+:class:`~tvm.target.Target` plus whether this machine can run it).
 
 TVM 0.27 takes targets as dicts, and a bare ``{"kind": "llvm"}`` compiles for a generic x86-64 (SSE2, one
 core): the schedules' vector widths and the thread pool then fit no real machine.  So ``llvm`` gets the
@@ -18,17 +24,40 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from graphopt.errors import UserError
 
+# TVM is imported inside the functions that need it: importing it takes seconds, and the CLIs validate
+# --target (check_name) before anything loads TVM, so a typo fails at once.
 if TYPE_CHECKING:
     import tvm
 
-KINDS = ("llvm", "cuda", "rocm")
+
+@dataclass(frozen=True)
+class TargetKind:
+    """What one ``--target`` kind means to every stage."""
+
+    name: str  # the --target spelling and TVM's target kind
+    device: str  # TVM device type (tvm.device(name), an RPC session's sess.device(name))
+    is_gpu: bool
+    template: str  # schedule template family in kerneltune.templates ("cpu" | "gpu")
+    build: Callable[[str | None, int | None], "TargetSpec"]  # (arch from --target, host threads) -> spec
+    arch_example: str = ""  # for help texts: cuda:sm_XX
+
+
+def kind_of(target: "tvm.target.Target | str") -> TargetKind:
+    """The registry entry of a TVM target (or kind name); a UserError for kinds we do not support."""
+    name = target if isinstance(target, str) else target.kind.name
+    if name not in REGISTRY:
+        raise UserError(f"unsupported target kind {name!r}; use one of {', '.join(KINDS)}")
+    return REGISTRY[name]
+
+
 DEFAULT_CUDA_ARCH = "sm_80"
 DEFAULT_ROCM_ARCH = "gfx942"
 ROCM_INSTALL_HINT = "apt-get install lld-19 rocm-device-libs"
@@ -58,7 +87,7 @@ class TargetSpec:
 
     @property
     def is_gpu(self) -> bool:
-        return self.kind in ("cuda", "rocm")
+        return REGISTRY[self.kind].is_gpu
 
 
 def host_cpu() -> str:
@@ -90,9 +119,47 @@ def default_threads() -> int:
 
 
 def llvm_target(threads: int | None = None) -> "tvm.target.Target":
+    """LLVM target for this machine's CPU: ``mcpu`` from LLVM's host detection (without it LLVM generates
+    baseline x86-64 code: no AVX, no FMA, 4x fewer FLOPs per instruction) and ``threads`` cores."""
     import tvm
 
     return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": int(threads or default_threads())})
+
+
+def num_cores(target: "tvm.target.Target") -> int:
+    """The target's ``num-cores`` (1 when unset)."""
+    return int(target.attrs["num-cores"]) if "num-cores" in target.attrs else 1
+
+
+def vector_bits(target: "tvm.target.Target") -> int:
+    """Width of the target's widest vector register: 512 with AVX-512, 256 with AVX2, else 128.  Follows the
+    target's ``mcpu``/``mattr``: a bare ``llvm`` target emits SSE2 code only."""
+    from tvm.target import codegen
+
+    if codegen.target_has_features("avx512f", target):
+        return 512
+    if codegen.target_has_features("avx2", target):
+        return 256
+    return 128
+
+
+def vector_lanes(target: "tvm.target.Target", dtype: str) -> int:
+    """Lanes of ``dtype`` in the target's widest vector register."""
+    import tvm
+
+    return max(1, vector_bits(target) // tvm.DataType(dtype).bits)
+
+
+def set_num_threads(threads: int) -> None:
+    """Size TVM's thread pool: it reads ``TVM_NUM_THREADS`` once, when it first starts, and uses one thread
+    on this VM otherwise.  Call before the first TVM kernel runs (the one place that sets it)."""
+    os.environ["TVM_NUM_THREADS"] = str(int(threads))
+
+
+def tvm_num_threads(default: int) -> int:
+    """The thread count TVM's pool runs with in this process (and in workers started from it)."""
+    value = os.environ.get("TVM_NUM_THREADS", "")
+    return int(value) if value.isdigit() else default
 
 
 def _split(name: str) -> tuple[str, str | None]:
@@ -198,20 +265,67 @@ def _rocm_spec(arch: str | None) -> TargetSpec:
 
 
 def check_name(name: str) -> tuple[str, str | None]:
-    """Validate the ``--target`` spelling without loading TVM (so a typo fails fast)."""
+    """Validate the ``--target`` spelling without loading TVM (so a typo fails fast); (kind, arch)."""
     kind, arch = _split(name)
-    if kind not in KINDS:
+    if kind not in REGISTRY:
         raise UserError(f"unknown target {name!r}: use one of {', '.join(KINDS)} (e.g. --target llvm)")
     if kind == "llvm" and arch:
         raise UserError(f"--target {name!r}: llvm takes no architecture, it compiles for this host's CPU")
+    pattern = ARCH_PATTERNS.get(kind)
+    if arch and pattern and not re.fullmatch(pattern, arch):
+        example = REGISTRY[kind].arch_example
+        raise UserError(f"--target {name!r}: {arch!r} is not a {kind} architecture; write {kind}:{example}, e.g. "
+                        f"{kind}:{DEFAULT_CUDA_ARCH if kind == 'cuda' else DEFAULT_ROCM_ARCH}")
     return kind, arch
+
+
+# What an architecture after ``cuda:`` / ``rocm:`` looks like (TVM fails deep in code generation otherwise):
+# NVIDIA compute capabilities sm_50 ... sm_120a, AMD GPU names gfx803 ... gfx1201.
+ARCH_PATTERNS = {"cuda": r"sm_\d{2,3}[a-z]?", "rocm": r"gfx[0-9a-f]{3,4}"}
+
+
+def _llvm_spec(arch: str | None, threads: int | None) -> TargetSpec:
+    return TargetSpec("llvm", llvm_target(threads), True)
+
+
+# Clock and FMA pipes no x86 core exceeds (boost clocks top out near 6 GHz; two FMA pipes per core), and a
+# factor 2 on top: the ceiling only has to catch impossible numbers (a forged 1e6 GFLOP/s), never a real one.
+_CPU_GHZ, _FMA_PIPES, _CEILING_SLACK = 6.0, 2, 2.0
+# fp32 GFLOP/s no GPU reaches without tensor cores (an H100 does ~67 TFLOP/s), which our templates never use.
+_GPU_CEILING = 2e5
+
+
+def _cpu_ceiling(target: "tvm.target.Target") -> float:
+    lanes = vector_lanes(target, "float32")
+    return num_cores(target) * lanes * 2 * _FMA_PIPES * _CPU_GHZ * _CEILING_SLACK
+
+
+def gflops_ceiling(target: "tvm.target.Target") -> float:
+    """GFLOP/s no kernel can reach on ``target`` (fp32 FMA peak with headroom): a stored record claiming
+    more is forged or corrupt and is never believed (:func:`kerneltune.tune.record_problem`)."""
+    return _cpu_ceiling(target) if not kind_of(target).is_gpu else _GPU_CEILING
+
+
+REGISTRY: dict[str, TargetKind] = {k.name: k for k in (
+    TargetKind("llvm", "cpu", False, "cpu", _llvm_spec),
+    TargetKind("cuda", "cuda", True, "gpu", lambda arch, threads: _cuda_spec(arch), "sm_XX"),
+    TargetKind("rocm", "rocm", True, "gpu", lambda arch, threads: _rocm_spec(arch), "gfxNNN"),
+)}
+KINDS = tuple(REGISTRY)
+# "llvm | cuda[:sm_XX] | rocm[:gfxNNN]", for every --target help text
+TARGET_HELP = " | ".join(k.name + (f"[:{k.arch_example}]" if k.arch_example else "") for k in REGISTRY.values())
 
 
 def parse_target(name: str, threads: int | None = None) -> TargetSpec:
     """Parse ``llvm``, ``cuda[:sm_XX]`` or ``rocm[:gfxNNN]``; anything else is a :class:`UserError`."""
     kind, arch = check_name(name)
-    if kind == "cuda":
-        return _cuda_spec(arch)
-    if kind == "rocm":
-        return _rocm_spec(arch)
-    return TargetSpec("llvm", llvm_target(threads), True)
+    return REGISTRY[kind].build(arch, threads)
+
+
+def device_for(spec: TargetSpec):
+    """The TVM device that runs ``spec``'s code here; a UserError when this machine cannot."""
+    import tvm
+
+    if not spec.can_run:
+        raise UserError(f"cannot run the {spec.kind} build here: {spec.note}")
+    return tvm.device(REGISTRY[spec.kind].device, 0)

@@ -1,0 +1,58 @@
+"""The on-disk cache of measured costs: one JSON object per (target, backend, threads), shared by every run.
+
+Several processes may price graphs at once (a CLI run and a benchmark), so a flush merges what is on disk
+with what this process measured and writes the union atomically, instead of overwriting others' entries.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from graphopt.fileio import write_text_atomic
+
+
+def cache_dir() -> Path:
+    """Where measured costs and the machine probe live (``$OPTIMIZE_MODEL_CACHE`` overrides)."""
+    return Path(os.environ.get("OPTIMIZE_MODEL_CACHE", Path.home() / ".cache" / "optimize-model"))
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; empty when it is missing or unreadable (a cache is never required)."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class CostCache:
+    """Seconds per key, loaded once and flushed (merged, atomically) when something new was measured."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._data: dict[str, float] = read_json(path)
+        self._dirty = False
+
+    def get(self, key: str) -> float | None:
+        return self._data.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def __getitem__(self, key: str) -> float:
+        return self._data[key]
+
+    def put(self, key: str, seconds: float) -> None:
+        self._data[key] = seconds
+        self._dirty = True
+
+    def flush(self) -> None:
+        if not self._dirty:
+            return
+        merged = read_json(self.path)
+        merged.update(self._data)
+        write_text_atomic(self.path, json.dumps(merged, sort_keys=True))
+        self._dirty = False

@@ -1,0 +1,169 @@
+"""Measured cost: each distinct (operator, parameters, input shapes) timed once on this machine as a tiny
+ONNX model by an injected :class:`~graphopt.cost.runners.GraphRunner`, and cached on disk per target,
+engine and thread count (``~/.cache/optimize-model/cost-<target>-<engine>-t<threads>.json``), as
+TASO/MetaFlow do with cuDNN.
+
+With the pipeline's TVM runner the search optimizes for the code the pipeline will really run; an operator
+that engine cannot run alone is timed with onnxruntime instead.
+
+Timing of one operator (:func:`best_time`): warm up, then batches of runs of ~20 ms, best of 3 batches;
+the time of a trivial model (the fixed cost of one call from Python) is subtracted so that graphs with more,
+smaller nodes are not overcharged for Python overhead that the real run does not pay.
+
+:meth:`MeasuredCost.time_models` times whole graphs with the same engine through the project's one
+whole-model timer (:func:`graphopt.timing.time_interleaved`), so the graph stage can check that a graph the
+per-operator sum prefers really runs faster end to end.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from graphopt import ops
+from graphopt.cost.analysis import numel
+from graphopt.cost.analytic import AnalyticCost
+from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
+from graphopt.cost.cache import CostCache, cache_dir
+from graphopt.cost.runners import GraphRunner, OrtRunner
+from graphopt.ir import Graph, Node, TensorInfo, attrs_key
+from graphopt.timing import time_interleaved
+
+SMALL_CONST = 64  # constant inputs up to this many elements are part of the key and embedded (shapes, axes)
+
+
+class MeasuredCost(CostModel):
+    """Times each distinct operator once with ``runner``, cached on disk per target, engine and threads."""
+
+    name = "measured"
+
+    def __init__(self, runner: GraphRunner, target: str = "llvm", path: str | Path | None = None):
+        self.runner = runner
+        self.target = target
+        self.backend = runner.name
+        self.threads = runner.threads
+        self.name = f"measured-{self.backend}"
+        # onnxruntime runs every ONNX operator: the fallback for what the runner's engine cannot build alone
+        self._fallback = runner if isinstance(runner, OrtRunner) else OrtRunner(runner.threads)
+        self.cache = CostCache(Path(path) if path else
+                               cache_dir() / f"cost-{target}-{self.backend}-t{self.threads}.json")
+        self._baseline: float | None = None
+        self.measured = 0  # how many timings this instance ran (0 on a warm cache)
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+    def _lookup(self, key: str, build: Callable[[], Graph]) -> float:
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self._time(build())
+            self.cache.put(key, hit)
+            self.measured += 1
+        return hit
+
+    # ---- pricing -------------------------------------------------------------------------------------------
+    def op_cost(self, op: str, params: dict[str, Any], in_shapes: Sequence[Shape], dtype: str = "float32") -> float:
+        key = f"op|{op}|{params_key(params)}|{[tuple(s) for s in in_shapes]}|{dtype}"
+
+        def build() -> Graph:
+            inputs = [TensorInfo(f"i{k}", dtype, tuple(s)) for k, s in enumerate(in_shapes)]
+            out_shapes = ops.infer_shape(op, params, [tuple(s) for s in in_shapes])
+            outputs = [TensorInfo(f"o{k}", dtype, tuple(s)) for k, s in enumerate(out_shapes)]
+            g = Graph(nodes=[], inputs=inputs, outputs=outputs, opset_imports={"": 17})
+            g.nodes = ops.to_onnx(op, params, [i.name for i in inputs], [o.name for o in outputs], g)
+            return g
+
+        return self._lookup(key, build)
+
+    def opaque_cost(self, node: Node, graph: Graph) -> float:
+        const = [t for t in node.inputs if t and graph.is_constant(t)
+                 and (numel(graph.shape(t)) or SMALL_CONST + 1) <= SMALL_CONST]
+        parts = []
+        for t in node.inputs:
+            info = graph.tensor(t) if t else None
+            if not t:
+                parts.append("-")
+            elif t in const:
+                parts.append("c" + repr(graph.initializers[t].tolist()))
+            else:
+                parts.append(f"{info.dtype}{info.shape}" if info else "?")
+        out_info = [graph.tensor(o) for o in node.outputs if o]
+        outs = [f"{o.dtype}{o.shape}" if o else "?" for o in out_info]
+        key = f"node|{node.domain}:{node.op_type}|{attrs_key(node.attrs)}|{parts}|{outs}"
+        if any(o is None or o.shape is None for o in out_info) or any(
+                (graph.tensor(t) is None or not graph.tensor(t).is_static) for t in node.inputs if t):
+            return AnalyticCost().opaque_cost(node, graph)  # unknown shapes: cannot build a timing model
+
+        def build() -> Graph:
+            inputs, inits = [], {}
+            names = []
+            for k, t in enumerate(node.inputs):
+                if not t:
+                    names.append("")
+                    continue
+                name = f"i{k}"
+                names.append(name)
+                if t in const:
+                    inits[name] = graph.initializers[t]
+                else:
+                    info = graph.tensor(t)
+                    inputs.append(TensorInfo(name, info.dtype, tuple(info.shape)))
+            outputs = [TensorInfo(f"o{k}", o.dtype, o.shape) for k, o in enumerate(out_info)]
+            n = Node(node.op_type, names, [o.name for o in outputs], dict(node.attrs), "n", node.domain,
+                     dict(node.attr_types))
+            return Graph(nodes=[n], inputs=inputs, outputs=outputs, initializers=inits,
+                         opset_imports=dict(graph.opset_imports), ir_version=graph.ir_version,
+                         functions=list(graph.functions))
+
+        return self._lookup(key, build)
+
+    # ---- timing --------------------------------------------------------------------------------------------
+    def _run_time(self, graph: Graph) -> float:
+        if self.runner is not self._fallback:
+            try:
+                return best_time(self.runner.prepare(graph))
+            except Exception:  # noqa: BLE001 - an op the engine cannot build alone is still priced, by onnxruntime
+                pass
+        return best_time(self._fallback.prepare(graph))
+
+    def time_models(self, graphs: Sequence[Graph], runs: int = 20) -> ModelTimes:
+        """Whole models, timed with this model's engine; if it cannot build one of them, all of them are
+        timed in onnxruntime, so the comparison is always between like and like."""
+        runner: GraphRunner = self.runner
+        try:
+            calls = [runner.prepare(g) for g in graphs]
+        except Exception:  # noqa: BLE001 - fall back to the engine that runs every ONNX model
+            if runner is self._fallback:
+                raise
+            runner = self._fallback
+            calls = [runner.prepare(g) for g in graphs]
+        times = time_interleaved(dict(enumerate(calls)), runs)
+        return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
+
+    def _time(self, graph: Graph) -> float:
+        if self._baseline is None:
+            key = "baseline"
+            if key not in self.cache:
+                g = Graph(nodes=[Node("Identity", ["i0"], ["o0"], name="n")],
+                          inputs=[TensorInfo("i0", "float32", (1,))], outputs=[TensorInfo("o0", "float32", (1,))])
+                self.cache.put(key, self._run_time(g))
+            self._baseline = self.cache[key]
+        return max(self._run_time(graph) - self._baseline, 0.0) + LAUNCH_OVERHEAD_S
+
+
+def best_time(run: Callable[[], object]) -> float:
+    """Seconds per call of ``run``: warm-up, then the best of 3 batches of about 20 ms each (one operator;
+    whole models go through :func:`graphopt.timing.time_interleaved`)."""
+    run()
+    t = time.perf_counter()
+    run()
+    once = time.perf_counter() - t
+    reps = max(3, min(1000, int(0.02 / max(once, 1e-7))))
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best

@@ -1,0 +1,57 @@
+"""What runs a graph for the measured cost model: the runner interface, and the onnxruntime runner.
+
+A :class:`GraphRunner` turns a graph into a callable that runs it once (synchronised, so a timer around
+the call measures the whole run).  The measured cost model times tiny one-operator graphs and whole models
+with it; it never knows which engine is behind it.  graphopt ships the onnxruntime runner; the pipeline
+injects one that compiles with TVM (:mod:`pipeline.graph_runner`), so graphopt never imports TVM or the
+pipeline (the layering rule in docs/architecture.md).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import numpy as np
+
+from graphopt.feeds import ort_session
+from graphopt.ir import Graph
+from graphopt.onnx_io import export_onnx
+
+
+class GraphRunner(ABC):
+    """Builds, per graph, a callable that runs it once on this machine with ``threads`` threads."""
+
+    name: str = "base"  # the engine, e.g. "ort" or "tvm": part of the cost cache's file name and reports
+
+    def __init__(self, threads: int = 1):
+        self.threads = threads
+
+    @abstractmethod
+    def prepare(self, graph: Graph) -> Callable[[], object]:
+        """A callable that runs ``graph`` once on fixed inputs; raises when the engine cannot run it."""
+
+
+def timing_feeds(graph: Graph) -> dict[str, np.ndarray]:
+    """Fixed inputs for timing runs: seeded floats in [-1, 1), zeros for integers (a valid index or mask
+    for any gather-like op).  Values do not matter for timing, only that every run sees the same ones."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in graph.inputs:
+        dt = np.dtype(i.dtype)
+        if np.issubdtype(dt, np.floating):
+            feeds[i.name] = rng.uniform(-1, 1, size=i.shape).astype(dt)
+        else:
+            feeds[i.name] = np.zeros(i.shape, dtype=dt)
+    return feeds
+
+
+class OrtRunner(GraphRunner):
+    """One call of the graph in an onnxruntime CPU session (spinning stopped after runs, see ort_session)."""
+
+    name = "ort"
+
+    def prepare(self, graph: Graph) -> Callable[[], object]:
+        sess = ort_session(export_onnx(graph, check=False), threads=self.threads, spin=False)
+        feeds = timing_feeds(graph)
+        return lambda: sess.run(None, feeds)
+

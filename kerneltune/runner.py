@@ -1,0 +1,183 @@
+"""The runner: a built kernel loaded on its device, timed, and checked against the task's reference.
+
+Local and remote devices take the same path, one interface: an RPC session (``tvm.rpc.LocalSession``
+locally; a tracker session with ``rpc="host:port:key"``; a server reached directly with ``rpc="host:port"``)
+uploads the built library, loads it and runs ``time_evaluator``.  The reference output is always computed on
+the host.  Runs inside the measurer's runner worker (:mod:`kerneltune.pool`), one config at a time: on a
+2-core machine a concurrent compile would corrupt the timings.
+
+``cache_flush`` (CPU targets) flushes every argument but the first from the caches before each call and times
+calls one by one: inside a model a kernel's weights come from DRAM while its activation input was just
+written by the previous kernel (see :mod:`kerneltune.measure`).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import rpc as tvm_rpc
+
+from graphopt.errors import UserError
+from kerneltune.check import output_error
+from kerneltune.native_log import quiet_native_stderr
+from kerneltune.pool import short_error
+from kerneltune.prepack import pack_inputs
+
+# Timed calls with cold caches (one call per timing: the flush runs before each timing, not each call).
+COLD_REPEAT = 15
+# Seconds of timed calls a config gets at most (fewer calls for slow kernels; never fewer than one per
+# repeat): without it an untiled kernel of a big operator costs 30 calls x 0.5 s.
+TIMING_BUDGET_S = 1.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where and how configs are timed (the same for every config of a measurer)."""
+
+    device: str  # TVM device type, from the target registry
+    number: int = 10  # calls per timing (warm caches)
+    repeat: int = 3  # timings; the latency is their median
+    min_repeat_ms: int = 0
+    cache_flush: bool = False
+    rpc: str | None = None  # None: this machine
+    session_timeout: int = 60
+
+
+def check_rpc(rpc: str | None) -> None:
+    """A one-line error for an ``--rpc`` that is neither HOST:PORT nor HOST:PORT:KEY."""
+    if rpc is not None and len(rpc.split(":")) not in (2, 3):
+        raise UserError(f"bad --rpc {rpc!r}: use HOST:PORT (RPC server) or HOST:PORT:KEY (tracker)")
+
+
+CONNECT_TIMEOUT_S = 10.0  # for the up-front reachability check of --rpc
+
+
+def check_device(rpc: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """A one-line UserError now when the ``--rpc`` device cannot be reached (tracker or server down, wrong
+    port, no device registered under the key), instead of a run whose every trial fails after minutes.
+    Runs before any work; a device that is busy (all sessions taken) is not an error."""
+    if rpc is None:
+        return
+    check_rpc(rpc)
+    parts = rpc.split(":")
+    host, port, what = parts[0], parts[1], "tracker" if len(parts) == 3 else "server"
+    if not port.isdigit():
+        raise UserError(f"bad --rpc {rpc!r}: the port {port!r} is not a number")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot reach the RPC {what} at {host}:{port} ({exc.strerror or exc}); start it or fix "
+                        "--rpc HOST:PORT:KEY") from None
+    if what == "tracker":
+        summary = _within(timeout, lambda: tvm_rpc.connect_tracker(host, int(port)).summary())
+        if summary is None:
+            raise UserError(f"the RPC tracker at {host}:{port} did not answer within {timeout:.0f} s; check --rpc")
+        keys = sorted({str(s.get("key", "")).split(":", 1)[-1] for s in summary.get("server_info", [])})
+        if parts[2] not in keys:
+            raise UserError(f"the RPC tracker at {host}:{port} has no device registered under key {parts[2]!r} "
+                            f"(registered: {', '.join(keys) or 'none'}); start an RPC server with --key "
+                            f"{parts[2]} or fix --rpc")
+    elif _within(timeout, lambda: open_session(rpc, int(timeout)) is not None) is None:
+        raise UserError(f"the RPC server at {host}:{port} did not open a session within {timeout:.0f} s; check "
+                        "--rpc")
+
+
+def _within(timeout: float, fn):
+    """``fn()`` in a daemon thread; its value, or None when it raised or did not return within ``timeout``."""
+    out: list = []
+
+    def call():
+        try:
+            out.append(fn())
+        except Exception:  # noqa: BLE001 - the caller turns "no answer" into one line
+            pass
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out[0] if out else None
+
+
+def open_session(rpc: str | None, session_timeout: int):
+    """The session configs run in: local, an RPC server, or a device handed out by a tracker."""
+    if rpc is None:
+        return tvm_rpc.LocalSession()
+    parts = rpc.split(":")
+    if len(parts) == 2:  # host:port of an RPC server
+        return tvm_rpc.connect(parts[0], int(parts[1]), session_timeout=session_timeout)
+    host, port, key = parts  # host:port:key of a tracker (needs the tornado package)
+    tracker = tvm_rpc.connect_tracker(host, int(port))
+    return tracker.request(key, priority=1, session_timeout=session_timeout)
+
+
+_RUN_CACHE: dict[str, Any] = {}
+_PACKED: dict[tuple, list] = {}  # (task key, packings) -> inputs with packed weights, the last one used
+
+
+def prepare(task) -> None:
+    """Inputs and reference output of ``task``, cached for the runs that follow (the naive reference build
+    and run can take seconds on big shapes: that must not count against a config's run timeout)."""
+    if task.key not in _RUN_CACHE:
+        _RUN_CACHE.clear()  # one task at a time: keep memory flat
+        inputs = task.make_inputs(seed=0)
+        _RUN_CACHE[task.key] = (inputs, task.reference(inputs))
+
+
+def timing_plan(probe_s: float, number: int, repeat: int, cache_flush: bool) -> tuple[int, int]:
+    """(calls per timing, timings) for a kernel whose one call took ``probe_s``: as asked, or fewer calls
+    when they would take over ``TIMING_BUDGET_S``, but never fewer than one call per timing and ``repeat``
+    timings.  Cold timings are one call each, ``COLD_REPEAT`` of them."""
+    affordable = int(TIMING_BUDGET_S / max(probe_s, 1e-9))
+    if cache_flush:
+        return 1, max(repeat, min(max(repeat, COLD_REPEAT), affordable))
+    return max(1, min(number, affordable // max(repeat, 1))), repeat
+
+
+def run(task, lib_path: str, config: RunConfig, check_above: float | None,
+        packings: tuple = ()) -> tuple[float, str | None]:
+    """(median latency, error or None).  Checks the output when the config's GFLOPS beat ``check_above``."""
+    prepare(task)
+    inputs, ref = _RUN_CACHE[task.key]
+    if packings:
+        pkey = (task.key, tuple(packings))
+        if pkey not in _PACKED:
+            _PACKED.clear()
+            _PACKED[pkey] = pack_inputs(inputs, packings)
+        inputs = _PACKED[pkey]
+    try:  # a failure here is the device's or the connection's, never the config's (kerneltune.failures)
+        sess = open_session(config.rpc, config.session_timeout)
+        sess.upload(lib_path)
+        with quiet_native_stderr():  # the RPC layer logs every load_module on fd 2
+            lib = sess.load_module(os.path.basename(lib_path))
+        dev = sess.device(config.device, 0)
+    except Exception as exc:  # noqa: BLE001 - reported as an environmental failure of this trial
+        return None, f"session failed: {short_error(exc)}"
+    args = [tvm.runtime.tensor(x, dev) for x in inputs]
+    outs = [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs]
+    # One probe call first: a slow kernel (G-BFS starts from untiled loops, ~0.5 s a call at 128x768x3072)
+    # gets fewer calls, so timing a config costs at most ~TIMING_BUDGET_S; it cannot be a contender anyway.
+    probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args, *outs).mean)
+    number, repeat = timing_plan(probe, config.number, config.repeat, config.cache_flush)
+    if config.cache_flush:  # one call per timing, each after flushing all but the first argument
+        timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
+    else:
+        timer = lib.time_evaluator("main", dev, number=number, repeat=repeat, min_repeat_ms=config.min_repeat_ms)
+    latency = float(np.median(timer(*args, *outs).results))
+    gflops = task.flops / latency / 1e9
+    if check_above is not None and gflops <= check_above:
+        return latency, None
+    for o in outs:
+        o.copyfrom(np.zeros(o.shape, o.dtype))
+    lib["main"](*args, *outs)
+    return latency, output_error([o.numpy() for o in outs], ref)
+
+
+def warm() -> None:
+    """Run at worker start: importing this module (TVM, its RPC layer) is the slow part, done before any
+    timeout counts."""

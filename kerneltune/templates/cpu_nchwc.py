@@ -1,0 +1,216 @@
+"""CPU template for NCHW[x]c convolutions (:mod:`kerneltune.conv_nchwc`): NeoCPU's schedule as a search space.
+
+Loop nest (Liu et al., "Optimizing CNN Model Inference on CPUs", USENIX ATC'19, section 3.1; the levels are
+Ansor's SSRSRS tiling, Zheng et al., OSDI'20, applied to the blocked axes)::
+
+    parallel(fuse(n, ob0, y0))           # S0: output-channel blocks x row tiles, one chunk per core
+      ob1, y1 | y1, ob1  (s1_order)      # S1
+        x0                               #     <- write-back + epilogue of one register tile
+          ic0                            # R0: input-channel chunks           (dense / grouped only)
+            ry, rx  (rx unrolled: unroll_kw)
+              ic1, rci                   # R1: ic_bn = ic1 x a input channels  (dense / grouped only)
+                ob2, y2, x1 (unrolled)   # S3: register tile, ob2 x y2 x reg_n vector accumulators
+                  o  (vectorized)        #     oc_bn = ob2 x d output channels
+
+Knobs: ``tile_ob`` (F/d -> ob0, ob1, ob2: ``oc_bn`` = ob2 x d), ``tile_y`` (OH -> y0, y1, y2), ``tile_x``
+(OW -> x0, ``reg_n``), ``tile_ic`` (input blocks per group -> ic0, ic1: ``ic_bn`` = ic1 x a), ``unroll_kw``,
+``s1_order``, ``pad`` (the zero padding as a parallel copy of the input, a copy of the rows each parallel
+chunk reads, or inlined with bounds checks), ``unroll``
+(``pragma_auto_unroll_max_step`` of the rest).  ``a`` and ``d``, the data and output blocks, are the graph's
+choice (the task's layouts); the template's ``ic_bn``/``oc_bn`` are its register and reduction tiles in
+multiples of them, and the weights (constants) are packed into ``OIHW[ic_bn]i[oc_bn]o`` panels in the order
+the loop nest reads them, at build time (:mod:`kerneltune.prepack`).
+
+Depthwise convs have no ``ic`` loops: each output lane reads its own input lane, the weight vector of a tap
+is reused by the ``y2 x reg_n`` outputs of the register tile.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+from ..prepack import PREPROC
+from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, SearchSpace
+from ..targets import vector_lanes
+from ..task import Task
+from .common import InvalidConfig, check_config, prepare
+from .cpu import _largest_divisor_at_most, has_producers
+
+UNROLL = (0, 16, 64, 512)
+# Register tiles with more vector accumulators than this spill (32 zmm registers, some for operands) and
+# unroll into huge bodies that take LLVM minutes: refused before building.
+MAX_ACCUMULATORS = 48
+
+
+def _extent(task: Task, role: str) -> int:
+    return next((a.extent for a in task.axes if a.role == role), 1)
+
+
+def depthwise(task: Task) -> bool:
+    return not any(a.role == "rco" for a in task.axes)
+
+
+def space(task: Task) -> SearchSpace:
+    knobs: list = []
+    for role, levels in (("ob", 3), ("y", 3), ("x", 2)):
+        if _extent(task, role) > 1:
+            knobs.append(FactorKnob(f"tile_{role}", _extent(task, role), levels))
+    if not depthwise(task) and _extent(task, "rco") > 1:
+        knobs.append(FactorKnob("tile_ic", _extent(task, "rco"), 2))
+    if _extent(task, "rx") > 1:
+        knobs.append(ChoiceKnob("unroll_kw", (True, False)))
+    if _extent(task, "ob") > 1 and _extent(task, "y") > 1:
+        knobs.append(ChoiceKnob("s1_order", ("oc_outer", "y_outer")))
+    if has_producers(task):
+        knobs.append(ChoiceKnob("pad", ("stage", "tile", "inline")))
+    knobs.append(DiscreteKnob("unroll", UNROLL))
+    return SearchSpace(knobs)
+
+
+def _factors(cfg: dict, role: str, task: Task, levels: int) -> tuple[int, ...]:
+    key = f"tile_{role}"
+    if key in cfg:
+        return tuple(cfg[key])
+    return (_extent(task, role),) + (1,) * (levels - 1)
+
+
+def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
+    cfg = check_config(space(task), config)
+    dw = depthwise(task)
+    fob, fy, fx = _factors(cfg, "ob", task, 3), _factors(cfg, "y", task, 3), _factors(cfg, "x", task, 2)
+    fic = _factors(cfg, "ic", task, 2) if not dw else (1, 1)
+    d = task.dims["d"]
+    lanes = vector_lanes(target, task.dtype)
+    accumulators = fob[2] * -(-d // lanes) * fy[2] * fx[1]
+    if accumulators > MAX_ACCUMULATORS:
+        raise InvalidConfig(f"register tile of {accumulators} vectors exceeds {MAX_ACCUMULATORS}")
+    p = prepare(task, inline_producers=cfg.get("pad", "inline") == "inline")
+    sch = p.sch
+    if cfg.get("pad") == "stage":  # the padding copy: parallel over its outer loops, vectorized over lanes
+        for blk in p.producers_left:
+            loops = sch.get_loops(blk)
+            sch.parallel(sch.fuse(*loops[:-1]))
+            sch.vectorize(loops[-1])
+    loops = sch.get_loops(p.anchor)
+    if dw:
+        n, ob, y, x, o, ry, rx = loops
+    else:
+        n, ob, y, x, o, rco, ry, rx, rci = loops
+    ob0, ob1, ob2 = sch.split(ob, list(fob))
+    y0, y1, y2 = sch.split(y, list(fy))
+    x0, x1 = sch.split(x, list(fx))
+    s1 = [ob1, y1] if cfg.get("s1_order", "oc_outer") == "oc_outer" else [y1, ob1]
+    if dw:
+        reds = [ry, rx]
+    else:
+        ic0, ic1 = sch.split(rco, list(fic))
+        reds = [ic0, ry, rx, ic1, rci]
+    sch.reorder(n, ob0, y0, *s1, x0, *reds, ob2, y2, x1, o)
+    outer = sch.fuse(n, ob0, y0)
+    sch.parallel(outer)
+    if cfg.get("pad") == "tile":  # pad just the rows one parallel chunk reads, while they are in cache
+        for blk in p.producers_left:
+            sch.compute_at(blk, outer)
+            sch.vectorize(sch.get_loops(blk)[-1])
+    if cfg["unroll"]:
+        sch.annotate(outer, "pragma_auto_unroll_max_step", cfg["unroll"])
+        sch.annotate(outer, "pragma_unroll_explicit", 1)
+    if d > 1:
+        sch.vectorize(o)
+    for lp in (ob2, y2, x1):
+        sch.unroll(lp)
+    if cfg.get("unroll_kw"):
+        sch.unroll(rx)
+    _pack_weight(sch, p.anchor, task, fob[2] * d, 1 if dw else fic[1] * task.dims["a"], dw)
+    sch.reverse_compute_at(p.writeback, x0)
+    wb = sch.get_loops(p.writeback)
+    if d > 1:
+        sch.vectorize(wb[-1])
+    init = sch.decompose_reduction(p.anchor, reds[0])
+    iloops = sch.get_loops(init)
+    if d > 1:
+        sch.vectorize(iloops[-1])
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _pack_weight(sch, anchor, task: Task, ocb: int, icb: int, dw: bool) -> None:
+    """Copy the OIHW weight into ``[F/ocb, Cg/icb, KH, KW, icb, ocb]`` panels (depthwise:
+    ``[C/ocb, 1, KH, KW, ocb]``): the register tile's weights become one contiguous vector per input
+    channel and tap.  A model weight (layout-free) gets the copy as a build-time rewrite block
+    (:data:`kerneltune.prepack.PREPROC`); a runtime weight is copied per call.  Blocks that do not divide the
+    channels (padded layouts) read the OIHW weight directly."""
+    f, cg = task.dims["F"], task.dims["C"] // task.dims["G"]
+    if f % ocb or cg % icb:
+        return
+    weight = _weight_buffer(sch.get(anchor), task)
+    idx = [r.source.name for r in sch.get(anchor).reads].index(weight)
+    packed = sch.cache_read(anchor, idx, "global")
+    if dw:
+        sch.transform_layout(packed, ("write", 0),
+                             lambda fo, c, ry, rx: (fo // ocb, c, ry, rx, fo % ocb))
+    else:
+        sch.transform_layout(packed, ("write", 0),
+                             lambda fo, c, ry, rx: (fo // ocb, c // icb, ry, rx, c % icb, fo % ocb))
+    if weight in task.weights:  # PrimFunc parameters are the buffers themselves (TVM 0.27)
+        sch.annotate(packed, PREPROC, True)
+    else:  # packed per call: at least in parallel
+        loops = sch.get_loops(packed)
+        sch.parallel(loops[0])
+
+
+def _weight_buffer(block, task: Task) -> str:
+    for r in block.reads:
+        if len(r.source.shape) == 4:
+            return r.source.name
+    raise InvalidConfig(f"{task.anchor} reads no 4-d (OIHW) weight")
+
+
+# --------------------------------------------------------------------------------------------- default
+
+def default_config(task: Task, target: tvm.target.Target):
+    """Heuristic config without tuning (see :func:`_default_dict` for the rules and the measurements)."""
+    sp = space(task)
+    values = _default_dict(task, target)
+    return tuple(values[name] for name in sp.names)
+
+
+def _default_dict(task: Task, target: tvm.target.Target) -> dict:
+    """NeoCPU's structure with register tiles sized for 32 vector registers (1-thread sweeps of every tile
+    on this Zen 4, ResNet-50 / MobileNet-v2 shapes: the defaults are within ~1% of the best tile for dense
+    3x3 and 1x1 convs, 112-116 GFLOP/s of a ~116 single-core peak):
+
+    * ``oc_bn``: two output blocks in the register tile when a block is one vector (each broadcast input
+      value feeds two FMAs), else one;
+    * ``reg_n`` over output width: the largest divisor of OW that keeps about 24 accumulators, at most 14;
+      more output rows (``y2``) when the row is short (7x7, 14x14 maps);
+    * ``ic_bn`` = one input block (NeoCPU's order: input-channel chunks outside the kernel window);
+    * everything else in S0, which is parallel: many small chunks balance two cores;
+    * dense convs pad in a separate parallel copy (bounds checks in their long inner loops cost ~15%);
+      depthwise convs read each input once per tap, where the extra pass over the input costs more than the
+      checks: padding inlined (MobileNet-v2 144x56x56: 87 vs 39 GFLOP/s, 1 thread), and a smaller register
+      tile of ~8 accumulators (no input reuse between them, only the tap's weight vector);
+    * ``unroll_kw`` on, unroll 16.
+    """
+    lanes = vector_lanes(target, task.dtype)
+    d = task.dims["d"]
+    nvec = -(-d // lanes)
+    ob_ext, oh, ow = _extent(task, "ob"), _extent(task, "y"), _extent(task, "x")
+    dw = depthwise(task)
+    ob2 = 2 if not dw and nvec == 1 and ob_ext % 2 == 0 else 1
+    budget, max_x = (8, 8) if dw else (24, 14)
+    width = max(1, budget // (ob2 * nvec))
+    x1 = _largest_divisor_at_most(ow, min(width, max_x))
+    y2 = _largest_divisor_at_most(oh, max(1, width // x1)) if x1 < 8 else 1
+    return {
+        "tile_ob": (ob_ext // ob2, 1, ob2),
+        "tile_y": (oh // y2, 1, y2),
+        "tile_x": (ow // x1, x1),
+        "tile_ic": (_extent(task, "rco"), 1),
+        "unroll_kw": True,
+        "s1_order": "oc_outer",
+        "pad": "inline" if dw else "stage",
+        "unroll": 16,
+    }
+
+
+__all__ = ["space", "apply", "default_config", "InvalidConfig"]

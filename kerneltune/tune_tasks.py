@@ -1,0 +1,221 @@
+"""Multi-task tuning: spend a global trial budget over a model's tasks (MetaSchedule's task-scheduler loop).
+
+Round 0 measures every task's default schedule (the template's ``default_config``, what ``--skip-tune``
+compiles) through the same measurer as any trial - cold caches when the measurer flushes them, the fused
+epilogue, the kernel as the model runs it - records it like any trial (it counts towards ``--trials``) and
+lets the task's searcher observe it: the same warm start for every searcher.  A task keeps its default
+unless a tuned config beats it.  Then a task scheduler (:mod:`kerneltune.scheduler`: Ansor's gradient rule
+or round-robin), starting from the defaults' measured latencies, picks which task gets the next batch;
+:class:`kerneltune.tune.TaskTuner` runs that batch with the task's own searcher (kept across rounds, so its
+population / model carries on) and appends every measurement to the records file.  The objective is the
+model's kernel time, sum of weight x best latency.
+
+Resuming: the whole loop runs again with the same seed.  Every batch a searcher proposes is looked up in the
+records first and only what is missing is measured, so the scheduler sees the same latencies in the same
+order and takes the same decisions: the per-task allocation and the final configs of a run killed at any
+point and resumed are those of the uninterrupted run (searchers and the scheduler are deterministic given
+their seed and inputs).  Rerunning a finished command measures nothing.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from graphopt.errors import UserError
+from kerneltune import templates
+from kerneltune.records import Record, RecordLog
+from kerneltune.scheduler import TaskInfo, make_scheduler
+from kerneltune.searchers import FACTOR_ONLY, make_searcher
+from kerneltune.targets import TargetSpec, gflops_ceiling
+from kerneltune.task import Task
+from kerneltune.tune import EnvFailureGuard, TaskTuner
+
+
+@dataclass(frozen=True)
+class TuningTask:
+    """One task of a multi-task run: the kernel, how often a model run calls it, and its index in the
+    caller's task list (for reports)."""
+
+    task: Task
+    weight: int
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    @property
+    def kind(self) -> str:
+        return self.task.kind
+
+    @property
+    def flops(self) -> float:
+        return float(self.task.flops)
+
+
+@dataclass
+class TaskTuning:
+    """Per-task outcome for report.json."""
+
+    index: int
+    name: str
+    key: str
+    kind: str
+    weight: int
+    flops: float
+    default_ms: float | None  # the template's default config, measured (or taken from the records) as trial 1
+    best_ms: float | None  # best config measured, the default included (None when nothing ran)
+    trials: int = 0  # measured for this task in total (the default and resumed ones included)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (global trials spent, best ms) per round
+
+    @property
+    def final_ms(self) -> float | None:
+        vals = [v for v in (self.default_ms, self.best_ms) if v is not None]
+        return min(vals) if vals else None
+
+
+@dataclass
+class TuningResult:
+    best_configs: dict[str, Any]  # task key -> config (only where a tuned config beat the measured default)
+    tasks: list[TaskTuning]
+    trials: int
+    objective: list[tuple[int, float]]  # (global trials spent, sum weight x best ms) after each round
+    scheduler: str
+    searcher: str
+    seconds: float
+    measured_now: int = 0  # trials measured by this run (the rest came from the records)
+
+
+@dataclass
+class _State:
+    task: TuningTask
+    tuner: TaskTuner
+    default: Any
+    report: TaskTuning
+
+    def refresh(self) -> None:
+        """Copy the tuner's counts and best into the report."""
+        self.report.trials = self.tuner.trials
+        lat = self.tuner.best[2]
+        self.report.best_ms = lat * 1e3 if lat else None
+
+    @property
+    def latency_s(self) -> float:
+        return (self.report.final_ms or math.inf) / 1e3
+
+
+def _objective(states: list[_State]) -> float:
+    return sum(s.report.weight * (s.report.final_ms or math.inf) for s in states)
+
+
+def _merge_duplicates(tasks: list[TuningTask]) -> list[TuningTask]:
+    """Tasks sharing a key get one config in the compiled model: tune them once, their weights summed."""
+    merged: dict[str, TuningTask] = {}
+    for t in tasks:
+        first = merged.get(t.task.key)
+        merged[t.task.key] = t if first is None else TuningTask(first.task, first.weight + t.weight, first.index)
+    return list(merged.values())
+
+
+def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_path: str | Path,
+               scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
+               measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
+    """Tune ``tasks`` with ``trials`` measurements in total (the defaults of round 0 included).
+
+    ``measure_factory(target, rpc)`` returns a context manager with ``measure(task, configs)``; the default
+    is :class:`kerneltune.measure.Measurer` (tests pass a fake one).  Raises a UserError when the records
+    file is held by another tuner, or when the measurements fail for environmental reasons
+    (:class:`kerneltune.tune.EnvFailureGuard`).
+    """
+    if not tasks:
+        raise UserError("no task to tune")
+    if not spec.can_run and not rpc:
+        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
+                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
+    if measure_factory is None:
+        # Deferred: the measurer starts worker processes; tests and resumed runs pass their own.
+        from kerneltune.measure import Measurer
+        from kerneltune.runner import check_device
+
+        check_device(rpc)  # an unreachable --rpc device: one line now, not minutes of failed trials
+        # Cold caches (CPU): in the model a kernel's weights come from DRAM, see kerneltune.measure.
+        measure_factory = lambda target, rpc_: Measurer(target, rpc=rpc_, cache_flush=True)  # noqa: E731
+    tasks = _merge_duplicates(tasks)
+    target = spec.target
+    target_key = str(target)
+    ceiling = gflops_ceiling(target)
+    log = RecordLog(records_path)
+    log.acquire()  # one tuner per records file, before its contents are trusted
+    t0 = time.perf_counter()
+    guard = EnvFailureGuard()
+    try:
+        with measure_factory(target, rpc) as m:
+            timing = getattr(m, "timing", "warm")
+            stored: dict[str, list[Record]] = {}
+            for rec in log.load(target=target_key, timing=timing):
+                stored.setdefault(rec.task, []).append(rec)
+            states = []
+            for t in tasks:
+                space = templates.space_for(t.task, target)
+                default = templates.default_config(t.task, target)
+                fixed = default if searcher in FACTOR_ONLY and not space.factor_only else None
+                tuner = TaskTuner(space, make_searcher(searcher, space, seed, fixed=fixed),
+                                  lambda cs, task=t.task: m.measure(task, cs), task_key=t.task.key,
+                                  target=target_key, records=log, timing=timing, flops=t.flops, ceiling=ceiling,
+                                  stored=stored.get(t.task.key, []), guard=guard)
+                states.append(_State(t, tuner, default,
+                                     TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops, None, None)))
+            spent, objective = _run_rounds(states, trials, scheduler, progress)
+    finally:
+        log.close()
+    guard.check_end()
+    best = {}
+    for s in states:
+        config = s.tuner.best[1]
+        if config is None or config == s.default or s.report.best_ms is None:
+            continue
+        # A task keeps its default unless a tuned config beats it (a default that failed to run beats nothing).
+        if s.report.default_ms is None or s.report.best_ms < s.report.default_ms:
+            best[s.report.key] = config
+    return TuningResult(best, [s.report for s in states], spent, objective, scheduler, searcher,
+                        time.perf_counter() - t0, sum(s.tuner.measured_now for s in states))
+
+
+def _run_rounds(states: list[_State], trials: int, scheduler: str, progress: bool) -> tuple[int, list]:
+    """Round 0 (every task's default, in task order), then the scheduler's rounds until the budget is spent
+    or every search space is exhausted.  Returns (trials spent, objective after each round)."""
+    spent = 0
+    bar = tqdm(total=trials, desc="tuning", disable=not progress, unit="trial")
+    try:
+        for s in states:
+            if spent >= trials:
+                break
+            s.tuner.warm_start(s.default)
+            lat = s.tuner.warm_start_latency_s
+            s.report.default_ms = lat * 1e3 if lat else None
+            s.refresh()
+            spent += s.tuner.trials
+            bar.update(s.tuner.trials)
+        sched = make_scheduler(scheduler, [TaskInfo(s.task.name, s.task.weight, s.task.flops, s.task.kind,
+                                                    s.latency_s) for s in states])
+        objective = [(spent, _objective(states))]
+        while spent < trials and not all(s.tuner.exhausted for s in states):
+            i = sched.next_task()
+            s = states[i]
+            if not s.tuner.exhausted:
+                n = s.tuner.step(min(s.tuner.searcher.batch_size, trials - spent))
+                s.refresh()
+                spent += n
+                bar.update(n)
+                s.report.curve.append((spent, s.report.final_ms or math.inf))
+                objective.append((spent, _objective(states)))
+                bar.set_postfix(objective_ms=f"{objective[-1][1]:.2f}")
+            sched.update(i, s.latency_s)
+    finally:
+        bar.close()
+    return spent, objective

@@ -1,0 +1,186 @@
+"""NCHWc convolutions: computes and template equal numpy for dense / grouped / depthwise convs with strides,
+padding, dilation, channel counts that are not multiples of the block and every fused epilogue; the search
+space's configs stay correct; the measurer and a searcher run on the tasks."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import tvm
+
+from kerneltune import prepack, templates
+from kerneltune.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
+                                   merge_groups, to_blocked)
+from kerneltune.targets import llvm_target
+from kerneltune.task import build_func, run_func
+
+LLVM = llvm_target(2)
+
+
+def np_conv(x, w, spec: ConvSpec) -> np.ndarray:
+    """Grouped conv2d in float64 numpy (NCHW, OIHW), any stride / padding / dilation."""
+    top, left, bottom, right = spec.pad
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    sh, sw = spec.stride
+    dh, dw = spec.dilation
+    oh, ow = spec.out_h, spec.out_w
+    out = np.zeros((x.shape[0], spec.f, oh, ow))
+    cg, fg = spec.cg, spec.fg
+    for g in range(spec.groups):
+        xs = xp[:, g * cg:(g + 1) * cg]
+        ws = w[g * fg:(g + 1) * fg].astype(np.float64)
+        for ry in range(spec.kh):
+            for rx in range(spec.kw):
+                win = xs[:, :, ry * dh:ry * dh + sh * (oh - 1) + 1:sh, rx * dw:rx * dw + sw * (ow - 1) + 1:sw]
+                out[:, g * fg:(g + 1) * fg] += np.einsum("nchw,fc->nfhw", win, ws[:, :, ry, rx])
+    return out
+
+
+def np_epilogue(y, epilogue: str, extra: dict) -> np.ndarray:
+    """The epilogue on NCHW ``y`` (per-channel params arrive blocked, as the task takes them)."""
+    chan = lambda name: from_blocked(extra[name], y.shape[1])  # noqa: E731
+    for part in ([] if epilogue == "none" else epilogue.split("_")):
+        if part == "bias":
+            y = y + chan("bias")
+        elif part == "bn":
+            y = y * chan("scale") + chan("shift")
+        elif part == "relu":
+            y = np.maximum(y, 0)
+        elif part == "relu6":
+            y = np.clip(y, 0, 6)
+        elif part == "silu":
+            y = y / (1 + np.exp(-y))
+        elif part == "hardswish":
+            y = y * np.clip(y + 3, 0, 6) / 6
+        elif part == "residual":
+            y = y + from_blocked(extra["residual"], y.shape[1])
+    return y
+
+
+def run_config(task, config, inputs):
+    func, packings = prepack.strip(templates.apply(task, config, LLVM))
+    lib = build_func(func, LLVM)
+    return run_func(lib, task, prepack.pack_inputs(inputs, packings), tvm.cpu())[0]
+
+
+def check_against_numpy(spec: ConvSpec, epilogue: str = "none", n_random: int = 2, seed: int = 0):
+    task = make_task(spec, epilogue)
+    assert task.kind == KIND
+    inputs = task.make_inputs(seed=1)
+    named = {s.name: x for s, x in zip(task.inputs, inputs)}
+    x, w = from_blocked(named["data"], spec.c), named["weight"]
+    want = np_epilogue(np_conv(x, w, spec), epilogue, named)
+    space = templates.space_for(task, LLVM)
+    rng = random.Random(seed)
+    configs = [templates.default_config(task, LLVM)]
+    while len(configs) < 1 + n_random:
+        c = space.sample(rng)
+        try:
+            templates.apply(task, c, LLVM)
+        except templates.InvalidConfig:
+            continue  # register tile over the limit: refused before building, by design
+        configs.append(c)
+    scale = max(1.0, float(np.abs(want).max()))
+    for config in configs:
+        got = from_blocked(run_config(task, config, inputs), spec.f)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale, err_msg=str(space.as_dict(config)))
+    return task
+
+
+@pytest.mark.parametrize("spec", [
+    ConvSpec(1, 16, 10, 10, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=8, oc_block=16),
+    ConvSpec(1, 32, 9, 11, 16, 3, 3, stride=(2, 2), pad=(1, 1, 1, 1), ic_block=16, oc_block=8),
+    ConvSpec(2, 16, 12, 12, 16, 3, 3, pad=(2, 2, 2, 2), dilation=(2, 2), ic_block=8, oc_block=8),
+    ConvSpec(1, 32, 7, 7, 48, 1, 1, ic_block=16, oc_block=16),
+    ConvSpec(1, 8, 9, 9, 16, 5, 3, stride=(2, 1), pad=(2, 0, 1, 1), ic_block=8, oc_block=16),
+], ids=["3x3", "stride2", "dilation2-batch2", "1x1", "asymmetric"])
+def test_dense_matches_numpy(spec):
+    task = check_against_numpy(spec)
+    assert task.dims["useful_flops"] == spec.flops == task.flops
+
+
+@pytest.mark.parametrize("spec", [
+    ConvSpec(1, 3, 11, 11, 10, 3, 3, stride=(2, 2), pad=(1, 1, 1, 1), ic_block=3, oc_block=5),  # RGB stem
+    ConvSpec(1, 10, 8, 8, 12, 3, 3, pad=(1, 1, 1, 1), ic_block=8, oc_block=8),  # blocks do not divide
+    ConvSpec(1, 20, 6, 6, 7, 1, 1, ic_block=16, oc_block=4),
+], ids=["rgb-odd", "padded-blocks", "padded-1x1"])
+def test_odd_channel_counts_match_numpy(spec):
+    check_against_numpy(spec)
+
+
+@pytest.mark.parametrize("spec", [
+    ConvSpec(1, 32, 9, 9, 64, 3, 3, stride=(2, 2), pad=(1, 1, 1, 1), groups=2, ic_block=16, oc_block=16),
+    ConvSpec(1, 64, 8, 8, 64, 3, 3, pad=(1, 1, 1, 1), groups=4, ic_block=16, oc_block=8),
+], ids=["2-groups-stride2", "4-groups"])
+def test_grouped_matches_numpy(spec):
+    check_against_numpy(spec)
+
+
+@pytest.mark.parametrize("spec", [
+    ConvSpec(1, 32, 9, 9, 32, 3, 3, pad=(1, 1, 1, 1), groups=32, ic_block=16, oc_block=16),
+    ConvSpec(1, 24, 12, 12, 24, 3, 3, stride=(2, 2), pad=(1, 1, 1, 1), groups=24, ic_block=8, oc_block=8),
+    ConvSpec(1, 16, 11, 11, 16, 5, 5, pad=(4, 4, 4, 4), dilation=(2, 2), groups=16, ic_block=16, oc_block=16),
+    ConvSpec(1, 12, 7, 7, 12, 3, 3, pad=(1, 1, 1, 1), groups=12, ic_block=8, oc_block=8),  # padded block
+], ids=["3x3", "stride2", "5x5-dilated", "padded"])
+def test_depthwise_matches_numpy(spec):
+    check_against_numpy(spec)
+
+
+@pytest.mark.parametrize("epilogue", [e for e in EPILOGUES if e != "none"])
+def test_every_epilogue_matches_numpy(epilogue):
+    spec = ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=8, oc_block=16)
+    task = check_against_numpy(spec, epilogue, n_random=1)
+    assert task.epilogue, "the epilogue must be fused into the conv kernel"
+
+
+@pytest.mark.parametrize("epilogue", ["relu6", "silu", "bn_relu_residual"])
+def test_depthwise_epilogues_match_numpy(epilogue):
+    spec = ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), groups=16, ic_block=16, oc_block=16)
+    check_against_numpy(spec, epilogue, n_random=1)
+
+
+def test_merged_groups_are_the_same_convolution():
+    rng = np.random.default_rng(0)
+    spec = ConvSpec(1, 32, 6, 6, 32, 3, 3, pad=(1, 1, 1, 1), groups=8)  # ResNeXt-like: 4 channels a group
+    x = rng.standard_normal((1, 32, 6, 6)).astype(np.float32)
+    w = rng.standard_normal((32, 4, 3, 3)).astype(np.float32)
+    k = merge_factor(32, 32, 8, 16, 16)
+    assert k == 4
+    merged = ConvSpec(1, 32, 6, 6, 32, 3, 3, pad=(1, 1, 1, 1), groups=2)
+    np.testing.assert_allclose(np_conv(x, merge_groups(w, 8, k), merged), np_conv(x, w, spec), atol=1e-9)
+    assert merge_factor(32, 32, 8, 4, 4) == 1 and merge_factor(30, 30, 3, 16, 16) is None
+
+
+def test_weights_are_packed_at_build_time_and_invalid_tiles_refused():
+    spec = ConvSpec(1, 32, 8, 8, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16)
+    task = make_task(spec)
+    assert task.weights == ("weight",)
+    func, packings = prepack.strip(templates.apply(task, templates.default_config(task, LLVM), LLVM))
+    assert [p.param for p in packings] == [1] and len(packings[0].shape) == 6
+    space = templates.space_for(task, LLVM)
+    cfg = space.as_dict(templates.default_config(task, LLVM))
+    cfg.update(tile_ob=(1, 1, 2), tile_y=(1, 1, 8), tile_x=(1, 8))  # 128 accumulators
+    with pytest.raises(templates.InvalidConfig):
+        templates.apply(task, space.from_dict(cfg), LLVM)
+
+
+def test_blocked_layout_round_trip():
+    x = np.arange(2 * 10 * 3 * 2, dtype=np.float32).reshape(2, 10, 3, 2)
+    b = to_blocked(x, 4)
+    assert b.shape == (2, 3, 3, 2, 4) and np.all(b[:, 2, :, :, 2:] == 0)
+    np.testing.assert_array_equal(from_blocked(b, 10), x)
+
+
+def test_measurer_and_opevo_tune_an_nchwc_task():
+    from kerneltune.measure import Measurer
+    from kerneltune.searchers import make_searcher
+    from kerneltune.tune import tune
+
+    task = make_task(ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bias_relu")
+    space = templates.space_for(task, LLVM)
+    searcher = make_searcher("opevo", space, seed=0)
+    with Measurer(LLVM, number=2, repeat=2, workers=1) as m:
+        result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, task_key=task.key, target=str(LLVM),
+                      progress=False)
+    assert result.trials == 6 and result.best_gflops > 0 and result.failures < 6

@@ -1,0 +1,146 @@
+"""The whole-graph NCHWc pass (pipeline.layout) on real torch exports: every conv blocked, the blocked layout
+carried through BN, activations (Clip included), pooling, residual adds, grouped/depthwise convs and concat,
+transforms only at the edges, and the compiled model equal to onnxruntime."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e .[test])")
+from torch import nn  # noqa: E402
+
+from graphopt.feeds import random_inputs, run_ort  # noqa: E402
+from kerneltune.targets import device_for, parse_target  # noqa: E402
+from pipeline import layout  # noqa: E402
+from pipeline.compile import compile_partition, outputs_numpy, to_device  # noqa: E402
+from pipeline.partition import partition  # noqa: E402
+from pipeline.relax_import import import_model  # noqa: E402
+
+
+class ChainCNN(nn.Module):
+    """Conv/BN/activation chain with a residual block, a ResNeXt-style grouped conv (4 channels a group,
+    merged to fill a block) and a MobileNet-style inverted residual (depthwise, ReLU6, HardSwish, SiLU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.res = nn.Sequential(nn.Conv2d(16, 32, 1), nn.ReLU(), nn.Conv2d(32, 32, 3, 1, 1, groups=8),
+                                 nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 16, 1))
+        self.inv = nn.Sequential(nn.Conv2d(16, 48, 1), nn.ReLU6(), nn.Conv2d(48, 48, 3, 2, 1, groups=48),
+                                 nn.Hardswish(), nn.Conv2d(48, 24, 1), nn.SiLU())
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = self.pool(self.stem(x))
+        x = torch.relu(x + self.res(x))
+        x = self.inv(x)
+        x = nn.functional.avg_pool2d(x, 2)
+        return self.head(x.mean((2, 3)))
+
+
+class ConcatCNN(nn.Module):
+    """Inception/SqueezeNet-style branches concatenated on channels (8 + 16 = 24: two different blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 1, 1)
+        self.a = nn.Conv2d(16, 8, 1)
+        self.b = nn.Conv2d(16, 16, 3, 1, 1)
+        self.out = nn.Conv2d(24, 32, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1)
+        return self.out(x)
+
+
+def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    model.eval()
+    for m in model.modules():  # non-trivial BN statistics, so folding them is actually checked
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    buf = io.BytesIO()
+    if dynamo:
+        prog = torch.onnx.export(model, (torch.randn(*shape),), dynamo=True, opset_version=18,
+                                 input_names=["x"])
+        return prog.model_proto
+    torch.onnx.export(model, (torch.randn(*shape),), buf, dynamo=False, opset_version=17, input_names=["x"])
+    return onnx.load_from_string(buf.getvalue())
+
+
+def compile_and_compare(proto: onnx.ModelProto, narrow_groups: str = "nchw"):
+    imported = import_model(proto)
+    spec = parse_target("llvm", threads=2)
+    mod, report = layout.to_nchwc(imported.mod, 16, narrow_groups)
+    part = partition(mod)
+    compiled = compile_partition(imported, part, spec)
+    feeds = random_inputs(imported.graph, 0)
+    got = outputs_numpy(compiled.vm()["main"](*to_device(feeds, compiled.input_names, device_for(spec))))
+    want = run_ort(imported.onnx_model, feeds, 2)
+    for g, w in zip(got, want, strict=True):
+        scale = max(1.0, float(np.abs(w).max()))
+        assert np.abs(g - w).max() <= 1e-4 * scale, (np.abs(g - w).max(), scale)
+    return report, part
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_chain_cnn_is_blocked_end_to_end(dynamo):
+    report, part = compile_and_compare(export(ChainCNN(), dynamo=dynamo))
+    # the 4-channel grouped conv stays NCHW (narrower than a block), every other conv is blocked
+    assert report.convs == 7 and report.blocked == 6 and len(report.kept_nchw) == 1
+    assert "narrower than the blocks" in report.kept_nchw[0] and report.merged_groups == 0
+    assert report.lifted == 3  # ReLU6 (Clip: call_tir maximum + minimum) and HardSwish (Relax clip)
+    # into the blocked layout at the input, out of it before the classifier, and around the grouped conv
+    assert report.transforms == 4
+    kinds = [t.kind for t in part.tasks]
+    assert kinds.count("conv2d_nchwc") >= 6 and kinds.count("conv2d") == 1
+    convs = [t for t in part.tasks if t.kind == "conv2d_nchwc"]
+    assert all(t.task is not None and t.task.epilogue for t in convs[1:])  # bias/BN/activations fused
+
+
+def test_merged_groups_end_to_end():
+    report, part = compile_and_compare(export(ChainCNN()), narrow_groups="merge")
+    assert report.convs == report.blocked == 7 and report.merged_groups == 1 and report.transforms == 2
+    assert "conv2d" not in [t.kind for t in part.tasks]
+
+
+def test_concat_of_different_blocks_is_correct():
+    report, part = compile_and_compare(export(ConcatCNN()))
+    assert report.blocked == report.convs == 4
+    # 8 + 16 channels concatenated: both branches (and the stem feeding them) in 8-channel blocks
+    assert report.transforms == 2
+    assert {t.task.dims["d"] for t in part.tasks if t.kind == "conv2d_nchwc"} == {8, 16}
+
+
+def test_lanes_pick_the_blocks():
+    assert layout.channel_block(64, 16) == 16 and layout.channel_block(24, 16) == 8
+    assert layout.channel_block(3, 16) == 3 and layout.channel_block(20, 16) == 10
+    assert layout.channel_block(64, 8) == 8
+    assert layout.plan(128, 128, 32, 16, 16, "merge") == layout.ConvPlan(16, 16, 4)  # 4x merged groups
+    assert layout.plan(128, 128, 32, 8, 8, "merge") == layout.ConvPlan(8, 8, 2)
+    assert isinstance(layout.plan(128, 128, 32, 16, 16), str)  # ResNeXt stage 1 stays NCHW by default
+    assert layout.plan(512, 512, 32, 16, 16) == layout.ConvPlan(16, 16)  # 16-channel groups are aligned
+    assert layout.plan(144, 144, 144, 16, 16) == layout.ConvPlan(16, 16)
+    assert isinstance(layout.plan(144, 144, 144, 16, 8), str)  # depthwise lanes map one to one
+    assert isinstance(layout.plan(30, 30, 3, 16, 16), str)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "resnext50_32x4d"])
+def test_torchvision_cnns_nchwc_equal_onnxruntime(name):
+    lib = torch.library.Library("torchvision", "DEF")  # torchvision's CUDA wheel needs its op schemas
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision
+
+    report, _ = compile_and_compare(export(getattr(torchvision.models, name)(weights=None), (1, 3, 64, 64)))
+    narrow = {"resnext50_32x4d": 7}.get(name, 0)  # stages 1-2: 4 and 8 channels a group stay NCHW
+    assert report.blocked == report.convs - narrow and report.transforms == 2 + 2 * narrow

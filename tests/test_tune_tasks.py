@@ -1,0 +1,59 @@
+"""kerneltune's multi-task loop on its own tasks (no model, no pipeline): the budget is spent exactly, the
+gradient scheduler gives the heavier task more of it, and a rerun resumes from the records."""
+from __future__ import annotations
+
+import zlib
+from types import SimpleNamespace
+
+from kerneltune import templates
+from kerneltune.targets import parse_target
+from kerneltune.task import make_task
+from kerneltune.tune_tasks import TuningTask, tune_tasks
+
+
+class FakeMeasurer:
+    """Latency a fixed function of the config (the default config: 1 ms), so the bookkeeping is exact."""
+
+    calls: list = []
+
+    def __init__(self, target, rpc):
+        self.target = target
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def measure(self, task, configs):
+        default = templates.default_config(task, self.target)
+        out = []
+        for c in configs:
+            FakeMeasurer.calls.append(task.key)
+            lat = 1e-3 if c == default else (0.3 + (zlib.crc32(repr(c).encode()) % 1000) / 1000) * 1e-3
+            out.append(SimpleNamespace(gflops=task.flops / lat / 1e9, latency_s=lat, error=None))
+        return out
+
+
+def test_tune_tasks_spends_the_budget_favours_weight_and_resumes(tmp_path):
+    spec = parse_target("llvm", 2)
+    light, heavy = make_task("matmul", "16,64,64"), make_task("matmul", "32,64,128")
+    tasks = [TuningTask(light, weight=1, index=0), TuningTask(heavy, weight=12, index=1)]
+    records = tmp_path / "r.jsonl"
+    FakeMeasurer.calls = []
+    res = tune_tasks(tasks, spec, 48, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
+    assert res.trials == 48 and sum(t.trials for t in res.tasks) == 48
+    assert len(records.read_text().splitlines()) == 48
+    by_index = {t.index: t for t in res.tasks}
+    assert by_index[1].trials > by_index[0].trials
+    assert by_index[1].name == heavy.name and by_index[1].weight == 12 and by_index[1].flops == float(heavy.flops)
+    for t in res.tasks:
+        assert t.default_ms == 1.0 and (t.key not in res.best_configs or t.best_ms < t.default_ms)
+    objective = [y for _, y in res.objective]
+    assert objective == sorted(objective, reverse=True)
+    FakeMeasurer.calls = []
+    again = tune_tasks(tasks, spec, 48, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
+    # The defaults were recorded as trials too: the rerun measures nothing and ends where the first did.
+    assert again.trials == 48 and FakeMeasurer.calls == [] and again.measured_now == 0
+    assert again.best_configs == res.best_configs
+    assert [t.trials for t in again.tasks] == [t.trials for t in res.tasks]
