@@ -11,12 +11,12 @@ traceback, from which the failing step is read (the user-visible one-line messag
 ``error: MSG`` for a UserError, ``error: internal TYPE: MSG`` otherwise).  A run killed by the timeout gets
 SIGABRT first, so Python's faulthandler (``PYTHONFAULTHANDLER``) prints where it was stuck.
 
-Steps, in pipeline order: ``export`` (torch), ``import`` (ONNX -> graph IR), ``graph`` (substitution search),
-``relax`` (Relax import), ``partition``, ``compile``, ``check`` (vs onnxruntime).  For a model that went through,
-the written ``model.so`` is run again here on the same seeded inputs as the product's check (or the model's
-sample inputs) to report, besides the absolute error, ``rtol_needed``: the smallest rtol for which
-``|ours - ref| <= 1e-4 + rtol * |ref|`` holds everywhere (0 when the absolute check passes), NaN/Inf
-mismatches, and top-1 agreement for classifier-like (2-D) outputs.
+Steps, in pipeline order: ``export`` (torch), ``import`` (input validation, ONNX -> graph IR, lowering of what
+TVM lacks), ``graph`` (substitution search), ``relax`` (Relax import), ``partition``, ``compile``, ``check`` (vs
+onnxruntime).  For a model that went through, the written ``model.so`` is run again here on the same seeded
+inputs as the product's check (or the model's sample inputs) and compared with onnxruntime by the product's
+one comparison (:mod:`graphopt.compare`: abs and scale-relative error, NaN/Inf by position, top-1 agreement
+for classifier-like outputs).
 
 Writes ``OUT.json`` (one object per row) and ``OUT.md`` (the table), atomically after every row.
 """
@@ -41,11 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from graphopt.fileio import write_text_atomic  # noqa: E402
+
 STEPS = ("export", "import", "graph", "relax", "partition", "compile", "check")
-ATOL = 1e-4  # the absolute tolerance rtol_needed is stated against
 # Function names in a traceback, innermost first wins, and the step they belong to.  Resolved from the frame
 # below pipeline/optimize.py:optimize_model when possible (see _step_from_traceback).
-_STAGE_FUNCS = {"load_model": "import", "import_onnx": "import", "graph_stage": "graph", "import_model": "relax",
+_STAGE_FUNCS = {"check_model": "import", "load_model": "import", "import_onnx": "import",
+                "legalize_for_tvm": "import", "graph_stage": "graph", "import_model": "relax",
                 "to_relax": "relax", "partition": "partition", "compile_partition": "compile", "build": "compile",
                 "schedule": "compile", "check_outputs": "check"}
 
@@ -69,9 +71,9 @@ class Row:
     timed_out: bool = False
     tasks: int | None = None
     max_abs_err: float | None = None
-    rtol_needed: float | None = None
-    nonfinite_mismatch: bool | None = None
-    top1_agree: bool | None = None
+    max_rel_err: float | None = None  # max |ours - ref| / max |ref| (graphopt.compare)
+    nonfinite_mismatch: int | None = None  # NaN/Inf in only one result
+    top1_agreement: float | None = None  # classifier-like outputs
     ort_ms: float | None = None
     tvm_ms: float | None = None
     bench_error: str | None = None
@@ -149,7 +151,8 @@ def _step_from_traceback(text: str, message: str) -> str | None:
             callee = frames[i + 1][2]
             if callee == "graph_stage":
                 deeper = {g for _, _, g in frames[i + 2:]}
-                return "import" if "import_onnx" in deeper and "optimize" not in deeper else "graph"
+                return "import" if deeper & {"import_onnx", "legalize_for_tvm"} and "optimize_graph" not in deeper \
+                    else "graph"
             if callee in _STAGE_FUNCS:
                 return _STAGE_FUNCS[callee]
     for _, _, fn in reversed(frames):
@@ -192,39 +195,6 @@ def _user_line(stderr: str, rc: int | None = 1) -> str:
 
 # ---------------------------------------------------------------------------------------------- the checks
 
-def _errors(ref: list, got: list) -> dict[str, Any]:
-    """abs error, the rtol needed at atol 1e-4, NaN/Inf mismatches and top-1 agreement (2-D outputs)."""
-    import numpy as np
-
-    abs_err, rtol, nonfinite, top1 = 0.0, 0.0, False, None
-    for r, g in zip(ref, got, strict=True):
-        r, g = np.asarray(r), np.asarray(g)
-        if r.shape != g.shape:
-            return {"max_abs_err": math.inf, "rtol_needed": math.inf, "nonfinite_mismatch": False, "top1_agree": None}
-        if r.dtype == np.bool_ or not np.issubdtype(r.dtype, np.number):
-            abs_err = max(abs_err, float(np.sum(r != g)))
-            continue
-        r64, g64 = r.astype(np.float64), g.astype(np.float64)
-        fin_r, fin_g = np.isfinite(r64), np.isfinite(g64)
-        if np.any(fin_r != fin_g):
-            nonfinite = True
-        else:  # NaN where NaN, and the same infinities
-            rn, gn = r64[~fin_r], g64[~fin_g]
-            if np.any((np.isnan(rn) != np.isnan(gn)) | (~np.isnan(rn) & (rn != gn))):
-                nonfinite = True
-        both = fin_r & fin_g
-        if np.any(both):
-            d = np.abs(r64[both] - g64[both])
-            abs_err = max(abs_err, float(d.max()))
-            over = d > ATOL
-            if np.any(over):
-                rtol = max(rtol, float(np.max((d[over] - ATOL) / np.maximum(np.abs(r64[both][over]), 1e-30))))
-        if r.ndim == 2 and r.shape[1] > 1 and np.all(fin_r):
-            agree = bool(np.all(r.argmax(1) == g.argmax(1)))
-            top1 = agree if top1 is None else (top1 and agree)
-    return {"max_abs_err": abs_err, "rtol_needed": rtol, "nonfinite_mismatch": nonfinite, "top1_agree": top1}
-
-
 def verify(out_dir: Path, original: Path, shapes: dict[str, list[int]], inputs: Path | None, threads: int,
            seed: int = 0) -> dict[str, Any]:
     """Run DIR/model.so and onnxruntime (on the original model) on the product's seeded check inputs, or on
@@ -234,6 +204,7 @@ def verify(out_dir: Path, original: Path, shapes: dict[str, list[int]], inputs: 
     import tvm
     from tvm import relax
 
+    from graphopt.compare import compare_outputs
     from graphopt.feeds import random_inputs, run_ort
     from graphopt.onnx_io import import_onnx
     from pipeline.compile import outputs_numpy
@@ -250,17 +221,14 @@ def verify(out_dir: Path, original: Path, shapes: dict[str, list[int]], inputs: 
         got = outputs_numpy(vm["main"](*[tvm.runtime.tensor(feeds[n], dev) for n in names]))
     ref_model = onnx.load(str(original))
     ref = run_ort(ref_model, feeds, threads)
-    return _errors(ref, got)
+    c = compare_outputs(ref, got)
+    return {"max_abs_err": c.max_abs_err, "max_rel_err": c.max_rel_err,
+            "nonfinite_mismatch": c.nan_mismatch + c.inf_mismatch, "top1_agreement": c.top1_agreement}
 
 
 # ---------------------------------------------------------------------------------------------- one row
 
-def _supports(script: str, option: str) -> bool:
-    p = subprocess.run(_script(script) + ["--help"], capture_output=True, text=True, env=_env(1))
-    return option in p.stdout
-
-
-def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Namespace, inputs_ok: bool) -> Row:
+def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Namespace) -> Row:
     row = Row(model, exporter, size)
     env = _env(args.threads)
     if not args.warm_cache:  # a user's first run: nothing priced yet (the graph stage's per-op cost cache)
@@ -286,11 +254,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
     if args.skip_graph:
         cmd.append("--skip-graph")
     if npz is not None:
-        if inputs_ok:
-            cmd += ["--inputs", str(npz)]
-        else:
-            row.notes.append("optimize-model has no --inputs: checked on random values (sample inputs used "
-                             "only by this script's own re-check)")
+        cmd += ["--inputs", str(npz)]
     p = _run(cmd, args.timeout, env)
     row.run_s, row.timed_out, row.stderr_tail = round(p.seconds, 1), p.timed_out, p.stderr[-3000:]
     report_path = out_dir / "report.json"
@@ -317,7 +281,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
         row.failed_step = step or "unknown"
         if step in STEPS:
             row.passed += [s for s in STEPS[1:STEPS.index(step)] if not (s == "graph" and args.skip_graph)]
-        m = re.search(r"differs from onnxruntime by ([0-9.eE+-]+|inf|nan)", row.error or "")
+        m = re.search(r"max abs err ([0-9.eE+-]+|inf|nan)", row.error or "")
         if m:
             row.max_abs_err = float(m.group(1))
     if not args.skip_bench and row.failed_step is None:
@@ -326,7 +290,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
         bcmd = _script("bench-model") + [str(path), "--skip-graph", "--skip-metaschedule", "--no-progress",
                                          "--threads", str(args.threads), "--runs", str(args.runs), "--json",
                                          str(bench_json)] + meta["shape_args"]
-        if npz is not None and inputs_ok:
+        if npz is not None:
             bcmd += ["--inputs", str(npz)]
         b = _run(bcmd, args.timeout, env)
         if b.rc == 0 and bench_json.exists():
@@ -354,14 +318,6 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _fmt(v: Any, spec: str = ".3g") -> str:
     if v is None:
         return "-"
@@ -376,16 +332,16 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     lines = ["# optimize-model coverage on real exporter output", "",
              f"{header['cpu']}, {header['threads']} threads, load average at start {header['load']}; "
              f"`optimize-model --skip-tune`{' --skip-graph' if header['skip_graph'] else ''}, timeout "
-             f"{header['timeout']} s, {header['cost_cache']} cost cache; steps: {', '.join(STEPS)}.  rtol = smallest rtol with "
-             f"|ours-ref| <= 1e-4 + rtol*|ref|.", "",
-             "| model | exporter | size | opset | passed | failed step | graph s | kept | run s | abs err | rtol | "
-             "top-1 | ORT ms | TVM ms | error |", "|" + "---|" * 15]
+             f"{header['timeout']} s, {header['cost_cache']} cost cache; steps: {', '.join(STEPS)}.  rel err = "
+             f"max |ours-ref| / max |ref| (graphopt.compare); top-1 = arg-max agreement on classifier-like outputs.",
+             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | run s | abs err | "
+             "rel err | top-1 | ORT ms | TVM ms | error |", "|" + "---|" * 15]
     for r in rows:
         passed = f"{len(r.passed)}/{len(STEPS)}"
         err = (r.error or r.bench_error or "; ".join(r.notes) or "").replace("|", "\\|")
         lines.append(f"| {r.model} | {r.exporter} | {r.size} | {_fmt(r.opset)} | {passed} | {_fmt(r.failed_step)} | "
                      f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.run_s, '.1f')} | "
-                     f"{_fmt(r.max_abs_err, '.2g')} | {_fmt(r.rtol_needed, '.2g')} | {_fmt(r.top1_agree)} | "
+                     f"{_fmt(r.max_abs_err, '.2g')} | {_fmt(r.max_rel_err, '.2g')} | {_fmt(r.top1_agreement, '.0%')} | "
                      f"{_fmt(r.ort_ms, '.2f')} | {_fmt(r.tvm_ms, '.2f')} | {err[:160]} |")
     ok = sum(r.failed_step is None for r in rows)
     lines += ["", f"{ok} of {len(rows)} went through."]
@@ -394,8 +350,8 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
 
 def write(rows: list[Row], out: Path, header: dict[str, Any]) -> None:
     data = {"header": header, "rows": [_finite(asdict(r)) for r in rows]}
-    _atomic_write(out.with_suffix(".json"), json.dumps(data, indent=1, allow_nan=False) + "\n")
-    _atomic_write(out.with_suffix(".md"), markdown(rows, header))
+    write_text_atomic(out.with_suffix(".json"), json.dumps(data, indent=1, allow_nan=False) + "\n")
+    write_text_atomic(out.with_suffix(".md"), markdown(rows, header))
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -437,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
               "timeout": args.timeout, "skip_graph": args.skip_graph, "skip_bench": args.skip_bench,
               "cost_cache": "warm (the user's)" if args.warm_cache else "cold (empty per model)",
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    inputs_ok = _supports("optimize-model", "--inputs")
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="coverage-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -445,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             if (model, exporter, args.size) in done:
                 continue
             print(f"{model} / {exporter} / {args.size} ...", end=" ", flush=True)
-            row = run_row(model, exporter, args.size, work, args, inputs_ok)
+            row = run_row(model, exporter, args.size, work, args)
             rows.append(row)
             write(rows, out, header)
             print(f"{'ok' if row.failed_step is None else 'FAILED at ' + row.failed_step} "
