@@ -86,7 +86,8 @@ def fold_shapes(graph: Graph, max_rounds: int = 32) -> int:
 
 
 def _fold_static_shapes(graph: Graph) -> int:
-    """One round of :func:`fold_shapes`: Shape/Size of static tensors to constants, then constant folding."""
+    """One round of :func:`fold_shapes`: Shape/Size of static tensors to constants, then constant folding;
+    returns the number of nodes removed."""
     outputs = set(graph.output_names)
     replaced = 0
     kept: list[Node] = []
@@ -103,9 +104,9 @@ def _fold_static_shapes(graph: Graph) -> int:
             value = np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
         graph.initializers[n.outputs[0]] = value
         replaced += 1
-    if not replaced:
-        return 0
     graph.nodes = kept
+    # Also when no Shape was replaced: the last inference may have typed a node over constants (a Reshape of
+    # a folded shape) that the previous round could not fold without its output's size.
     return replaced + fold_constants(graph)
 
 
