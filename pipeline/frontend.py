@@ -38,13 +38,14 @@ def frontend_gaps(graph: Graph) -> set[str]:
 
 
 def legalize_for_tvm(graph: Graph) -> Legalized:
-    """Rewrite what TVM's importer cannot take into primitive ops; UserError naming what still cannot."""
+    """Rewrite what TVM's importer cannot take into primitive ops and fold static shape arithmetic (module
+    docstring); UserError naming what still cannot be imported."""
     result = legalize(graph, frontend_gaps(graph))
     if any(n.op_type in ("Shape", "Size") for n in result.graph.nodes):
         g = result.graph.copy() if result.graph is graph else result.graph  # the caller's graph is not modified
         folded = fold_shapes(g)
         if folded:
-            result = Legalized(g, dict(sorted({**result.lowered, "shape arithmetic": folded}.items())))
+            result = Legalized(g, result.lowered, folded)
     missing = sorted(frontend_gaps(result.graph) - MISHANDLED)
     if missing:
         domains = {n.op_type: n.domain for n in result.graph.nodes if n.op_type in missing}
