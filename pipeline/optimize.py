@@ -60,7 +60,8 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
              "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
-             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after}
+             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
+             "priced_analytically": sorted(getattr(cost, "unpriced", {}).values())}  # no engine ran them alone
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
     return export_onnx(result.graph)

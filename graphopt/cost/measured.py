@@ -50,6 +50,8 @@ class MeasuredCost(CostModel):
                                cache_dir() / f"cost-{target}-{self.backend}-t{self.threads}.json")
         self._baseline: float | None = None
         self.measured = 0  # how many timings this instance ran (0 on a warm cache)
+        # Nodes no engine could run alone (key -> why), priced analytically instead; kept so each is tried once.
+        self.unpriced: dict[str, str] = {}
 
     def flush(self) -> None:
         self.cache.flush()
@@ -116,7 +118,14 @@ class MeasuredCost(CostModel):
                          opset_imports=dict(graph.opset_imports), ir_version=graph.ir_version,
                          functions=list(graph.functions))
 
-        return self._lookup(key, build)
+        if key in self.unpriced:
+            return AnalyticCost().opaque_cost(node, graph)
+        try:
+            return self._lookup(key, build)
+        except Exception as exc:  # noqa: BLE001 - a price is an estimate: it must never abort the graph stage
+            # e.g. an If/Loop whose body reads tensors of the enclosing graph cannot be cut out as a model alone
+            self.unpriced[key] = f"{node.op_type} {node.name!r}: {type(exc).__name__}: {str(exc)[:200]}"
+            return AnalyticCost().opaque_cost(node, graph)
 
     # ---- timing --------------------------------------------------------------------------------------------
     def _run_time(self, graph: Graph) -> float:
