@@ -122,6 +122,14 @@ def _merge_duplicates(tasks: list[TuningTask]) -> list[TuningTask]:
     return list(merged.values())
 
 
+def check_can_tune(spec: TargetSpec, rpc: str | None) -> None:
+    """Tuning times kernels on the target: here, or on the ``--rpc`` device for a target this machine
+    cannot run (a cross build, a GPU absent here)."""
+    if not spec.can_run and not rpc:
+        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
+                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
+
+
 def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_path: str | Path,
                scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
                measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
@@ -134,9 +142,7 @@ def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_p
     """
     if not tasks:
         raise UserError("no task to tune")
-    if not spec.can_run and not rpc:
-        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
-                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
+    check_can_tune(spec, rpc)
     if measure_factory is None:
         # Deferred: the measurer starts worker processes; tests and resumed runs pass their own.
         from kerneltune.measure import Measurer
