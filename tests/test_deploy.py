@@ -200,3 +200,29 @@ def test_run_model_prints_percentiles_checks_and_writes_outputs(bert_built, tmp_
     capsys.readouterr()
     assert run_model_main([str(tmp_path / "partial")]) == 2
     assert "report.json" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------------------------ rebuilds
+
+def test_rebuild_from_complete_records_starts_no_measurer(tmp_path, monkeypatch):
+    """A rerun whose records hold every trial rebuilds the same build without workers or a device."""
+    from kerneltune import measure
+    from pipeline.optimize_model import TuneOptions, optimize_model
+
+    path = tmp_path / "m.onnx"
+    onnx.save(mlp(), str(path))
+    records = tmp_path / "records.jsonl"
+    tuning = TuneOptions(trials=4, records=str(records), progress=False)
+    first = optimize_model(str(path), "llvm", str(tmp_path / "a"), 1, skip_graph=True, tuning=tuning)
+    assert first.report["stages"]["tune"]["measured_now"] > 0
+
+    def no_measurer(*a, **k):
+        raise AssertionError("a measurer was started for a rebuild from complete records")
+
+    monkeypatch.setattr(measure.Measurer, "__init__", no_measurer)
+    again = optimize_model(str(path), "llvm", str(tmp_path / "b"), 1, skip_graph=True, tuning=tuning)
+    tune = again.report["stages"]["tune"]
+    assert tune["measured_now"] == 0 and tune["trials"] == first.report["stages"]["tune"]["trials"]
+    assert [t["schedule"] for t in again.report["tasks"]] == [t["schedule"] for t in first.report["tasks"]]
+    assert tune["e2e"]["kept"] == first.report["stages"]["tune"]["e2e"]["kept"]
+    assert tune["e2e"]["status"] in ("recorded", first.report["stages"]["tune"]["e2e"]["status"])
