@@ -60,8 +60,8 @@ def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tensor
         "runs_on_build_machine": bool(spec.can_run),
         "inputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in inputs],
         "outputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in outputs],
-        "shapes_note": "model.so is compiled for these input shapes only; optimized.onnx keeps the model's "
-                       "symbolic dimensions",
+        "shapes_note": "model.so is compiled for these input shapes only (rebuild with --input-shape for "
+                       "others); optimized.onnx is saved with these shapes too",
     }
 
 

@@ -160,6 +160,11 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     model = check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)  # before TVM loads
     from pipeline import benchmark  # deferred: loads TVM (seconds)
 
+    if args.trials > 0 and not args.skip_metaschedule:
+        from pipeline.metaschedule import check_installed
+
+        check_installed()
+
     spec = parse_target(args.target, threads)
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")

@@ -226,3 +226,14 @@ def test_rebuild_from_complete_records_starts_no_measurer(tmp_path, monkeypatch)
     assert [t["schedule"] for t in again.report["tasks"]] == [t["schedule"] for t in first.report["tasks"]]
     assert tune["e2e"]["kept"] == first.report["stages"]["tune"]["e2e"]["kept"]
     assert tune["e2e"]["status"] in ("recorded", first.report["stages"]["tune"]["e2e"]["status"])
+
+
+def test_metaschedule_engine_without_xgboost_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from pipeline import metaschedule
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgboost" else real(name, *a))
+    with pytest.raises(UserError, match=r"optimize-model\[metaschedule\].*--skip-metaschedule"):
+        metaschedule.check_installed()
