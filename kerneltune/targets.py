@@ -494,6 +494,15 @@ _TUNING_FEATURES = ("fast-", "faster-", "slow-", "false-deps", "no-bypass", "pre
                     "sbb-dep", "branch-hint", "fast")
 
 
+def missing_cpu_features(target: "tvm.target.Target") -> list[str]:
+    """Instruction-set features an llvm target for this architecture uses that this CPU lacks (its code
+    would die of SIGILL here)."""
+    from tvm.target import codegen
+
+    return sorted(f for f in codegen.llvm_get_cpu_features(target) - codegen.llvm_get_cpu_features(llvm_target(1))
+                  if not f.startswith(_TUNING_FEATURES))
+
+
 def _llvm_spec(attrs: dict, threads: int | None) -> TargetSpec:
     """This machine's CPU by default; ``mcpu``/``mattr``/``mtriple`` as given.  Another architecture's triple
     is a cross build (its gcc found now, before any work); an ``mcpu`` with features this CPU lacks is built
@@ -514,8 +523,7 @@ def _llvm_spec(attrs: dict, threads: int | None) -> TargetSpec:
     if cross is not None:
         return TargetSpec("llvm", target, False, f"cross-compiled for {triple}: copy the output folder to such a "
                           "machine and run it there (run-model), or tune through --rpc", cross)
-    missing = sorted(f for f in codegen.llvm_get_cpu_features(target) - codegen.llvm_get_cpu_features(llvm_target(1))
-                     if not f.startswith(_TUNING_FEATURES))
+    missing = missing_cpu_features(target)
     if missing:
         return TargetSpec("llvm", target, False, f"this CPU ({host_cpu()}) lacks {', '.join(missing[:6])} that the "
                           "target uses: the model compiles but cannot run here")

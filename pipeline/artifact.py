@@ -26,7 +26,7 @@ import numpy as np
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, write_bytes_atomic
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.targets import arch_of, host_arch, use_threads
+from kerneltune.targets import arch_of, host_arch, missing_cpu_features, use_threads
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,12 @@ class Model:
         self.threads = _size_pool(self.requested_threads)
         import tvm
         from tvm import relax
+
+        if self.device_type == "cpu" and self.report.get("target_detail"):
+            missing = missing_cpu_features(tvm.target.Target(json.loads(self.report["target_detail"])))
+            if missing:
+                raise UserError(f"{self.directory} is built for a CPU with {', '.join(missing[:6])}, which this CPU "
+                                "lacks: run it on such a CPU, or rebuild with --target llvm")
 
         if not tvm.runtime.enabled(self.device_type) or not tvm.device(self.device_type, 0).exist:
             raise UserError(f"{self.directory} is built for {self.device_type}, which this TVM runtime cannot run "

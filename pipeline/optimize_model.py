@@ -43,7 +43,8 @@ class StageLog:
 
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
-                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
+                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
+                runs_here: bool = True) -> onnx.ModelProto:
     """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM on ``target``
     where this machine can run it, priced analytically otherwise), or the imported graph re-exported."""
     t0 = time.perf_counter()
@@ -57,7 +58,8 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
         return export_onnx(graph)
     from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
-    cost = make_cost_model("measured", check_name(target).cost_kind, TvmRunner(threads, target))
+    kind = check_name(target).cost_kind if runs_here else "not-here"  # a kind other than llvm: analytic cost
+    cost = make_cost_model("measured", kind, TvmRunner(threads, target))
     result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
              "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
@@ -126,7 +128,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         check_device(tuning.rpc)
     log = StageLog()
     optimized = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
-                            int(threads or 1), tuning.progress)
+                            int(threads or 1), tuning.progress, spec.can_run)
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
