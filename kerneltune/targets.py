@@ -566,6 +566,14 @@ def parse_target(name: str, threads: int | None = None) -> TargetSpec:
     return REGISTRY[req.kind].build(dict(req.attrs), threads)
 
 
+def check_can_tune(spec: TargetSpec, rpc: str | None) -> None:
+    """Tuning times kernels on the target: here, or on the ``--rpc`` device for a target this machine
+    cannot run (a cross build, a GPU absent here)."""
+    if not spec.can_run and not rpc:
+        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
+                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
+
+
 def device_for(spec: TargetSpec):
     """The TVM device that runs ``spec``'s code here; a UserError when this machine cannot."""
     import tvm

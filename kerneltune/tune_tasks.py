@@ -31,7 +31,7 @@ from kerneltune import templates
 from kerneltune.records import Record, RecordLog
 from kerneltune.scheduler import TaskInfo, make_scheduler
 from kerneltune.searchers import FACTOR_ONLY, make_searcher
-from kerneltune.targets import TargetSpec, gflops_ceiling, kind_of
+from kerneltune.targets import TargetSpec, check_can_tune, gflops_ceiling, kind_of
 from kerneltune.task import Task
 from kerneltune.tune import EnvFailureGuard, TaskTuner
 
@@ -137,14 +137,6 @@ def _lazy_measurer(target, rpc: str | None):
         return Measurer(target, rpc=rpc, cache_flush=flush)
 
     return LazyMeasurer(start, timing_of(flush))
-
-
-def check_can_tune(spec: TargetSpec, rpc: str | None) -> None:
-    """Tuning times kernels on the target: here, or on the ``--rpc`` device for a target this machine
-    cannot run (a cross build, a GPU absent here)."""
-    if not spec.can_run and not rpc:
-        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
-                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
 
 
 def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_path: str | Path,

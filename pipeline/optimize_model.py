@@ -26,8 +26,7 @@ from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 from graphopt.validate import check_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.records import RecordLog
-from kerneltune.targets import check_name, parse_target
-from kerneltune.tune_tasks import check_can_tune
+from kerneltune.targets import check_can_tune, check_name, parse_target
 from pipeline.artifact import deployment, tensor_specs
 from pipeline.frontend import legalize_for_tvm
 
