@@ -1,10 +1,11 @@
-"""``bench-model``: onnxruntime vs the TVM-compiled model, interleaved in one process.
+"""``bench-model``: onnxruntime vs the TVM-compiled model, in one process.
 
 Engines: onnxruntime, TVM with default schedules, TVM + graphopt, TVM + graphopt + our tuning, TVM +
 MetaSchedule (the last two with the same ``--trials``).  All run the same seeded inputs with the same
-thread count, alternating run by run (ORT, TVM, ..., ORT, TVM, ...) so a noisy neighbour on this shared
-2-core machine slows every engine alike instead of whichever ran last; the median is the headline and the
-min shows the floor.
+thread count, timed by :func:`graphopt.timing.time_blocks`: alternating blocks of back-to-back runs with
+an idle gap between engines, so each engine runs as it would alone (no other engine's threads spinning
+beside it) while a noisy neighbour on a shared machine still slows every engine alike; the median is the
+headline and the min shows the floor.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
 from graphopt.fileio import save_figure, write_text_atomic
 from graphopt.validate import ModelInput, check_model
-from graphopt.timing import Timing, time_interleaved
+from graphopt.timing import Timing, time_blocks
 from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, outputs_numpy, to_device
@@ -74,7 +75,7 @@ class BenchResult:
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
           trials: int = 0, samples: dict | None = None) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
-    onnxruntime on the original model, all interleaved in one loop.
+    onnxruntime on the original model, all timed together (:func:`graphopt.timing.time_blocks`).
 
     Every engine is first checked against onnxruntime on the check inputs (the samples, or several seeded
     sets); a wrong engine is a UserError: the latency of a wrong build means nothing.  The timed runs use
@@ -82,7 +83,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
     feeds = sample_feeds(imported.graph, samples, seed)
     sets = feed_sets(imported.graph, seed, samples)
     references = run_ort_sets(imported.onnx_model, sets, threads)
-    sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
+    sess = ort_session(imported.onnx_model, threads)  # as it runs alone: blocks with idle gaps (graphopt.timing)
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
     engines: dict[str, Callable[[], object]] = {"ort": lambda: sess.run(None, ort_feeds)}
@@ -105,7 +106,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
             raise UserError(f"'{ENGINES[key]}' differs from onnxruntime: {checks[key].reason()}; no latency of a "
                             "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
         engines[key] = run_tvm
-    times = time_interleaved(engines, runs)
+    times = time_blocks(engines, runs)
     return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials)
 
 
