@@ -50,6 +50,7 @@ class BenchResult:
     timings: dict[str, Timing]  # engine key -> timing (only the engines that ran)
     checks: dict[str, Comparison]  # TVM engine key -> its outputs vs onnxruntime's
     trials: int = 0
+    tuned_choice: tuning.BuildChoice | None = None  # which build the tuned engine is (the one optimize-model ships)
 
     @property
     def errors(self) -> dict[str, float]:
@@ -68,12 +69,14 @@ class BenchResult:
         out.update({f"{k}_min_ms": t.min_ms for k, t in self.timings.items()})
         out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
                    target=self.target, threads=self.threads, runs=self.runs, cpu=host_model_name(),
-                   mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()})
+                   mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()},
+                   tuned_choice=self.tuned_choice.to_json() if self.tuned_choice else None)
         return out
 
 
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
-          trials: int = 0, samples: dict | None = None) -> BenchResult:
+          trials: int = 0, samples: dict | None = None,
+          tuned_choice: tuning.BuildChoice | None = None) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
     onnxruntime on the original model, all timed together (:func:`graphopt.timing.time_blocks`).
 
@@ -107,7 +110,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
                             "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
         engines[key] = run_tvm
     times = time_blocks(engines, runs)
-    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials)
+    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials, tuned_choice)
 
 
 @dataclass
@@ -164,6 +167,8 @@ def format_table(res: BenchResult) -> str:
     for name, t, err in rows:
         lines.append(f"{name:<{width}}  {t.median_ms:>10.3f}  {t.min_ms:>10.3f}  {t.median_ms / ort:>6.2f}x  "
                      f"{'-' if err is None else f'{err:.3g}':>11}")
+    if res.tuned_choice and res.tuned_choice.note:
+        lines.append(f"'{ENGINES['tuned']}' is the build optimize-model ships: {res.tuned_choice.note}")
     return "\n".join(lines)
 
 
@@ -207,7 +212,12 @@ class BenchOptions:
 
 
 def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
-    """(imported original, {engine key: CompiledModel}) for every TVM variant the options ask for.
+    """(imported original, {engine key: CompiledModel}, tuned build choice or None) for every TVM variant the
+    options ask for.
+
+    The tuned engine is the build ``optimize-model`` would ship (:func:`pipeline.tuning.pick_build`): the
+    tuned schedules if they are faster end to end, else the default schedules - a benchmark of the product
+    reports what the user gets, and the choice (with its timings) says whether tuning won.
 
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
     serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
@@ -219,19 +229,22 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
     imported = import_model(model.proto, input_shapes)
     base = partition(imported.mod)
     engines = {"tvm": compile_partition(imported, base, spec)}
-    graph_part, graph_imported = base, imported
+    graph_part, graph_imported, graph_proto = base, imported, model.proto
+    choice = None
     if not opts.skip_graph:
         optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
                                 opts.progress)
-        graph_imported = import_model(optimized)
+        graph_imported, graph_proto = import_model(optimized), optimized
         graph_part = partition(graph_imported.mod)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
         result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
                             work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
-        engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
+        engines["tuned"], choice = tuning.pick_build(
+            compile_partition(graph_imported, graph_part, spec, result.best_configs), graph_imported, graph_part,
+            spec, result.best_configs, work / "records.jsonl", graph_proto.SerializeToString(), seed)
         if not opts.skip_metaschedule:
             ms_mod = metaschedule.tune(base, spec, opts.trials, work / "metaschedule", seed)
             engines["metaschedule"] = compile_partition(imported, base, spec, base=ms_mod)
-    return imported, engines
+    return imported, engines, choice
