@@ -22,6 +22,7 @@ from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, parse_target, set_num_threads
+from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
 from pipeline.optimize import TuneOptions, optimize_model
 
@@ -41,6 +42,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="fix a dynamic input's shape (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random check inputs")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS, help=LAYOUT_HELP)
 
 
 def set_threads(threads: int | None) -> int:
@@ -79,7 +81,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
                          args.skip_tune, not args.no_progress)
     res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
-                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning)
+                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, layout=args.layout)
     comp = res.report["stages"]["compile"]
     err = comp.get("max_abs_err")
     check = f"max abs err vs onnxruntime {err:.3g}" if err is not None else comp.get("not_run", "")
@@ -124,7 +126,7 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
-                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress)
+                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
     imported, engines = benchmark.compile_engines(args.model, spec, threads, parse_input_shapes(args.input_shape),
                                                   opts, args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),

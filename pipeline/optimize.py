@@ -85,12 +85,13 @@ class TuneOptions:
 
 def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
                    input_shapes: InputShapes | None = None, skip_graph: bool = False,
-                   seed: int = 0, tuning: TuneOptions | None = None) -> OptimizeResult:
+                   seed: int = 0, tuning: TuneOptions | None = None, layout: str = "auto") -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
-    report.md when tuning)."""
+    report.md when tuning).  ``layout``: the conv layouts (:mod:`pipeline.layout_search`)."""
     # Deferred: these load TVM (seconds), after the target and the file are checked (one-line errors at once).
     from pipeline.compile import ATOL, check_outputs, compile_partition
-    from pipeline.partition import partition, select_tasks
+    from pipeline.layout_search import partition_model
+    from pipeline.partition import select_tasks
     from pipeline.relax_import import import_model
     from pipeline.tuning import plot_tuning, tune_model
 
@@ -105,9 +106,10 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
-    part = partition(imported.mod)
+    part = partition_model(imported.mod, spec, layout)
     log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
-            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4))
+            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
+            layout=part.layout)
 
     tuned: dict[str, Any] = {}
     tune_result = None
