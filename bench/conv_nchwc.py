@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.fileio import write_text_atomic
+
 SHAPES = {
     "r50_3x3": dict(c=64, hw=56, f=64, k=3, stride=1, pad=1, groups=1),
     "r50_1x1": dict(c=256, hw=56, f=64, k=1, stride=1, pad=0, groups=1),
@@ -82,7 +84,8 @@ def kernel_runner(name: str, spec):
 
 
 def bench_shape(name: str, runs: int, threads: int) -> dict:
-    from graphopt.feeds import max_abs_err, ort_session, random_inputs
+    from graphopt.compare import max_abs_err
+    from graphopt.feeds import ort_session, random_inputs
     from graphopt.timing import time_interleaved
     from kerneltune.targets import device_for, parse_target, vector_lanes
     from pipeline import layout
@@ -200,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     out["load_after"] = os.getloadavg()
     text = json.dumps(out, indent=1)
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.json)
+        write_text_atomic(args.json, text)
     print(text)
     return 0
 

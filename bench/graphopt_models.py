@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
+from graphopt.fileio import save_figure, write_text_atomic
 from graphopt.timing import time_interleaved
 from kerneltune.targets import host_model_name, set_num_threads, tvm_num_threads
 from pipeline.cli import GRAPHOPT_COMPONENTS
@@ -142,8 +143,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_title("graphopt: before / after, end to end")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(doc, indent=2)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(text + "\n")
+    write_text_atomic(args.json, text + "\n")
     plot(rows, args.png)
     return 0
 

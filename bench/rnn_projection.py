@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from graphopt.fileio import write_text_atomic
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
 
-    from graphopt.feeds import max_abs_err, ort_session, random_inputs, run_ort
+    from graphopt.compare import max_abs_err
+    from graphopt.feeds import ort_session, random_inputs, run_ort
     from graphopt.onnx_io import import_onnx
     from models import build
     from pipeline.compile import compile_partition, device_for, outputs_numpy, to_device
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     return 0
 
 

@@ -10,8 +10,8 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
+from graphopt.fileio import write_text_atomic
 from graphopt.library import generate
 from graphopt.rules import LIBRARY_PATH, save_rules
 
@@ -30,8 +30,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     out = {**meta["stats"], "wall_seconds": round(wall, 1), "jobs": args.jobs, "cpu_count": os.cpu_count(),
            "details": meta["details"]}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_text_atomic(args.json, json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))
 
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from graphopt.fileio import save_figure, write_text_atomic
 from kerneltune.targets import parse_target, set_num_threads
 
 SCHEDULERS = ("gradient", "round-robin")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     out["e2e_ms"] = {k: t.median_ms for k, t in res.timings.items()}
     out["max_abs_err"] = res.max_abs_err
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_text_atomic(args.json, json.dumps(out, indent=1))
     summary = {k: v for k, v in out.items() if k != "schedulers"}
     summary["final_objective_ms"] = {k: v["final_objective_ms"] for k, v in out["schedulers"].items()}
     print(json.dumps(summary, indent=1))
@@ -145,7 +146,7 @@ def _plot(out: dict, rr_final: float, reach: int | None, path: str) -> None:
     ax.set_ylim(top=min(ax.get_ylim()[1], 2.0 * max(d["curve"][-1][1] for d in out["schedulers"].values())))
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ The convolutions run on the NCHW[x]c template (:mod:`kerneltune.templates.cpu_nc
 vector width), as the pipeline runs CNN convolutions; ``c2_nchw`` is C2 on the plain NCHW conv template.
 
 Every searcher measures through the same :class:`kerneltune.measure.Measurer` (builds in worker processes,
-timing one config at a time, outputs checked).  G-BFS and N-A2C only move prime factors: when the
+timing one config at a time, outputs checked) and gets the same warm start: trial 1 of each of our
+searchers is the template's default config, measured, recorded and observed before the search proposes
+anything (:func:`kerneltune.tune.tune`'s ``warm_start``, the path ``optimize-model`` takes), so OpEvo evolves
+from it and G-BFS / N-A2C expand it instead of the untiled config.  MetaSchedule searches its own schedule
+space, where our default has no equivalent: it starts cold.  G-BFS and N-A2C only move prime factors: when the
 template's space also has other knobs (the CPU template's unroll depth) they search the factor knobs with the
 other knobs at the template's ``default_config``, and the output says so.  MetaSchedule runs ``tune_tir``
 (evolutionary search + XGBoost cost model, its own schedule space) with the same trial count; a measure
@@ -43,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from graphopt.fileio import save_figure, write_text_atomic
 from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads, vector_lanes
 
 OPS: dict[str, dict[str, Any]] = {
@@ -83,16 +88,20 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
     from kerneltune.space import FactorKnob
     from kerneltune.tune import tune
 
+    from kerneltune.targets import gflops_ceiling
+
     space = templates.space_for(task, target)
+    default = templates.default_config(task, target)
     fixed, note = None, ""
     if searcher_name in FACTOR_ONLY and not space.factor_only:
-        fixed = templates.default_config(task, target)
+        fixed = default
         pinned = {k.name: v for k, v in zip(space.knobs, fixed) if not isinstance(k, FactorKnob)}
         note = f"factor knobs searched; non-factor knobs fixed at default_config {pinned}"
     searcher = make_searcher(searcher_name, space, seed, fixed=fixed)
     with RecordLog(records_path) as log:
         res = tune(space, searcher, lambda cs: measurer.measure(task, cs), trials, task_key=task.key,
-                   target=str(target), records=log, progress=True, desc=f"{searcher_name} s{seed}")
+                   target=str(target), records=log, progress=True, desc=f"{searcher_name} s{seed}",
+                   timing=measurer.timing, warm_start=default, flops=task.flops, ceiling=gflops_ceiling(target))
     return res.curve[:trials], note
 
 
@@ -139,7 +148,7 @@ def run_metaschedule(task, target, seed: int, trials: int, work_dir: Path) -> li
     for g in gflops[:trials]:
         best = max(best, g)
         curve.append(best)
-    done.write_text(json.dumps(curve))
+    write_text_atomic(done, json.dumps(curve))  # a resumed run reads it: whole or absent
     return curve
 
 
@@ -182,8 +191,7 @@ def plot(results: dict[str, Any], trials: int, path: str, peak: float | None = N
         ax.set_ylabel("best GFLOP/s")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def print_table(results: dict[str, Any], peak: float | None = None) -> None:
@@ -211,8 +219,7 @@ def report(doc: dict[str, Any], json_path: str | None, plot_path: str | None) ->
     text = json.dumps(doc, indent=1)
     print(text)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(text + "\n")
+        write_text_atomic(json_path, text + "\n")
     if plot_path:
         plot(results, doc["trials"], plot_path, doc["peak_gflops"])
 

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.cost.runners import GraphRunner
-from graphopt.fileio import write_bytes_atomic, write_text_atomic
+from graphopt.errors import ArgumentParser, UserError, seed
+from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
 from graphopt.library import add_rules_parser
 from graphopt.onnx_io import parse_input_shapes
 from graphopt.roundtrip import roundtrip
 from graphopt.stage import E2E_MARGIN, E2E_RUNS, GraphStageOptions, optimize_onnx
+from graphopt.validate import ModelInput, check_model, check_threads
 
 
 @dataclass(frozen=True)
@@ -29,28 +32,48 @@ class Components:
     check_target: Callable[[str], str]  # --target -> target kind; a UserError for an unknown one
 
 
-def _add_roundtrip(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("roundtrip", help="import -> IR -> export, run both in onnxruntime and compare")
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--json", help="also write the result as JSON to this file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="fix a dynamic input's shape (repeatable)")
+    p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) for the "
+                                                        "output check; their shapes fix the input shapes")
+
+
+def _checked_model(args: argparse.Namespace) -> ModelInput:
+    """The output paths, then the model: every input problem before any work."""
+    if args.json:
+        check_output_file(args.json, "--json")
+    if getattr(args, "output", None):
+        check_output_file(args.output, "-o")
+    return check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)
+
+
+def _add_roundtrip(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("roundtrip", help="import -> IR -> export, run both in onnxruntime and compare")
+    _add_model_arguments(p)
     p.set_defaults(run=_run_roundtrip)
 
 
 def _run_roundtrip(args: argparse.Namespace) -> int:
-    result = roundtrip(args.model, parse_input_shapes(args.input_shape), seed=args.seed)
+    model = _checked_model(args)
+    result = roundtrip(model.proto, model.input_shapes, seed=args.seed, samples=model.samples)
     text = json.dumps(result)
     print(text)
     if args.json:
         write_text_atomic(args.json, text + "\n")
-    return 0 if result["outputs_equal"] else 1
+    if not result["outputs_equal"]:  # a verdict on the IR (exit 1, like diff), not a bad input (exit 2)
+        print(f"error: the re-exported model differs from the input in onnxruntime ({result['check_failure']}); "
+              "the graph IR does not carry this model - please report it", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> None:
     p = sub.add_parser("optimize", help="apply the verified substitution library with a cost-based search")
-    p.add_argument("model", help="ONNX model file")
+    _add_model_arguments(p)
     p.add_argument("-o", "--output", required=True, help="where to write the optimized ONNX model")
     p.add_argument("--target", default="llvm",
                    help=f"target the cost model prices for ({', '.join(components.target_kinds)})")
@@ -69,10 +92,6 @@ def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> No
                    help="keep the optimized graph only if it runs at least this fraction faster end to end")
     p.add_argument("--e2e-runs", type=int, default=E2E_RUNS,
                    help="interleaved runs per model for the end-to-end check")
-    p.add_argument("--json", help="also write the report as JSON to this file")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
-                   help="fix a dynamic input's shape (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=lambda args: _run_optimize(args, components))
 
@@ -83,18 +102,23 @@ def _run_optimize(args: argparse.Namespace, components: Components) -> int:
                                 progress=not args.no_progress, e2e_check=not args.no_e2e_check,
                                 e2e_margin=args.e2e_margin, e2e_runs=args.e2e_runs)
     options.validate()
+    check_threads(args.threads)
+    model = _checked_model(args)
     cost = make_cost_model(args.cost, kind, components.runners[args.backend](args.threads))
-    optimized, report = optimize_onnx(args.model, cost, options, parse_input_shapes(args.input_shape), args.seed)
+    optimized, report = optimize_onnx(model.proto, cost, options, model.input_shapes, args.seed, model.samples)
+    if not report["outputs_equal"]:
+        raise UserError(f"the optimized graph differs from the input model in onnxruntime ({report['check_failure']}); "
+                        f"nothing was written to {args.output} - keep using the input model, and report this")
     write_bytes_atomic(args.output, optimized.SerializeToString())
     text = json.dumps(report)
     print(text)
     if args.json:
         write_text_atomic(args.json, text + "\n")
-    return 0 if report["outputs_equal"] else 1
+    return 0
 
 
 def build_parser(components: Components) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graphopt", description="Graph-level optimization of ONNX models")
+    parser = ArgumentParser(prog="graphopt", description="Graph-level optimization of ONNX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_roundtrip(sub)
     _add_optimize(sub, components)

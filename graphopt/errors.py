@@ -6,7 +6,10 @@ stderr naming the problem and the fix, and exit code 2 - never a traceback unles
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -16,6 +19,23 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+
+
+def seed(text: str) -> int:
+    """argparse ``type`` of every ``--seed``: numpy's generators take non-negative integers only (a negative
+    seed failed minutes into a run, at the first random draw)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a seed: give a non-negative integer")
+    return value
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one-line :class:`UserError` s (exit 2) like every other bad input,
+    instead of a multi-line usage block; sub-command parsers inherit the class."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see {self.prog} --help)")
 
 
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
@@ -36,6 +56,10 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
         except KeyboardInterrupt:
             print("error: interrupted; tuning records written so far are kept, rerun to resume", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # stdout closed by the reader (`| head`): nothing left to tell anyone
+            with contextlib.suppress(OSError):  # and no second BrokenPipeError when Python flushes at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         except UserError as exc:
             if debug:
                 raise

@@ -15,12 +15,14 @@ import hashlib
 import heapq
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import networkx as nx
 import numpy as np
 
 from graphopt.memo import IdentityCache
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 Dim = int | str  # str for a symbolic dimension that shape inference could not resolve
 
@@ -147,8 +149,10 @@ class Graph:
             raise ValueError("graph has a cycle")
         self.nodes = [self.nodes[i] for i in order]
 
-    def to_networkx(self) -> nx.MultiDiGraph:
+    def to_networkx(self) -> "nx.MultiDiGraph":
         """Node-level dataflow graph: vertices are node indices, edges carry the tensor name."""
+        import networkx as nx  # here, not at module level: it costs every command ~0.2 s at start-up
+
         g = nx.MultiDiGraph()
         produced = self.producers()
         index = {id(n): i for i, n in enumerate(self.nodes)}

@@ -21,7 +21,7 @@ from typing import Any
 
 from graphopt import ops
 from graphopt.errors import UserError
-from graphopt.fileio import write_bytes_atomic, write_text_atomic
+from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
 from graphopt.rules import LIBRARY_PATH, Rule, load_meta, load_rules, save_rules
 
 CACHE_DIR = Path(os.environ.get("GRAPHOPT_CACHE", Path.home() / ".cache" / "graphopt"))
@@ -195,6 +195,7 @@ def _library(path: str) -> Path:
 def _run_generate(args: argparse.Namespace) -> int:
     if args.max_ops < 1 or args.jobs < 1:
         raise UserError("--max-ops and --jobs must be at least 1")
+    check_output_file(args.output, "-o")
     meta, hit = generate_cached(Path(args.output), args.max_ops, args.jobs, args.timeout_ms, args.force)
     if hit:
         print(f"{args.output} is up to date (cache key {meta['cache_key']})", file=sys.stderr)
@@ -203,6 +204,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_stats(args: argparse.Namespace) -> int:
+    if args.json:
+        check_output_file(args.json, "--json")
     path = _library(args.library)
     meta = load_meta(path)
     rules = load_rules(path, verified_only=False)
@@ -229,6 +232,8 @@ def _run_show(args: argparse.Namespace) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     from graphopt.properties import PROPERTIES, check_property
     from graphopt.verifier import redundant_properties
+    if args.json:
+        check_output_file(args.json, "--json")
     results = []
     for p in PROPERTIES:
         r = check_property(p, per_params=args.per_params)

@@ -23,24 +23,37 @@ from graphopt.errors import UserError
 from graphopt.ir import Graph, Node, TensorInfo
 
 SUPPORTED_DTYPES = {
-    "float32", "float16", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
     "uint32", "uint64", "bool",
 }
 
 InputShapes = dict[str, tuple[int, ...]]
 
 
+# Largest dimension --input-shape takes: ONNX stores dims as int64; anything near that is refused here, and
+# sizes the machine cannot hold are refused by the memory estimate (graphopt.validate.check_memory).
+MAX_DIM = 2**62
+
+
 def parse_input_shapes(specs: list[str] | None) -> InputShapes:
-    """Parse ``--input-shape name=1,128`` options (repeatable)."""
+    """Parse ``--input-shape name=1,128`` options (repeatable): positive dimensions, one shape per name."""
     shapes: InputShapes = {}
     for spec in specs or []:
         name, sep, dims = spec.partition("=")
         try:
             if not sep or not name:
                 raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.split(",") if d.strip())
+            parsed = tuple(int(d) for d in dims.split(","))
         except ValueError:
             raise UserError(f"bad --input-shape {spec!r}: write NAME=D1,D2,... e.g. input_ids=1,128") from None
+        bad = next((d for d in parsed if d < 1 or d > MAX_DIM), None)
+        if bad is not None:
+            raise UserError(f"--input-shape {spec!r}: dimension {bad} is {'not positive' if bad < 1 else 'too large'}; "
+                            "give the sizes to compile for, e.g. input_ids=1,128")
+        if name in shapes and shapes[name] != parsed:
+            raise UserError(f"--input-shape gives {name!r} two shapes ({','.join(map(str, shapes[name]))} and "
+                            f"{','.join(map(str, parsed))}): give it once")
+        shapes[name] = parsed
     return shapes
 
 
@@ -51,9 +64,15 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise UserError(f"model file {str(p)!r} does not exist: check the path")
     if p.is_dir():
         raise UserError(f"{str(p)!r} is a directory: pass the path of an .onnx file")
+    if not p.is_file():  # a device (/dev/zero reads forever) or a pipe (blocks until written)
+        raise UserError(f"{str(p)!r} is not a regular file: pass the path of an .onnx file")
     try:
         model = onnx.load(str(p))
     except Exception as exc:  # protobuf raises DecodeError, RuntimeError or ValueError depending on damage
+        outside = _external_data_outside(p)
+        if outside:
+            raise UserError(f"{str(p)!r} names weights at {outside!r}, outside the model's folder; they are not read "
+                            "(a model file must not reach elsewhere): put the weights file next to the model") from None
         missing = _missing_external_data(p)
         if missing:
             raise UserError(f"{str(p)!r} keeps its weights in {missing!r}, which is not next to it: copy that file "
@@ -66,18 +85,27 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
-def _missing_external_data(p: Path) -> str | None:
-    """The first external-data file (large exports keep weights beside the .onnx) that does not exist."""
+def _external_locations(p: Path) -> list[str]:
     try:
         model = onnx.load(str(p), load_external_data=False)
     except Exception:  # noqa: BLE001 - the graph itself is unreadable: not an external-data problem
-        return None
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            location = next((e.value for e in t.external_data if e.key == "location"), "")
-            if location and not (p.parent / location).exists():
-                return location
+        return []
+    return [next((e.value for e in t.external_data if e.key == "location"), "") for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _external_data_outside(p: Path) -> str | None:
+    """The first external-data location that resolves outside the model's folder (onnx refuses to read it)."""
+    folder = p.parent.resolve()
+    for location in _external_locations(p):
+        if location and folder not in (folder / location).resolve().parents:
+            return location
     return None
+
+
+def _missing_external_data(p: Path) -> str | None:
+    """The first external-data file (large exports keep weights beside the .onnx) that does not exist."""
+    return next((loc for loc in _external_locations(p) if loc and not (p.parent / loc).exists()), None)
 
 
 def _dtype_name(elem_type: int) -> str:
@@ -95,21 +123,45 @@ def _tensor_info(vi: onnx.ValueInfoProto) -> TensorInfo:
     return TensorInfo(vi.name, _dtype_name(tt.elem_type), shape)
 
 
-def _override_input_shapes(model: onnx.ModelProto, shapes: InputShapes) -> None:
-    names = {i.name for i in model.graph.input}
+def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes) -> None:
+    """Set the dimensions of the named runtime inputs of ``model`` (in place).
+
+    Only dimensions the model leaves open (symbolic or unknown) may be set: a model exported with a fixed
+    size has shape-dependent constants (Reshape targets, slice ends) that a different size would break."""
+    inits = {t.name for t in model.graph.initializer}
+    names = {i.name for i in model.graph.input if i.name not in inits}
     for name in shapes:
+        if name in inits:
+            raise UserError(f"--input-shape names {name!r}, which is a weight (an initializer), not a runtime input")
         if name not in names:
             raise UserError(f"--input-shape names {name!r}, which is not a model input "
-                            f"(inputs: {', '.join(sorted(names))})")
+                            f"(inputs: {', '.join(sorted(names)) or 'none'})")
     for inp in model.graph.input:
         if inp.name in shapes:
             dims = shapes[inp.name]
             shp = inp.type.tensor_type.shape
             if len(shp.dim) and len(shp.dim) != len(dims):
                 raise UserError(f"--input-shape {inp.name}: model input has rank {len(shp.dim)}, got {len(dims)} dims")
+            for axis, (old, new) in enumerate(zip(shp.dim, dims)):
+                if old.HasField("dim_value") and old.dim_value != new:
+                    raise UserError(f"--input-shape {inp.name}: axis {axis} is fixed at {old.dim_value} in the model, "
+                                    f"got {new}; only dynamic dimensions can be set (re-export with that axis dynamic)")
             del shp.dim[:]
             for d in dims:
                 shp.dim.add().dim_value = d
+
+
+def require_static_inputs(model: onnx.ModelProto) -> None:
+    """Every runtime input must have a fully known shape (the kernels and the tuning records are per shape)."""
+    init_names = {t.name for t in model.graph.initializer}
+    for inp in model.graph.input:
+        if inp.name in init_names:
+            continue
+        info = _tensor_info(inp)
+        if not info.is_static:
+            dims = ",".join(str(d) for d in (info.shape or ("?",)))
+            raise UserError(f"input {inp.name!r} has unknown dimensions [{dims}]: pass "
+                            f"--input-shape {inp.name}=D1,D2,... with the sizes to compile for")
 
 
 def _constant_value(node: onnx.NodeProto) -> np.ndarray:
@@ -145,18 +197,9 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
     model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else load_model(model_or_path)
     model = onnx.ModelProto.FromString(model.SerializeToString())  # never mutate the caller's proto
     if input_shapes:
-        _override_input_shapes(model, input_shapes)
-    g = model.graph
-    init_names = {t.name for t in g.initializer}
+        apply_input_shapes(model, input_shapes)
     if require_static:
-        for inp in g.input:
-            if inp.name in init_names:
-                continue
-            info = _tensor_info(inp)
-            if not info.is_static:
-                dims = ",".join(str(d) for d in (info.shape or ("?",)))
-                raise UserError(f"input {inp.name!r} has unknown dimensions [{dims}]: pass "
-                                f"--input-shape {inp.name}=D1,D2,... with the sizes to compile for")
+        require_static_inputs(model)
     try:
         inferred = shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - malformed models make inference fail in many ways
@@ -275,7 +318,7 @@ def _rename_in_subgraphs(graph: Graph, rename: dict[str, str]) -> None:
 
 
 def _value_info_proto(info: TensorInfo) -> onnx.ValueInfoProto:
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)) if info.dtype != "bfloat16" else onnx.TensorProto.BFLOAT16
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype))
     shape = None if info.shape is None else [d if isinstance(d, int) else (None if d == "?" else d) for d in info.shape]
     return helper.make_tensor_value_info(info.name, elem, shape)
 

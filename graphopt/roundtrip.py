@@ -8,27 +8,31 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import onnx
 
 from graphopt import ops
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import compare_runs
+from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.onnx_io import InputShapes, account_nodes, export_onnx, import_onnx, load_model
 
 
 def roundtrip(model: onnx.ModelProto | str | os.PathLike, input_shapes: InputShapes | None = None,
-              seed: int = 0, tolerance: float = 1e-5) -> dict[str, Any]:
-    """Import and re-export ``model``, run both in onnxruntime on the same seeded inputs, compare."""
+              seed: int = 0, samples: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Import and re-export ``model``, run both in onnxruntime on the same inputs (the samples, or several
+    seeded random sets), compare (:mod:`graphopt.compare`)."""
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
     graph = import_onnx(proto, input_shapes)
     exported = export_onnx(graph)
-    feeds = random_inputs(graph, seed)
-    err = max_abs_err(run_ort(proto, feeds), run_ort(exported, feeds))
+    sets = feed_sets(graph, seed, samples)
+    check = compare_runs(list(zip(run_ort_sets(proto, sets), run_ort_sets(exported, sets))))
     return {
         "nodes": len(graph.nodes),
         "source_nodes": len(proto.graph.node),
         "opaque_nodes": sum(1 for n in graph.nodes if not ops.understood(n, graph)),
         # source nodes neither kept, nor folded (Constant), nor bypassed (Identity): must be 0
         "dropped_nodes": account_nodes(proto, graph)["dropped_nodes"],
-        "max_abs_err": err,
-        "outputs_equal": err <= tolerance,
+        **check.to_dict(),
+        "outputs_equal": check.ok,
+        "check_failure": check.reason(),
     }

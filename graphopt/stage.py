@@ -24,24 +24,26 @@ is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx
 
 from graphopt.cost.base import CostModel
 from graphopt.cost.kernel_count import KernelCountCost
 from graphopt.errors import UserError
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import compare_runs
+from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, search
 
-TOLERANCE = 1e-4
 E2E_MARGIN = 0.02  # the candidate must be this much faster end to end, beyond timing noise, to be kept
 E2E_RUNS = 20
 
@@ -61,10 +63,15 @@ class GraphStageOptions:
 
     def validate(self) -> None:
         """One-line errors for values a user can pass on the command line."""
-        if self.alpha < 1.0:
-            raise UserError(f"--alpha {self.alpha} is below 1.0: use 1.0 (greedy) or more (1.05 as in TASO)")
+        if not self.alpha >= 1.0 or math.isinf(self.alpha):  # NaN fails every comparison: "not >=" catches it
+            raise UserError(f"--alpha {self.alpha} must be a finite number of at least 1.0: use 1.0 (greedy) or "
+                            "more (1.05 as in TASO)")
         if self.budget < 1:
             raise UserError(f"--budget {self.budget} must be at least 1")
+        if not self.time_limit > 0:
+            raise UserError(f"--time-limit {self.time_limit} must be a positive number of seconds")
+        if self.e2e_runs < 1:
+            raise UserError(f"--e2e-runs {self.e2e_runs} must be at least 1")
         check_margin(self.e2e_margin)
 
 
@@ -201,18 +208,18 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
 
 def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
                   options: GraphStageOptions | None = None, input_shapes: InputShapes | None = None,
-                  seed: int = 0, tolerance: float = TOLERANCE) -> tuple[onnx.ModelProto, dict[str, Any]]:
+                  seed: int = 0, samples: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """:func:`optimize_graph` on an ONNX model: the optimized model and the stage report, whose
-    ``outputs_equal`` compares both models in onnxruntime on seeded inputs.  When the input is handed back,
-    that is ``model`` itself (``applied`` empty; ``candidate_applied`` and ``candidate_cost_after`` still say
-    what the search had found)."""
+    ``outputs_equal`` compares both models in onnxruntime on the check inputs (the samples, or several seeded
+    sets; :mod:`graphopt.compare`).  When the input is handed back, that is ``model`` itself (``applied``
+    empty; ``candidate_applied`` and ``candidate_cost_after`` still say what the search had found)."""
     start = time.perf_counter()
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
     graph = import_onnx(proto, input_shapes)
     res = optimize_graph(graph, cost, options)
     optimized = proto if res.kept == "original" else export_onnx(res.graph)
-    feeds = random_inputs(graph, seed)
-    err = max_abs_err(run_ort(proto, feeds), run_ort(optimized, feeds))
+    sets = feed_sets(graph, seed, samples)
+    check = compare_runs(list(zip(run_ort_sets(proto, sets), run_ort_sets(optimized, sets))))
     report = {
         "cost_before": res.cost_before,
         "cost_after": res.cost_after,
@@ -224,8 +231,9 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "seconds": time.perf_counter() - start,
         "search_seconds": res.search.seconds,
         "stopped_by": res.search.stopped_by,
-        "max_abs_err": err,
-        "outputs_equal": err <= tolerance,
+        **check.to_dict(),
+        "outputs_equal": check.ok,
+        "check_failure": check.reason(),
         "nodes_before": res.nodes_before,
         "nodes_after": len(res.graph.nodes),
         "folded_nodes": res.folded_nodes,

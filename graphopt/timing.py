@@ -55,3 +55,48 @@ def time_interleaved(runners: Mapping[K, Callable[[], object]], runs: int,
             run()
             samples[key].append((time.perf_counter() - t0) * 1e3)
     return {k: Timing(statistics.median(v), min(v)) for k, v in samples.items()}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A candidate timed against a baseline in several interleaved blocks (see :func:`compare`)."""
+
+    baseline_ms: float  # median over blocks of the baseline's per-block median
+    candidate_ms: float
+    ratios: tuple[float, ...]  # candidate / baseline median, per block
+    margin: float
+
+    @property
+    def ratio(self) -> float:
+        """The median of the per-block ratios: one disturbed block cannot decide."""
+        return statistics.median(self.ratios)
+
+    @property
+    def faster(self) -> bool:
+        """The candidate is faster than the baseline by more than the margin."""
+        return self.ratio <= 1.0 - self.margin
+
+    @property
+    def slower(self) -> bool:
+        """The candidate is slower than the baseline by more than the margin."""
+        return self.ratio >= 1.0 + self.margin
+
+
+def compare(baseline: Callable[[], object], candidate: Callable[[], object], margin: float, blocks: int = 3,
+            runs: int = 10, warmup: int = WARMUP,
+            timer: Callable[..., Mapping[str, Timing]] | None = None) -> Comparison:
+    """Time ``candidate`` against ``baseline``: ``blocks`` rounds of :func:`time_interleaved` (``runs`` timed
+    calls each), the order of the two swapped from block to block so that neither always runs first.
+
+    A decision taken on the result never hangs on one noisy timing: each block's ratio is a ratio of
+    medians, the verdict takes the median of the blocks' ratios, and ``faster`` / ``slower`` need it beyond
+    ``margin``.  ``timer`` replaces :func:`time_interleaved` (tests)."""
+    timer = timer or time_interleaved
+    ratios, base, cand = [], [], []
+    for b in range(max(1, blocks)):
+        order = (("baseline", baseline), ("candidate", candidate))
+        t = timer(dict(order if b % 2 == 0 else order[::-1]), runs, warmup)
+        base.append(t["baseline"].median_ms)
+        cand.append(t["candidate"].median_ms)
+        ratios.append(t["candidate"].median_ms / t["baseline"].median_ms)
+    return Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)

@@ -6,8 +6,10 @@
 SHAPE is ``M,K,N`` for matmul (A is MxK, B is KxN), ``B,M,K,N`` for batch_matmul and ``N,C,H,W,F,KH,KW`` for
 conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--json``) is
 ``{"best_gflops", "best_ms", "best_config", "trials", "numpy_gflops", ...}``; ``numpy_gflops`` is numpy's
-(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  Rerunning
-with the same ``--records`` resumes: stored configs count towards ``--trials`` and are not measured again.
+(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  The first
+trial is the template's default config (the warm start every searcher gets, :func:`kerneltune.tune.tune`).
+Rerunning the same command with the same ``--records`` resumes: the search runs again, finds what the
+interrupted run measured in the records and measures only the rest (:mod:`kerneltune.tune`).
 
 Structure: :func:`build_parser` declares the options, :func:`run_operator` does the single-operator mode.
 A model mode (``tune-kernels MODEL --list``) belongs to the pipeline, which owns model import: the console
@@ -22,21 +24,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from graphopt.errors import UserError
-from graphopt.fileio import write_text_atomic
+from graphopt.errors import ArgumentParser, UserError, seed
+from graphopt.fileio import check_output_file, write_text_atomic
+from graphopt.validate import TensorSize, check_memory, check_threads
 from kerneltune.baseline import numpy_gflops
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
-from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, parse_shape
-from kerneltune.targets import TARGET_HELP, check_name, parse_target
+from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
+from kerneltune.targets import TARGET_HELP, check_name, gflops_ceiling, parse_target
 from kerneltune.tune import tune
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad options as a one-line UserError (exit 2) instead of usage + exit."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see tune-kernels --help)")
-
 
 @dataclass(frozen=True)
 class ModelMode:
@@ -48,7 +44,7 @@ class ModelMode:
 
 
 def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser:
-    p = _Parser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
+    p = ArgumentParser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
     if model_mode is not None:
         model_mode.add_arguments(p)
     op = p.add_argument_group("single operator")
@@ -63,7 +59,7 @@ def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser
     tune.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     tune.add_argument("--searcher", default="opevo", help=f"{' | '.join(sorted(SEARCHERS))} (default opevo)")
     tune.add_argument("--trials", type=int, default=64, help="configs to measure in total (default 64)")
-    tune.add_argument("--seed", type=int, default=0, help="searcher seed (default 0)")
+    tune.add_argument("--seed", type=seed, default=0, help="searcher seed (default 0)")
     tune.add_argument("--records", help="JSON-lines records file; reused to resume")
     tune.add_argument("--json", help="also write the result JSON to this file")
     tune.add_argument("--threads", type=int, help="CPU threads for the kernels (default: all this process may use)")
@@ -85,17 +81,32 @@ def _check_operator_args(args: argparse.Namespace) -> None:
     if not args.shape:
         raise UserError("--shape is required (" + ", ".join(f"{k.shape} for {k.name}" for k in OP_KINDS.values())
                         + ")")
-    parse_shape(args.op, args.shape)
+    dims = parse_shape(args.op, args.shape)
     if args.searcher not in SEARCHERS:
         raise UserError(f"unknown searcher {args.searcher!r}; use one of {', '.join(sorted(SEARCHERS))}")
     if args.trials <= 0:
         raise UserError("--trials must be positive")
+    shapes = operand_shapes(args.op, dims, args.stride or 1, args.pad or 0, args.groups or 1)
+    # Extents beyond memory are refused here: the templates enumerate each axis's divisors.
+    check_memory([TensorSize(name, shape, "float32", "input") for name, shape in shapes.items()],
+                 hint="give a smaller --shape")
+    check_threads(args.threads)
+    check_threads(args.workers, "--workers")
+    check_output_paths(args)
     for names, given in ((("transpose_a", "transpose_b"), args.transpose_a or args.transpose_b),
                          (("stride", "pad", "groups"), any(getattr(args, n) is not None for n in ("stride", "pad", "groups")))):
         if given and not set(names) <= set(kind.options):
             takers = [k.name for k in OP_KINDS.values() if set(names) <= set(k.options)]
             raise UserError(f"{'/'.join('--' + n.replace('_', '-') for n in names)} apply to {' and '.join(takers)} only")
     check_name(args.target)
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """--records and --json are writable files, checked before any tuning."""
+    if args.records:
+        check_output_file(args.records, "--records")
+    if args.json:
+        check_output_file(args.json, "--json")
 
 
 def run_operator(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,10 +123,15 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     if not spec.can_run and not args.rpc:
         raise UserError(f"cannot measure on {args.target} here ({spec.note}); pass --rpc HOST:PORT:KEY of a "
                         "TVM RPC tracker with that device")
+    if args.rpc:
+        from kerneltune.runner import check_device
+
+        check_device(args.rpc)  # an unreachable device: one line now, not a run of failed trials
     space = templates.space_for(task, spec.target)
+    default = templates.default_config(task, spec.target)
     fixed = None
     if args.searcher in FACTOR_ONLY and not space.factor_only:
-        fixed = templates.default_config(task, spec.target)
+        fixed = default
         others = [k.name for k in space.knobs if type(k).__name__ != "FactorKnob"]
         print(f"note: {args.searcher} searches factor knobs only; {others} stay at the default config",
               file=sys.stderr)
@@ -133,7 +149,8 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         res = tune(space, searcher, measure, args.trials, task_key=task.key, target=target_key, records=records,
-                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm")
+                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm",
+                   warm_start=default, flops=task.flops, ceiling=gflops_ceiling(spec.target))
     finally:
         for m in measurer:
             m.close()
@@ -152,6 +169,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "measured_now": res.measured_now,
         "failures": res.failures,
+        "default_ms": res.warm_start_latency_s * 1e3 if res.warm_start_latency_s else None,
     }
 
 

@@ -55,3 +55,25 @@ def parse_shape(kind: str, shape: str | Sequence[int]) -> tuple[int, ...]:
     if len(dims) != k.arity or min(dims) <= 0:
         raise UserError(f"bad shape {shape!r} for {kind}: expected {k.arity} positive integers {k.shape}")
     return dims
+
+
+def operand_shapes(kind: str, dims: Sequence[int], stride: int = 1, pad: int = 0,
+                   groups: int = 1) -> dict[str, tuple[int, ...]]:
+    """The operand and result shapes of a standalone ``kind`` task (for the memory estimate), checking
+    that a conv2d's options make sense for its shape."""
+    if kind == "matmul":
+        m, k, n = dims
+        return {"A": (m, k), "B": (k, n), "C": (m, n)}
+    if kind == "batch_matmul":
+        b, m, k, n = dims
+        return {"A": (b, m, k), "B": (b, k, n), "C": (b, m, n)}
+    n, c, h, w, f, kh, kw = dims
+    if stride < 1 or pad < 0 or groups < 1:
+        raise UserError(f"conv2d needs --stride >= 1, --pad >= 0 and --groups >= 1 (got {stride}, {pad}, {groups})")
+    if c % groups or f % groups:
+        raise UserError(f"conv2d --groups {groups} must divide both C={c} and F={f}")
+    oh, ow = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
+    if oh < 1 or ow < 1:
+        raise UserError(f"conv2d kernel {kh}x{kw} is larger than the padded input {h + 2 * pad}x{w + 2 * pad}: "
+                        "give a smaller KH,KW or more --pad")
+    return {"data": (n, c, h, w), "weight": (f, c // groups, kh, kw), "output": (n, f, oh, ow)}

@@ -12,6 +12,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -40,18 +41,27 @@ def _resolve(name: str, cache: dict[str, Callable]) -> Callable:
 
 def _serve(conn, env: dict[str, str]) -> None:
     """Worker main loop: receive (function name, args), reply (True, value) or (False, invalid?, message,
-    traceback); ``invalid`` marks a config the template refused (its InvalidConfig)."""
+    traceback); ``invalid`` marks a config the template refused (its InvalidConfig).
+
+    Ctrl-C reaches the whole process group; the parent handles it (and ends its workers), so a worker
+    ignores SIGINT instead of printing a KeyboardInterrupt traceback.  A parent that is gone (killed, or
+    exited) shows up as a closed pipe: the worker ends quietly instead of printing a BrokenPipeError."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     funcs: dict[str, Callable] = {}
     while True:
         try:
             name, args = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         try:
-            conn.send((True, _resolve(name, funcs)(*args)))
+            reply = (True, _resolve(name, funcs)(*args))
         except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed item
-            conn.send((False, exc.__class__.__name__ == "InvalidConfig", short_error(exc), traceback.format_exc()))
+            reply = (False, exc.__class__.__name__ == "InvalidConfig", short_error(exc), traceback.format_exc())
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            return
 
 
 class Worker:

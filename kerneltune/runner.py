@@ -13,6 +13,8 @@ written by the previous kernel (see :mod:`kerneltune.measure`).
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from tvm import rpc as tvm_rpc
 from graphopt.errors import UserError
 from kerneltune.check import output_error
 from kerneltune.native_log import quiet_native_stderr
+from kerneltune.pool import short_error
 from kerneltune.prepack import pack_inputs
 
 # Timed calls with cold caches (one call per timing: the flush runs before each timing, not each call).
@@ -49,6 +52,56 @@ def check_rpc(rpc: str | None) -> None:
     """A one-line error for an ``--rpc`` that is neither HOST:PORT nor HOST:PORT:KEY."""
     if rpc is not None and len(rpc.split(":")) not in (2, 3):
         raise UserError(f"bad --rpc {rpc!r}: use HOST:PORT (RPC server) or HOST:PORT:KEY (tracker)")
+
+
+CONNECT_TIMEOUT_S = 10.0  # for the up-front reachability check of --rpc
+
+
+def check_device(rpc: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """A one-line UserError now when the ``--rpc`` device cannot be reached (tracker or server down, wrong
+    port, no device registered under the key), instead of a run whose every trial fails after minutes.
+    Runs before any work; a device that is busy (all sessions taken) is not an error."""
+    if rpc is None:
+        return
+    check_rpc(rpc)
+    parts = rpc.split(":")
+    host, port, what = parts[0], parts[1], "tracker" if len(parts) == 3 else "server"
+    if not port.isdigit():
+        raise UserError(f"bad --rpc {rpc!r}: the port {port!r} is not a number")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot reach the RPC {what} at {host}:{port} ({exc.strerror or exc}); start it or fix "
+                        "--rpc HOST:PORT:KEY") from None
+    if what == "tracker":
+        summary = _within(timeout, lambda: tvm_rpc.connect_tracker(host, int(port)).summary())
+        if summary is None:
+            raise UserError(f"the RPC tracker at {host}:{port} did not answer within {timeout:.0f} s; check --rpc")
+        keys = sorted({str(s.get("key", "")).split(":", 1)[-1] for s in summary.get("server_info", [])})
+        if parts[2] not in keys:
+            raise UserError(f"the RPC tracker at {host}:{port} has no device registered under key {parts[2]!r} "
+                            f"(registered: {', '.join(keys) or 'none'}); start an RPC server with --key "
+                            f"{parts[2]} or fix --rpc")
+    elif _within(timeout, lambda: open_session(rpc, int(timeout)) is not None) is None:
+        raise UserError(f"the RPC server at {host}:{port} did not open a session within {timeout:.0f} s; check "
+                        "--rpc")
+
+
+def _within(timeout: float, fn):
+    """``fn()`` in a daemon thread; its value, or None when it raised or did not return within ``timeout``."""
+    out: list = []
+
+    def call():
+        try:
+            out.append(fn())
+        except Exception:  # noqa: BLE001 - the caller turns "no answer" into one line
+            pass
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out[0] if out else None
 
 
 def open_session(rpc: str | None, session_timeout: int):
@@ -97,11 +150,14 @@ def run(task, lib_path: str, config: RunConfig, check_above: float | None,
             _PACKED.clear()
             _PACKED[pkey] = pack_inputs(inputs, packings)
         inputs = _PACKED[pkey]
-    sess = open_session(config.rpc, config.session_timeout)
-    sess.upload(lib_path)
-    with quiet_native_stderr():  # the RPC layer logs every load_module on fd 2
-        lib = sess.load_module(os.path.basename(lib_path))
-    dev = sess.device(config.device, 0)
+    try:  # a failure here is the device's or the connection's, never the config's (kerneltune.failures)
+        sess = open_session(config.rpc, config.session_timeout)
+        sess.upload(lib_path)
+        with quiet_native_stderr():  # the RPC layer logs every load_module on fd 2
+            lib = sess.load_module(os.path.basename(lib_path))
+        dev = sess.device(config.device, 0)
+    except Exception as exc:  # noqa: BLE001 - reported as an environmental failure of this trial
+        return None, f"session failed: {short_error(exc)}"
     args = [tvm.runtime.tensor(x, dev) for x in inputs]
     outs = [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs]
     # One probe call first: a slow kernel (G-BFS starts from untiled loops, ~0.5 s a call at 128x768x3072)

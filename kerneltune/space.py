@@ -40,15 +40,22 @@ def prime_factors(n: int) -> list[int]:
     return out
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, built from its prime factors: O(sqrt n) for the factoring instead of a
+    scan of 1..n, which spun for minutes on a 99999999999-long axis.  (Extents are bounded by memory before
+    they get here - graphopt.validate.check_memory - so sqrt n stays small.)"""
+    out = [1]
+    factors = prime_factors(n)
+    for p in sorted(set(factors)):
+        out = [d * p**k for d in out for k in range(factors.count(p) + 1)]
+    return sorted(out)
+
+
 def factorizations(product: int, n: int) -> list[tuple[int, ...]]:
     """All ordered n-tuples of positive ints whose product is ``product``."""
     if n == 1:
         return [(product,)]
-    out = []
-    for d in range(1, product + 1):
-        if product % d == 0:
-            out.extend((d,) + rest for rest in factorizations(product // d, n - 1))
-    return out
+    return [(d,) + rest for d in divisors(product) for rest in factorizations(product // d, n - 1)]
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ class FactorKnob:
         """Move one prime factor p of slot i to slot j (i != j)."""
         out = []
         for i, vi in enumerate(v):
-            for p in set(prime_factors(vi)):
+            for p in sorted(set(prime_factors(vi))):  # a fixed order: searchers replay exactly
                 for j in range(self.n):
                     if j != i:
                         w = list(v)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,11 +271,39 @@ def check_name(name: str) -> tuple[str, str | None]:
         raise UserError(f"unknown target {name!r}: use one of {', '.join(KINDS)} (e.g. --target llvm)")
     if kind == "llvm" and arch:
         raise UserError(f"--target {name!r}: llvm takes no architecture, it compiles for this host's CPU")
+    pattern = ARCH_PATTERNS.get(kind)
+    if arch and pattern and not re.fullmatch(pattern, arch):
+        example = REGISTRY[kind].arch_example
+        raise UserError(f"--target {name!r}: {arch!r} is not a {kind} architecture; write {kind}:{example}, e.g. "
+                        f"{kind}:{DEFAULT_CUDA_ARCH if kind == 'cuda' else DEFAULT_ROCM_ARCH}")
     return kind, arch
+
+
+# What an architecture after ``cuda:`` / ``rocm:`` looks like (TVM fails deep in code generation otherwise):
+# NVIDIA compute capabilities sm_50 ... sm_120a, AMD GPU names gfx803 ... gfx1201.
+ARCH_PATTERNS = {"cuda": r"sm_\d{2,3}[a-z]?", "rocm": r"gfx[0-9a-f]{3,4}"}
 
 
 def _llvm_spec(arch: str | None, threads: int | None) -> TargetSpec:
     return TargetSpec("llvm", llvm_target(threads), True)
+
+
+# Clock and FMA pipes no x86 core exceeds (boost clocks top out near 6 GHz; two FMA pipes per core), and a
+# factor 2 on top: the ceiling only has to catch impossible numbers (a forged 1e6 GFLOP/s), never a real one.
+_CPU_GHZ, _FMA_PIPES, _CEILING_SLACK = 6.0, 2, 2.0
+# fp32 GFLOP/s no GPU reaches without tensor cores (an H100 does ~67 TFLOP/s), which our templates never use.
+_GPU_CEILING = 2e5
+
+
+def _cpu_ceiling(target: "tvm.target.Target") -> float:
+    lanes = vector_lanes(target, "float32")
+    return num_cores(target) * lanes * 2 * _FMA_PIPES * _CPU_GHZ * _CEILING_SLACK
+
+
+def gflops_ceiling(target: "tvm.target.Target") -> float:
+    """GFLOP/s no kernel can reach on ``target`` (fp32 FMA peak with headroom): a stored record claiming
+    more is forged or corrupt and is never believed (:func:`kerneltune.tune.record_problem`)."""
+    return _cpu_ceiling(target) if not kind_of(target).is_gpu else _GPU_CEILING
 
 
 REGISTRY: dict[str, TargetKind] = {k.name: k for k in (

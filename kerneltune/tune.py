@@ -1,10 +1,24 @@
-"""The tuning loop: the searcher proposes a batch, the measurer measures it, records are appended, the
-searcher observes.
+"""The tuning loop of one task: the searcher proposes a batch, the measurer measures it, records are
+appended, the searcher observes.
 
-Resuming is part of the loop, not an afterthought: records already in the file for this (task, target) are
-replayed into the searcher's ``observe`` before anything is measured, they count towards ``trials``, and the
-searcher never proposes them again (every searcher refuses to repeat an observed config).  So rerunning the
-same command after a crash finishes the remaining trials, and rerunning a finished one measures nothing.
+Resuming is a re-execution, not a replay of the file into the searcher: a resumed run runs the same loop
+again, and every config the searcher proposes is first looked up in the records (:class:`ResultCache`);
+only what is missing is measured.  Searchers are deterministic functions of their seed and of the
+(propose, observe) calls they receive, so with the same seed the rerun proposes exactly the configs the
+interrupted run proposed, finds their results in the file, and carries on from where the kill struck: its
+searcher state, trial counts and best config are the uninterrupted run's.  (Replaying stored records
+through ``observe`` alone would not do: N-A2C learns from its own rollouts, which a replay never makes.)
+Records the rerun does not propose (another seed or searcher wrote them) are not used.  Rerunning a
+finished command measures nothing.
+
+The warm start: ``warm_start`` (the template's default config) is measured first, recorded like any trial
+and observed by the searcher, so every searcher starts from the same known-good point and "best found"
+can never be worse than the default it would replace.
+
+Failures (:mod:`kerneltune.failures`): config failures are recorded and final; environmental ones are
+recorded as such, are not taken from the records on resume (measured again), and a run whose measurements
+keep failing for environmental reasons stops with one line (:class:`EnvFailureGuard`) instead of spending
+its budget on nothing.
 """
 from __future__ import annotations
 
@@ -16,6 +30,8 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
+from graphopt.errors import UserError
+from kerneltune.failures import ENVIRONMENT, classify_batch
 from kerneltune.records import Record, RecordLog
 from kerneltune.searchers.base import Searcher
 from kerneltune.space import Config, SearchSpace
@@ -24,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # A measurer that raises (instead of reporting per-config failures) this many batches in a row is broken.
 MAX_CONSECUTIVE_MEASURE_CRASHES = 3
+# Environmental failures in a row (no config ran in between) after which a run stops: two batches' worth.
+ENV_FAILURE_LIMIT = 16
+# Relative disagreement between a record's GFLOP/s and the task's FLOPs / its latency that marks it forged.
+GFLOPS_CONSISTENCY = 1e-3
 
 Measure = Callable[[list[Config]], Sequence[Any]]   # results with .gflops, .latency_s, .error (+ .build_s, .run_s)
 
@@ -37,6 +57,7 @@ class TuneResult:
     measured_now: int           # of which measured by this call
     curve: list[float] = field(default_factory=list)   # best GFLOPS so far after each trial, in order
     failures: int = 0
+    warm_start_latency_s: float | None = None   # the warm start's (default config's) latency, if it ran
 
 
 @dataclass
@@ -48,91 +69,234 @@ class _Failed:
     latency_s: float | None = None
 
 
-def replay(space: SearchSpace, records: list[Record]) -> list[tuple[Config, Record]]:
-    """Configs of stored records that belong to this space, first occurrence only."""
-    out, seen, foreign = [], set(), 0
-    for rec in records:
+@dataclass(frozen=True)
+class Outcome:
+    """One trial's result as the loop uses it (measured now or taken from the records)."""
+
+    gflops: float
+    latency_s: float | None
+    error: str | None
+    failure: str | None
+
+
+def record_problem(rec: Record, flops: float | None, ceiling: float | None) -> str | None:
+    """Why a (well-formed) record cannot be a result of this task, or None: GFLOP/s inconsistent with the
+    task's FLOPs and the recorded latency, or above what the target can possibly reach."""
+    if rec.gflops <= 0:
+        return None
+    if flops:
+        expected = flops / rec.latency_s / 1e9
+        if abs(expected - rec.gflops) > GFLOPS_CONSISTENCY * max(expected, rec.gflops):
+            return (f"gflops {rec.gflops:.4g} disagrees with the task's {flops:.4g} FLOPs in "
+                    f"{rec.latency_s:.4g} s ({expected:.4g})")
+    if ceiling and rec.gflops > ceiling:
+        return f"gflops {rec.gflops:.4g} is above the target's ceiling of {ceiling:.4g} GFLOP/s"
+    return None
+
+
+class ResultCache:
+    """What the records already hold for one task: config -> its first usable record.
+
+    Not usable (and so measured again if proposed): environmental failures, records whose config is not a
+    point of this task's space (the space changed), and records inconsistent with the task
+    (:func:`record_problem`, warned about once each)."""
+
+    def __init__(self, space: SearchSpace, records: Sequence[Record], flops: float | None = None,
+                 ceiling: float | None = None, task_key: str = ""):
+        self._by_config: dict[Config, Record] = {}
+        foreign = 0
+        for rec in records:
+            try:
+                c = space.from_dict(rec.config)
+            except (KeyError, TypeError):
+                c = None
+            if c is None or not space.contains(c):
+                foreign += 1
+                continue
+            if rec.environmental or c in self._by_config:
+                continue
+            why = record_problem(rec, flops, ceiling)
+            if why:
+                log.warning("warning: a stored record of %s is not believable (%s); ignored", task_key or "a task",
+                            why)
+                continue
+            self._by_config[c] = rec
+        if foreign:
+            log.warning("warning: %d stored records do not fit this task's search space (space changed?); ignored",
+                        foreign)
+
+    def get(self, config: Config) -> Record | None:
+        return self._by_config.get(config)
+
+    def __len__(self) -> int:
+        return len(self._by_config)
+
+
+class EnvFailureGuard:
+    """Stops a run whose measurements fail for environmental reasons: :data:`ENV_FAILURE_LIMIT` in a row, or
+    every measurement of the run (a tuning run that measured nothing is an error, not a success).  One guard
+    may watch many tasks (a model's run)."""
+
+    def __init__(self, limit: int = ENV_FAILURE_LIMIT):
+        self.limit = limit
+        self.in_a_row = 0
+        self.measured = 0
+        self.environmental = 0
+        self.last: str | None = None
+
+    def update(self, outcomes: Sequence[Outcome]) -> None:
+        for o in outcomes:
+            self.measured += 1
+            if o.failure == ENVIRONMENT:
+                self.environmental += 1
+                self.in_a_row += 1
+                self.last = o.error
+            elif o.error is None:
+                self.in_a_row = 0
+        if self.in_a_row >= self.limit:
+            raise UserError(f"{self.in_a_row} measurements in a row failed for reasons outside the configs "
+                            f"(last: {self._last()}); fix the machine or the --rpc device and rerun the same "
+                            "command: these trials are measured again")
+
+    def check_end(self) -> None:
+        """A UserError when every measurement of the run failed environmentally."""
+        if self.measured and self.environmental == self.measured:
+            raise UserError(f"all {self.measured} measurements failed for reasons outside the configs "
+                            f"(last: {self._last()}); fix the machine or the --rpc device and rerun the same "
+                            "command: these trials are measured again")
+
+    def _last(self) -> str:
+        return (self.last or "?").splitlines()[0][:160]
+
+
+class TaskTuner:
+    """One task's tuning state across batches: its searcher, the results its records already hold, the best
+    config so far, and the counts.  :func:`tune` drives one; :func:`kerneltune.tune_tasks.tune_tasks` drives
+    one per task, batch by batch as the task scheduler decides."""
+
+    def __init__(self, space: SearchSpace, searcher: Searcher, measure: Measure, *, task_key: str, target: str,
+                 records: RecordLog | None = None, timing: str = "warm", flops: float | None = None,
+                 ceiling: float | None = None, stored: Sequence[Record] | None = None,
+                 guard: EnvFailureGuard | None = None):
+        self.space, self.searcher, self.measure = space, searcher, measure
+        self.task_key, self.target, self.records, self.timing = task_key, target, records, timing
+        if stored is None and records is not None:
+            records.acquire()  # one tuner per file, before its contents are trusted
+            stored = records.load(task_key, target, timing)
+        self.cache = ResultCache(space, stored or [], flops, ceiling, task_key)
+        self.guard = guard or EnvFailureGuard()
+        self.best: tuple[float, Config | None, float | None] = (0.0, None, None)  # (GFLOPS, config, latency)
+        self.curve: list[float] = []
+        self.failures = 0
+        self.measured_now = 0
+        self.from_records = 0
+        self.exhausted = False
+        self.warm_start_latency_s: float | None = None
+        self._crashes = 0
+
+    @property
+    def trials(self) -> int:
+        return len(self.curve)
+
+    def warm_start(self, config: Config) -> None:
+        """Measure (or look up) ``config`` first and let the searcher observe it (one trial)."""
+        config = tuple(tuple(v) if isinstance(v, list) else v for v in config)
+        if not self.space.contains(config):
+            log.warning("warning: the warm-start config of %s is not in its search space; not used", self.task_key)
+            return
+        outcome = self.run([config])[0]
+        self.warm_start_latency_s = outcome.latency_s if outcome.gflops > 0 else None
+
+    def step(self, n: int) -> int:
+        """One batch of up to ``n`` new configs from the searcher; returns how many (0: space exhausted)."""
+        configs = self.searcher.propose(n)
+        if not configs:
+            log.info("the search space of %s is exhausted after %d configs", self.task_key, self.trials)
+            self.exhausted = True
+            return 0
+        self.run(configs)
+        return len(configs)
+
+    def run(self, configs: list[Config]) -> list[Outcome]:
+        """Look each config up in the records, measure the missing ones as one batch, record them, let the
+        searcher observe the whole batch (in order), and account for it."""
+        stored = [self.cache.get(c) for c in configs]
+        todo = [c for c, r in zip(configs, stored) if r is None]
+        fresh = iter(self._measure(todo) if todo else [])
+        outcomes = [Outcome(r.gflops, r.latency_s if r.gflops > 0 else None, r.error, r.failure)
+                    if r is not None else next(fresh) for r in stored]
+        self.from_records += len(configs) - len(todo)
+        self.searcher.observe(configs, [o.gflops for o in outcomes])
+        for c, o in zip(configs, outcomes):
+            if o.gflops > self.best[0]:
+                self.best = (o.gflops, c, o.latency_s)
+            self.failures += o.gflops <= 0
+            self.curve.append(self.best[0])
+        return outcomes
+
+    def _measure(self, configs: list[Config]) -> list[Outcome]:
         try:
-            c = space.from_dict(rec.config)
-        except (KeyError, TypeError):
-            c = None
-        if c is None or not space.contains(c):
-            foreign += 1
-            continue
-        if c not in seen:
-            seen.add(c)
-            out.append((c, rec))
-    if foreign:
-        log.warning("warning: %d stored records do not fit this task's search space (space changed?); ignored",
-                    foreign)
-    return out
+            results = list(self.measure(configs))
+            if len(results) != len(configs):
+                raise RuntimeError(f"measurer returned {len(results)} results for {len(configs)} configs")
+            self._crashes = 0
+            raised = False
+        except UserError:
+            raise
+        except Exception as exc:   # noqa: BLE001 - one bad batch must not end a long tuning run
+            self._crashes += 1
+            if self._crashes >= MAX_CONSECUTIVE_MEASURE_CRASHES:
+                raise
+            log.warning("warning: measuring a batch failed (%s: %s); recorded as failures", type(exc).__name__, exc)
+            results = [_Failed(f"measurer raised {type(exc).__name__}: {exc}") for _ in configs]
+            raised = True  # MAX_CONSECUTIVE_MEASURE_CRASHES, not the guard, decides when that is fatal
+        gflops = [max(0.0, float(getattr(r, "gflops", 0.0) or 0.0)) for r in results]
+        errors = [None if g > 0 else (getattr(r, "error", None) or "no result") for r, g in zip(results, gflops)]
+        failures = classify_batch(errors)
+        outcomes = [Outcome(g, getattr(r, "latency_s", None) if g > 0 else None, e, f)
+                    for r, g, e, f in zip(results, gflops, errors, failures)]
+        if self.records is not None:
+            self.records.append(Record(
+                task=self.task_key, target=self.target, config=self.space.as_dict(c), gflops=o.gflops,
+                latency_s=o.latency_s, error=o.error, time=time.time(), timing=self.timing, failure=o.failure,
+                extra={k: getattr(r, k) for k in ("build_s", "run_s") if getattr(r, k, None) is not None},
+            ) for c, r, o in zip(configs, results, outcomes))
+        self.measured_now += len(configs)
+        if not raised:
+            self.guard.update(outcomes)
+        return outcomes
+
+    def result(self) -> TuneResult:
+        return TuneResult(best_config=self.best[1], best_gflops=self.best[0], best_latency_s=self.best[2],
+                          trials=self.trials, measured_now=self.measured_now, curve=list(self.curve),
+                          failures=self.failures, warm_start_latency_s=self.warm_start_latency_s)
 
 
 def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, *, task_key: str,
          target: str, records: RecordLog | None = None, batch_size: int | None = None,
-         progress: bool = True, desc: str = "tuning", timing: str = "warm") -> TuneResult:
-    """Measure up to ``trials`` distinct configs in total (stored ones included) and return the best.
+         progress: bool = True, desc: str = "tuning", timing: str = "warm", warm_start: Config | None = None,
+         flops: float | None = None, ceiling: float | None = None) -> TuneResult:
+    """Spend ``trials`` distinct configs in total (the warm start and those found in the records included)
+    and return the best.
 
     ``timing`` names how ``measure`` takes latencies (``Measurer.timing``): it is stored with each record and
-    only records of the same timing are resumed.
+    only records of the same timing are resumed.  ``flops`` and ``ceiling`` (the task's FLOPs, the target's
+    GFLOP/s ceiling) let stored records be checked before they are believed.
     """
     batch_size = batch_size or searcher.batch_size
-    best: tuple[float, Config | None, float | None] = (0.0, None, None)
-    curve: list[float] = []
-    failures = 0
-
-    def account(c: Config, gflops: float, latency: float | None) -> None:
-        nonlocal best, failures
-        if gflops > best[0]:
-            best = (gflops, c, latency)
-        failures += gflops <= 0
-        curve.append(best[0])
-
-    prior = replay(space, records.load(task_key, target, timing)) if records is not None else []
-    for i in range(0, len(prior), batch_size):
-        chunk = prior[i:i + batch_size]
-        searcher.observe([c for c, _ in chunk], [r.gflops for _, r in chunk])
-        for c, r in chunk:
-            account(c, r.gflops, r.latency_s)
-    if prior:
-        log.info("resumed %d measured configs from %s", len(prior), records.path)
-
-    bar = tqdm(total=trials, initial=min(len(prior), trials), desc=desc, file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
-    bar.set_postfix(best_gflops=f"{best[0]:.1f}")
-    crashes = 0
+    tuner = TaskTuner(space, searcher, measure, task_key=task_key, target=target, records=records, timing=timing,
+                      flops=flops, ceiling=ceiling)
+    bar = tqdm(total=trials, desc=desc, file=sys.stderr, disable=not progress, dynamic_ncols=True)
     try:
-        while len(curve) < trials:
-            configs = searcher.propose(min(batch_size, trials - len(curve)))
-            if not configs:
-                log.info("the search space is exhausted after %d configs", len(curve))
-                break
-            try:
-                results = list(measure(configs))
-                if len(results) != len(configs):
-                    raise RuntimeError(f"measurer returned {len(results)} results for {len(configs)} configs")
-                crashes = 0
-            except Exception as exc:   # noqa: BLE001 - one bad batch must not end a long tuning run
-                crashes += 1
-                if crashes >= MAX_CONSECUTIVE_MEASURE_CRASHES:
-                    raise
-                log.warning("warning: measuring a batch failed (%s: %s); recorded as failures",
-                            type(exc).__name__, exc)
-                results = [_Failed(f"measurer raised {type(exc).__name__}: {exc}") for _ in configs]
-            gflops = [max(0.0, float(getattr(r, "gflops", 0.0) or 0.0)) for r in results]
-            if records is not None:
-                records.append(Record(
-                    task=task_key, target=target, config=space.as_dict(c), gflops=g,
-                    latency_s=getattr(r, "latency_s", None) if g > 0 else None,
-                    error=getattr(r, "error", None), time=time.time(), timing=timing,
-                    extra={k: getattr(r, k) for k in ("build_s", "run_s") if getattr(r, k, None) is not None},
-                ) for c, r, g in zip(configs, results, gflops))
-            searcher.observe(configs, gflops)
-            for c, r, g in zip(configs, results, gflops):
-                account(c, g, getattr(r, "latency_s", None) if g > 0 else None)
-            bar.update(len(configs))
-            bar.set_postfix(best_gflops=f"{best[0]:.1f}")
+        if warm_start is not None and trials > 0:
+            tuner.warm_start(warm_start)
+            bar.update(tuner.trials)
+        while tuner.trials < trials and not tuner.exhausted:
+            bar.update(tuner.step(min(batch_size, trials - tuner.trials)))
+            bar.set_postfix(best_gflops=f"{tuner.best[0]:.1f}")
     finally:
         bar.close()
-    return TuneResult(best_config=best[1], best_gflops=best[0], best_latency_s=best[2], trials=len(curve),
-                      measured_now=len(curve) - len(prior), curve=curve, failures=failures)
+    if tuner.from_records:
+        log.info("resumed %d measured configs from %s", tuner.from_records, records.path if records else "records")
+    tuner.guard.check_end()
+    return tuner.result()

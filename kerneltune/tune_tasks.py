@@ -1,12 +1,20 @@
 """Multi-task tuning: spend a global trial budget over a model's tasks (MetaSchedule's task-scheduler loop).
 
-A task scheduler (:mod:`kerneltune.scheduler`: Ansor's gradient rule or round-robin) picks which task gets
-the next batch; :func:`kerneltune.tune.tune` runs that batch with the task's own searcher (kept across
-rounds, so its population / model carries on) and appends every measurement to the records file.
-The objective is the model's kernel time, sum of weight x best latency.
+Round 0 measures every task's default schedule (the template's ``default_config``, what ``--skip-tune``
+compiles) through the same measurer as any trial - cold caches when the measurer flushes them, the fused
+epilogue, the kernel as the model runs it - records it like any trial (it counts towards ``--trials``) and
+lets the task's searcher observe it: the same warm start for every searcher.  A task keeps its default
+unless a tuned config beats it.  Then a task scheduler (:mod:`kerneltune.scheduler`: Ansor's gradient rule
+or round-robin), starting from the defaults' measured latencies, picks which task gets the next batch;
+:class:`kerneltune.tune.TaskTuner` runs that batch with the task's own searcher (kept across rounds, so its
+population / model carries on) and appends every measurement to the records file.  The objective is the
+model's kernel time, sum of weight x best latency.
 
-Resuming: before the first round every task replays its stored records (same file, same target) into its
-searcher; those trials count towards ``--trials``, so rerunning a finished command measures nothing.
+Resuming: the whole loop runs again with the same seed.  Every batch a searcher proposes is looked up in the
+records first and only what is missing is measured, so the scheduler sees the same latencies in the same
+order and takes the same decisions: the per-task allocation and the final configs of a run killed at any
+point and resumed are those of the uninterrupted run (searchers and the scheduler are deterministic given
+their seed and inputs).  Rerunning a finished command measures nothing.
 """
 from __future__ import annotations
 
@@ -20,12 +28,12 @@ from tqdm import tqdm
 
 from graphopt.errors import UserError
 from kerneltune import templates
-from kerneltune.records import RecordLog
+from kerneltune.records import Record, RecordLog
 from kerneltune.scheduler import TaskInfo, make_scheduler
 from kerneltune.searchers import FACTOR_ONLY, make_searcher
-from kerneltune.targets import TargetSpec
+from kerneltune.targets import TargetSpec, gflops_ceiling
 from kerneltune.task import Task
-from kerneltune.tune import tune
+from kerneltune.tune import EnvFailureGuard, TaskTuner
 
 
 @dataclass(frozen=True)
@@ -60,9 +68,9 @@ class TaskTuning:
     kind: str
     weight: int
     flops: float
-    default_ms: float | None  # the template's default config, measured in this run
-    best_ms: float | None  # best tuned config (None when nothing beat failure)
-    trials: int = 0  # measured for this task in total, resumed ones included
+    default_ms: float | None  # the template's default config, measured (or taken from the records) as trial 1
+    best_ms: float | None  # best config measured, the default included (None when nothing ran)
+    trials: int = 0  # measured for this task in total (the default and resumed ones included)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (global trials spent, best ms) per round
 
     @property
@@ -73,51 +81,56 @@ class TaskTuning:
 
 @dataclass
 class TuningResult:
-    best_configs: dict[str, Any]  # task key -> config (only where tuning beat the default)
+    best_configs: dict[str, Any]  # task key -> config (only where a tuned config beat the measured default)
     tasks: list[TaskTuning]
     trials: int
     objective: list[tuple[int, float]]  # (global trials spent, sum weight x best ms) after each round
     scheduler: str
     searcher: str
     seconds: float
-
-
-class _NoReplay:
-    """The records log seen by later rounds of a task: appends go to the file, nothing is replayed again
-    (the task's searcher already observed its stored records in the first round)."""
-
-    def __init__(self, log):
-        self._log = log
-        self.path = log.path
-
-    def load(self, *_: Any, **__: Any) -> list:
-        return []
-
-    def append(self, records) -> None:
-        self._log.append(records)
+    measured_now: int = 0  # trials measured by this run (the rest came from the records)
 
 
 @dataclass
 class _State:
     task: TuningTask
-    space: Any
-    searcher: Any
+    tuner: TaskTuner
+    default: Any
     report: TaskTuning
-    best: tuple[float, Any] = (math.inf, None)  # (latency s, config)
-    exhausted: bool = False
+
+    def refresh(self) -> None:
+        """Copy the tuner's counts and best into the report."""
+        self.report.trials = self.tuner.trials
+        lat = self.tuner.best[2]
+        self.report.best_ms = lat * 1e3 if lat else None
+
+    @property
+    def latency_s(self) -> float:
+        return (self.report.final_ms or math.inf) / 1e3
 
 
 def _objective(states: list[_State]) -> float:
     return sum(s.report.weight * (s.report.final_ms or math.inf) for s in states)
 
 
+def _merge_duplicates(tasks: list[TuningTask]) -> list[TuningTask]:
+    """Tasks sharing a key get one config in the compiled model: tune them once, their weights summed."""
+    merged: dict[str, TuningTask] = {}
+    for t in tasks:
+        first = merged.get(t.task.key)
+        merged[t.task.key] = t if first is None else TuningTask(first.task, first.weight + t.weight, first.index)
+    return list(merged.values())
+
+
 def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_path: str | Path,
                scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
                measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
-    """Tune ``tasks`` with ``trials`` measurements in total.
+    """Tune ``tasks`` with ``trials`` measurements in total (the defaults of round 0 included).
 
     ``measure_factory(target, rpc)`` returns a context manager with ``measure(task, configs)``; the default
-    is :class:`kerneltune.measure.Measurer` (tests pass a fake one).
+    is :class:`kerneltune.measure.Measurer` (tests pass a fake one).  Raises a UserError when the records
+    file is held by another tuner, or when the measurements fail for environmental reasons
+    (:class:`kerneltune.tune.EnvFailureGuard`).
     """
     if not tasks:
         raise UserError("no task to tune")
@@ -127,66 +140,82 @@ def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_p
     if measure_factory is None:
         # Deferred: the measurer starts worker processes; tests and resumed runs pass their own.
         from kerneltune.measure import Measurer
+        from kerneltune.runner import check_device
 
+        check_device(rpc)  # an unreachable --rpc device: one line now, not minutes of failed trials
         # Cold caches (CPU): in the model a kernel's weights come from DRAM, see kerneltune.measure.
         measure_factory = lambda target, rpc_: Measurer(target, rpc=rpc_, cache_flush=True)  # noqa: E731
+    tasks = _merge_duplicates(tasks)
     target = spec.target
     target_key = str(target)
+    ceiling = gflops_ceiling(target)
     log = RecordLog(records_path)
+    log.acquire()  # one tuner per records file, before its contents are trusted
     t0 = time.perf_counter()
-    states: list[_State] = []
-    with measure_factory(target, rpc) as m:
-        timing = getattr(m, "timing", "warm")
-        spent = 0
-        for t in tasks:
-            space = templates.space_for(t.task, target)
-            default = templates.default_config(t.task, target)
-            fixed = default if searcher in FACTOR_ONLY and not space.factor_only else None
-            srch = make_searcher(searcher, space, seed, fixed=fixed)
-            base = m.measure(t.task, [default])[0]
-            rep = TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops,
-                             base.latency_s * 1e3 if base.latency_s else None, None)
-            st = _State(t, space, srch, rep)
-            # Replay stored records (resume): counts towards the budget, measures nothing.
-            res = tune(space, srch, lambda cs, task=t.task: m.measure(task, cs), 0, task_key=t.task.key,
-                       target=target_key, records=log, progress=False, timing=timing)
-            _account(st, res, space)
-            spent += res.trials
-            states.append(st)
+    guard = EnvFailureGuard()
+    try:
+        with measure_factory(target, rpc) as m:
+            timing = getattr(m, "timing", "warm")
+            stored: dict[str, list[Record]] = {}
+            for rec in log.load(target=target_key, timing=timing):
+                stored.setdefault(rec.task, []).append(rec)
+            states = []
+            for t in tasks:
+                space = templates.space_for(t.task, target)
+                default = templates.default_config(t.task, target)
+                fixed = default if searcher in FACTOR_ONLY and not space.factor_only else None
+                tuner = TaskTuner(space, make_searcher(searcher, space, seed, fixed=fixed),
+                                  lambda cs, task=t.task: m.measure(task, cs), task_key=t.task.key,
+                                  target=target_key, records=log, timing=timing, flops=t.flops, ceiling=ceiling,
+                                  stored=stored.get(t.task.key, []), guard=guard)
+                states.append(_State(t, tuner, default,
+                                     TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops, None, None)))
+            spent, objective = _run_rounds(states, trials, scheduler, progress)
+    finally:
+        log.close()
+    guard.check_end()
+    best = {}
+    for s in states:
+        config = s.tuner.best[1]
+        if config is None or config == s.default or s.report.best_ms is None:
+            continue
+        # A task keeps its default unless a tuned config beats it (a default that failed to run beats nothing).
+        if s.report.default_ms is None or s.report.best_ms < s.report.default_ms:
+            best[s.report.key] = config
+    return TuningResult(best, [s.report for s in states], spent, objective, scheduler, searcher,
+                        time.perf_counter() - t0, sum(s.tuner.measured_now for s in states))
+
+
+def _run_rounds(states: list[_State], trials: int, scheduler: str, progress: bool) -> tuple[int, list]:
+    """Round 0 (every task's default, in task order), then the scheduler's rounds until the budget is spent
+    or every search space is exhausted.  Returns (trials spent, objective after each round)."""
+    spent = 0
+    bar = tqdm(total=trials, desc="tuning", disable=not progress, unit="trial")
+    try:
+        for s in states:
+            if spent >= trials:
+                break
+            s.tuner.warm_start(s.default)
+            lat = s.tuner.warm_start_latency_s
+            s.report.default_ms = lat * 1e3 if lat else None
+            s.refresh()
+            spent += s.tuner.trials
+            bar.update(s.tuner.trials)
         sched = make_scheduler(scheduler, [TaskInfo(s.task.name, s.task.weight, s.task.flops, s.task.kind,
-                                                    (s.report.final_ms or math.inf) / 1e3) for s in states])
+                                                    s.latency_s) for s in states])
         objective = [(spent, _objective(states))]
-        bar = tqdm(total=trials, initial=min(spent, trials), desc="tuning", disable=not progress, unit="trial")
-        try:
-            while spent < trials and not all(s.exhausted for s in states):
-                i = sched.next_task()
-                st = states[i]
-                if st.exhausted:
-                    sched.update(i, (st.report.final_ms or math.inf) / 1e3)
-                    continue
-                n = min(st.searcher.batch_size, trials - spent)
-                res = tune(st.space, st.searcher, lambda cs, task=st.task.task: m.measure(task, cs), n,
-                           task_key=st.task.task.key, target=target_key, records=_NoReplay(log), progress=False,
-                           timing=timing)
-                st.exhausted = res.measured_now == 0
-                _account(st, res, st.space)
-                spent += res.measured_now
-                bar.update(res.measured_now)
-                sched.update(i, (st.report.final_ms or math.inf) / 1e3)
-                st.report.curve.append((spent, st.report.final_ms or math.inf))
+        while spent < trials and not all(s.tuner.exhausted for s in states):
+            i = sched.next_task()
+            s = states[i]
+            if not s.tuner.exhausted:
+                n = s.tuner.step(min(s.tuner.searcher.batch_size, trials - spent))
+                s.refresh()
+                spent += n
+                bar.update(n)
+                s.report.curve.append((spent, s.report.final_ms or math.inf))
                 objective.append((spent, _objective(states)))
                 bar.set_postfix(objective_ms=f"{objective[-1][1]:.2f}")
-        finally:
-            bar.close()
-            log.close()
-    best = {s.report.key: s.best[1] for s in states
-            if s.best[1] is not None and (s.report.default_ms is None or s.best[0] * 1e3 < s.report.default_ms)}
-    return TuningResult(best, [s.report for s in states], spent, objective, scheduler, searcher,
-                        time.perf_counter() - t0)
-
-
-def _account(st: _State, res, space) -> None:
-    st.report.trials += res.trials  # the replay call: stored ones; later rounds: measured now
-    if res.best_config is not None and res.best_latency_s and res.best_latency_s < st.best[0]:
-        st.best = (res.best_latency_s, res.best_config)
-        st.report.best_ms = res.best_latency_s * 1e3
+            sched.update(i, s.latency_s)
+    finally:
+        bar.close()
+    return spent, objective

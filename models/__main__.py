@@ -2,22 +2,20 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import onnx
-
-from graphopt.errors import UserError, cli_entry
+from graphopt.errors import ArgumentParser, cli_entry, seed
+from graphopt.fileio import check_output_file, write_bytes_atomic
 from models.registry import MODELS, build, get_model
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m models", description="Build the benchmark ONNX models")
+    p = ArgumentParser(prog="python -m models", description="Build the benchmark ONNX models")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the model names with a one-line description")
     b = sub.add_parser("build", help="build one model and save it as ONNX")
     b.add_argument("name", help="model name (see list)")
     b.add_argument("-o", "--output", required=True, help="output .onnx file")
-    b.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    b.add_argument("--seed", type=seed, default=0, help="seed for the random weights")
     return p
 
 
@@ -30,15 +28,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec.name:<{width}}  {spec.description}")
         return 0
     get_model(args.name)  # fail on a bad name before creating anything
-    out = Path(args.output)
-    if out.is_dir():
-        raise UserError(f"output {str(out)!r} is a directory: pass a file name such as {args.name}.onnx")
+    out = check_output_file(args.output, "-o")
     model = build(args.name, args.seed)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(model, str(out))
-    except OSError as exc:
-        raise UserError(f"cannot write {str(out)!r} ({exc.strerror or exc}); choose a writable path with -o") from None
+    write_bytes_atomic(out, model.SerializeToString())
     print(f"wrote {out} ({len(model.graph.node)} nodes, {out.stat().st_size / 1e6:.1f} MB)")
     return 0
 

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from graphopt.feeds import max_abs_err, ort_session, random_inputs
-from graphopt.fileio import write_text_atomic
-from graphopt.onnx_io import load_model
+from graphopt.compare import Comparison, compare_runs
+from graphopt.errors import UserError
+from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
+from graphopt.fileio import save_figure, write_text_atomic
+from graphopt.validate import ModelInput, check_model
 from graphopt.timing import Timing, time_interleaved
 from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
@@ -46,8 +48,13 @@ class BenchResult:
     threads: int
     runs: int
     timings: dict[str, Timing]  # engine key -> timing (only the engines that ran)
-    errors: dict[str, float]  # TVM engine key -> max abs err vs onnxruntime
+    checks: dict[str, Comparison]  # TVM engine key -> its outputs vs onnxruntime's
     trials: int = 0
+
+    @property
+    def errors(self) -> dict[str, float]:
+        """TVM engine key -> max abs err vs onnxruntime."""
+        return {k: c.max_abs_err for k, c in self.checks.items()}
 
     @property
     def max_abs_err(self) -> float:
@@ -55,26 +62,32 @@ class BenchResult:
 
     def to_json(self) -> dict:
         """Flat keys as issues 2 and 6 specify (``ort_ms``, ``tvm_ms``, ``graphopt_ms``, ``tuned_ms``,
-        ``metaschedule_ms``: median ms or null when not run; ``max_abs_err`` over all TVM engines)."""
+        ``metaschedule_ms``: median ms or null when not run; ``max_abs_err`` over all TVM engines), and each
+        engine's full check (``checks``: abs and rel error, tolerance, top-1 agreement)."""
         out: dict = {f"{k}_ms": (self.timings[k].median_ms if k in self.timings else None) for k in ENGINES}
         out.update({f"{k}_min_ms": t.min_ms for k, t in self.timings.items()})
         out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
                    target=self.target, threads=self.threads, runs=self.runs, cpu=host_model_name(),
-                   mcpu=host_cpu())
+                   mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()})
         return out
 
 
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
-          trials: int = 0) -> BenchResult:
+          trials: int = 0, samples: dict | None = None) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
-    onnxruntime on the original model, all interleaved in one loop."""
-    feeds = random_inputs(imported.graph, seed)
+    onnxruntime on the original model, all interleaved in one loop.
+
+    Every engine is first checked against onnxruntime on the check inputs (the samples, or several seeded
+    sets); a wrong engine is a UserError: the latency of a wrong build means nothing.  The timed runs use
+    the samples (or the first seeded set)."""
+    feeds = sample_feeds(imported.graph, samples, seed)
+    sets = feed_sets(imported.graph, seed, samples)
+    references = run_ort_sets(imported.onnx_model, sets, threads)
     sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
-    reference = sess.run(None, ort_feeds)
     engines: dict[str, Callable[[], object]] = {"ort": lambda: sess.run(None, ort_feeds)}
-    errors: dict[str, float] = {}
+    checks: dict[str, Comparison] = {}
     spec = None
     for key, cm in compiled.items():
         spec = cm.spec
@@ -87,10 +100,14 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
             dev.sync()
             return out
 
-        errors[key] = max_abs_err(reference, outputs_numpy(run_tvm()))
+        checks[key] = compare_runs([(ref, outputs_numpy(main(*to_device(f, cm.input_names, dev))))
+                                    for f, ref in zip(sets, references)])
+        if not checks[key].ok:
+            raise UserError(f"'{ENGINES[key]}' differs from onnxruntime: {checks[key].reason()}; no latency of a "
+                            "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
         engines[key] = run_tvm
     times = time_interleaved(engines, runs)
-    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, errors, trials)
+    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials)
 
 
 @dataclass
@@ -100,14 +117,14 @@ class KernelTime:
     ms: float  # total per model run
 
 
-def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0) -> list[KernelTime]:
+def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0, samples: dict | None = None) -> list[KernelTime]:
     """Per-kernel time inside the VM (``set_instrument`` times each call in place), slowest first.
 
     This is what says which kernels dominate end to end, cold caches and call overheads included.
     """
     dev = device_for(compiled.spec)
     vm = compiled.vm()
-    args = to_device(random_inputs(imported.graph, seed), compiled.input_names, dev)
+    args = to_device(sample_feeds(imported.graph, samples, seed), compiled.input_names, dev)
     vm["main"](*args)  # warm-up outside the instrument
     total: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -173,8 +190,7 @@ def plot(res: BenchResult, path: str | os.PathLike) -> None:
     for i, v in enumerate(med):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -191,18 +207,22 @@ class BenchOptions:
     layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
 
 
-def compile_engines(model_path: str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
+def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
     """(imported original, {engine key: CompiledModel}) for every TVM variant the options ask for.
 
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
-    serves both the graphopt engine and (with its tuned configs) the tuned engine.
+    serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
+    model (:func:`graphopt.validate.check_model`) or a path, checked here.
     """
-    imported = import_model(model_path, input_shapes)
+    if not isinstance(model, ModelInput):
+        model = check_model(model, input_shapes)
+    input_shapes = model.input_shapes
+    imported = import_model(model.proto, input_shapes)
     base = partition_model(imported.mod, spec, opts.layout)
     engines = {"tvm": compile_partition(imported, base, spec)}
     graph_part, graph_imported = base, imported
     if not opts.skip_graph:
-        optimized = graph_stage(load_model(model_path), input_shapes, False, StageLog(), spec.kind, threads,
+        optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
                                 opts.progress)
         graph_imported = import_model(optimized)
         graph_part = partition_model(graph_imported.mod, spec, opts.layout)

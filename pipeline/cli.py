@@ -11,13 +11,19 @@ TVM imports below are deferred into the functions for that reason, and to keep `
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
+from pathlib import Path
+from typing import Callable
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.errors import UserError, cli_entry
-from graphopt.onnx_io import load_model, parse_input_shapes
+from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
+from graphopt.fileio import FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir
+from graphopt.onnx_io import parse_input_shapes
+from graphopt.validate import check_model, check_threads
 from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
@@ -27,11 +33,20 @@ from pipeline.model_mode import MODEL_MODE
 from pipeline.optimize import TuneOptions, optimize_model
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one-line UserErrors (exit 2) like every other bad input."""
+def console_script(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Run as a console script (``argv`` None: the command line is the process's own), the process's
+    temporary files go to a private folder removed at exit, and by the next run after a SIGKILL
+    (:func:`graphopt.fileio.private_tempdir`); called in-process with an argument list (tests), the
+    caller's temporary folder is left alone."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see {self.prog} --help)")
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        if argv is None:
+            with contextlib.suppress(OSError):  # an unwritable /tmp: the system's folder, as before
+                private_tempdir()
+        return main(argv)
+
+    return wrapper
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -41,22 +56,28 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for TVM and onnxruntime (default: the cores this process may use)")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="fix a dynamic input's shape (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random check inputs")
+    p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
+                                                        "every check and timing; their shapes fix the input shapes")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
     p.add_argument("--layout", default="auto", choices=LAYOUTS, help=LAYOUT_HELP)
 
 
 def set_threads(threads: int | None) -> int:
     """Fix the thread count for TVM's pool before it starts; returns the count used."""
-    if threads is not None and threads < 1:
-        raise UserError(f"--threads {threads}: give a positive number of threads")
-    n = threads or default_threads()
+    n = check_threads(threads) or default_threads()
     set_num_threads(n)
     return n
 
 
+def _check_searcher(name: str) -> None:
+    if name not in SEARCHERS:
+        raise UserError(f"unknown searcher {name!r}; use one of {', '.join(SEARCHERS)}")
+
+
+@console_script
 @cli_entry
 def optimize_model_main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
+    p = ArgumentParser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
     _common(p)
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json")
@@ -76,24 +97,32 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.trials < 0:
         raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
+    _check_searcher(args.searcher)
     threads = set_threads(args.threads)
 
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
                          args.skip_tune, not args.no_progress)
     res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
-                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, layout=args.layout)
+                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs,
+                         layout=args.layout)
     comp = res.report["stages"]["compile"]
-    err = comp.get("max_abs_err")
-    check = f"max abs err vs onnxruntime {err:.3g}" if err is not None else comp.get("not_run", "")
-    print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json "
-          f"({len(res.report['tasks'])} kernels; {check})")
+    check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
+    if comp.get("top1_agreement") is not None:
+        check += f", top-1 agreement {comp['top1_agreement']:.1%}"
+    if comp.get("not_run"):
+        check += f"; kernels not run: {comp['not_run']}"
+    print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json ({len(res.report['tasks'])} kernels; {check})")
+    note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
+@console_script
 @cli_entry
 def bench_model_main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="bench-model", description="Latency of onnxruntime vs the TVM-compiled "
-                                "model (default schedules, + graphopt, + tuning, MetaSchedule).")
+    p = ArgumentParser(prog="bench-model", description="Latency of onnxruntime vs the TVM-compiled "
+                       "model (default schedules, + graphopt, + tuning, MetaSchedule).")
     _common(p)
     p.add_argument("--runs", type=int, default=30, help="timed runs per engine (default 30)")
     p.add_argument("--trials", type=int, default=0,
@@ -106,7 +135,7 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-metaschedule", action="store_true", help="no MetaSchedule engine (it is slow)")
     p.add_argument("--json", metavar="FILE", help="write ort_ms, tvm_ms, graphopt_ms, tuned_ms, metaschedule_ms, "
                                                   "max_abs_err, trials to FILE")
-    p.add_argument("--plot", metavar="FILE.png", help="bar chart of the latencies")
+    p.add_argument("--plot", metavar="FILE.png", help=f"bar chart of the latencies ({', '.join(FIGURE_FORMATS)})")
     p.add_argument("--profile", action="store_true", help="also print the time per kernel (slowest first) of "
                                                           "the best TVM engine")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -115,11 +144,18 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         raise UserError(f"--runs {args.runs}: give at least 1 run")
     if args.trials < 0:
         raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
+    _check_searcher(args.searcher)
     threads = set_threads(args.threads)
-
-
     check_name(args.target)
-    load_model(args.model)  # fail fast on a bad file, before TVM loads
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+        if Path(args.plot).suffix.lstrip(".").lower() not in FIGURE_FORMATS:
+            raise UserError(f"--plot {args.plot!r}: name a .png, .pdf or .svg file")
+    if args.work_dir:
+        check_output_dir(args.work_dir, "--work-dir")
+    model = check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)  # before TVM loads
     from pipeline import benchmark  # deferred: loads TVM (seconds)
 
     spec = parse_target(args.target, threads)
@@ -127,10 +163,9 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
                                   args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
-    imported, engines = benchmark.compile_engines(args.model, spec, threads, parse_input_shapes(args.input_shape),
-                                                  opts, args.seed)
+    imported, engines = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
-                          args.trials)
+                          args.trials, model.samples)
     print(benchmark.format_table(res))
     if args.json:
         benchmark.write_json(res, args.json)
@@ -139,7 +174,8 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     if args.profile:
         best = min(engines, key=lambda k: res.timings[k].median_ms)
         print(f"kernels of '{benchmark.ENGINES[best]}':")
-        print(benchmark.format_profile(benchmark.profile_kernels(engines[best], imported, seed=args.seed)))
+        print(benchmark.format_profile(benchmark.profile_kernels(engines[best], imported, seed=args.seed,
+                                                                 samples=model.samples)))
     return 0
 
 
@@ -157,12 +193,14 @@ GRAPHOPT_COMPONENTS = graphopt_cli.Components(
 )
 
 
+@console_script
 @cli_entry
 def graphopt_main(argv: list[str] | None = None) -> int:
     """``graphopt``: graphopt's own CLI with the TVM engine plugged into its measured cost model."""
     return graphopt_cli.main(argv, GRAPHOPT_COMPONENTS)
 
 
+@console_script
 @cli_entry
 def tune_kernels_main(argv: list[str] | None = None) -> int:
     """``tune-kernels``: kerneltune's single-operator CLI plus the pipeline's model mode (``MODEL --list``)."""

@@ -9,8 +9,8 @@ Which schedule a kernel gets, in order of preference:
 4. on ``llvm``, everything else gets dlight's CPU rules (reductions such as softmax / layer norm) or
    :mod:`pipeline.cpu_rules` (elementwise and layout kernels: parallel + vectorize).
 
-The result is checked against onnxruntime before anything is written, because a wrong schedule is worse
-than a slow one.
+The result is checked against onnxruntime before anything is written (:func:`check_outputs`, with
+:mod:`graphopt.compare`), because a wrong schedule is worse than a slow one.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -28,7 +28,9 @@ import tvm
 from tvm import relax
 from tvm.s_tir import dlight as dl
 
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import Comparison, compare_runs
+from graphopt.feeds import feed_sets, run_ort_sets
+from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
 from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
@@ -39,10 +41,6 @@ from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 
 log = logging.getLogger(__name__)
-
-# Output check tolerance (issue 6): fp32 kernels that re-associate sums differ from onnxruntime by ~1e-6.
-ATOL = 1e-4
-
 
 @dataclass
 class CompiledModel:
@@ -58,16 +56,15 @@ class CompiledModel:
         return relax.VirtualMachine(self.executable, device_for(self.spec))
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write the shared library; for rocm also the AMDGPU code object next to it (``.hsaco``), which is
-        what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
+        """Write the shared library atomically; for rocm also the AMDGPU code object next to it (``.hsaco``),
+        which is what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        with quiet_native_stderr():  # one 'Scope Saving' warning per kernel otherwise
-            self.executable.export_library(str(p))
+        with atomic_path(p) as tmp, quiet_native_stderr():  # one 'Scope Saving' warning per kernel otherwise
+            self.executable.export_library(str(tmp))
         if self.spec.kind == "rocm":
             objs = amdgpu_code_objects(p.read_bytes())
             if objs:
-                p.with_suffix(".hsaco").write_bytes(objs[0])
+                write_bytes_atomic(p.with_suffix(".hsaco"), objs[0])
         return p
 
 
@@ -183,6 +180,21 @@ def to_device(feeds: dict[str, np.ndarray], names: Sequence[str], dev) -> list:
     return [tvm.runtime.tensor(feeds[n], dev) for n in names]
 
 
+def model_runner(compiled: CompiledModel, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    """One inference of ``compiled`` on ``feeds`` (already on the device), returning when the result is
+    ready: a runner for :mod:`graphopt.timing`."""
+    dev = device_for(compiled.spec)
+    main = compiled.vm()["main"]
+    args = to_device(feeds, compiled.input_names, dev)
+
+    def run() -> object:
+        out = main(*args)
+        dev.sync()
+        return out
+
+    return run
+
+
 def outputs_numpy(result) -> list[np.ndarray]:
     """VM results are a tensor or a (nested) tuple of tensors; flatten in output order."""
     if hasattr(result, "numpy"):
@@ -197,17 +209,11 @@ def run(vm: relax.VirtualMachine, args: list) -> list[np.ndarray]:
     return outputs_numpy(vm["main"](*args))
 
 
-@dataclass
-class CheckResult:
-    max_abs_err: float
-    ok: bool
-
-
 def check_outputs(compiled: CompiledModel, graph: Graph, reference: onnx.ModelProto, seed: int = 0,
-                  threads: int = 0) -> CheckResult:
-    """Run TVM and onnxruntime (on ``reference``) with the same seeded inputs drawn for ``graph``."""
-    feeds = random_inputs(graph, seed)
-    got = run(compiled.vm(), to_device(feeds, compiled.input_names, device_for(compiled.spec)))
-    ref = run_ort(reference, feeds, threads)
-    err = max_abs_err(ref, got)
-    return CheckResult(err, err <= ATOL)
+                  threads: int = 0, samples: dict[str, np.ndarray] | None = None) -> Comparison:
+    """Run TVM and onnxruntime (on ``reference``) on the same inputs - the samples, or
+    :data:`~graphopt.feeds.CHECK_INPUT_SETS` seeded random sets drawn for ``graph`` - and compare."""
+    sets = feed_sets(graph, seed, samples)
+    refs = run_ort_sets(reference, sets, threads)
+    vm, dev = compiled.vm(), device_for(compiled.spec)
+    return compare_runs([(ref, run(vm, to_device(feeds, compiled.input_names, dev))) for feeds, ref in zip(sets, refs)])

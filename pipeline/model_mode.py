@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from graphopt.errors import UserError
-from graphopt.onnx_io import load_model, parse_input_shapes
+from graphopt.onnx_io import parse_input_shapes
+from graphopt.validate import check_model, check_threads
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.targets import check_name, default_threads, parse_target, set_num_threads
@@ -31,15 +32,15 @@ def run_model(args: argparse.Namespace) -> int:
     if args.op:
         raise UserError("give either a MODEL or --op, not both")
     check_name(args.target)
-    load_model(args.model)
-    threads = args.threads or default_threads()
+    model = check_model(args.model, parse_input_shapes(args.input_shape))  # a model we would refuse is not listed
+    threads = check_threads(args.threads) or default_threads()
     set_num_threads(threads)  # before TVM's pool starts: the layout stage times kernels with it
     # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
     from pipeline.layout_search import partition_model
     from pipeline.partition import format_tasks
     from pipeline.relax_import import import_model
 
-    imported = import_model(args.model, parse_input_shapes(args.input_shape))
+    imported = import_model(model.proto, model.input_shapes)
     part = partition_model(imported.mod, parse_target(args.target, threads), args.layout)
     print(format_tasks(part.tasks))
     tunable = [t for t in part.tasks if t.task is not None]

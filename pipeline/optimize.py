@@ -7,6 +7,7 @@ the graph IR unchanged, so DIR/optimized.onnx is always the graph the library wa
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -15,11 +16,16 @@ from typing import Any
 
 import onnx
 
+from graphopt.compare import Comparison, compare_runs
 from graphopt.cost.factory import make_cost_model
 from graphopt.errors import UserError
-from graphopt.fileio import write_bytes_atomic, write_text_atomic
-from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.feeds import feed_sets, run_ort_sets
+from graphopt.fileio import check_output_dir, check_output_file, write_bytes_atomic, write_text_atomic
+from graphopt.ir import Graph
+from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
+from graphopt.validate import check_model
 from graphopt.stage import GraphStageOptions, optimize_graph
+from kerneltune.records import RecordLog
 from kerneltune.targets import check_name, parse_target
 from pipeline.frontend import legalize_for_tvm
 
@@ -85,23 +91,39 @@ class TuneOptions:
 
 def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
                    input_shapes: InputShapes | None = None, skip_graph: bool = False,
-                   seed: int = 0, tuning: TuneOptions | None = None, layout: str = "auto") -> OptimizeResult:
+                   seed: int = 0, tuning: TuneOptions | None = None,
+                   inputs: str | None = None, layout: str = "auto") -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
-    report.md when tuning).  ``layout``: the conv layouts (:mod:`pipeline.layout_search`)."""
-    # Deferred: these load TVM (seconds), after the target and the file are checked (one-line errors at once).
-    from pipeline.compile import ATOL, check_outputs, compile_partition
+    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
+    ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
+
+    Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
+    model (:func:`graphopt.validate.check_model`); the artifacts are written only after the compiled model
+    matched onnxruntime, each atomically, report.json last (its presence means a complete run)."""
+    tuning = tuning or TuneOptions()
+    check_name(target)
+    out = check_output_dir(out_dir, "-o")
+    records = Path(tuning.records) if tuning.records else out / "records.jsonl"
+    if tuning.enabled:  # a records path we cannot write, or one another tuner holds
+        check_output_file(records, "--records")
+        RecordLog(records).check_free()
+    model = check_model(model_path, input_shapes, inputs)
+    check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
+    # Deferred: these load TVM (seconds), after every cheap check above has passed.
+    from pipeline.compile import check_outputs, compile_partition
     from pipeline.layout_search import partition_model
     from pipeline.partition import select_tasks
     from pipeline.relax_import import import_model
-    from pipeline.tuning import plot_tuning, tune_model
+    from pipeline.tuning import pick_build, plot_tuning, tune_model
 
-    tuning = tuning or TuneOptions()
-    check_name(target)
-    original = load_model(model_path)  # file problems are reported before TVM loads (seconds)
+    original = model.proto
     spec = parse_target(target, threads)
-    out = Path(out_dir)
+    if tuning.enabled and tuning.rpc:  # fail in seconds, not after the graph stage: no device
+        from kerneltune.runner import check_device  # deferred with TVM (see above)
+
+        check_device(tuning.rpc)
     log = StageLog()
-    optimized = graph_stage(original, input_shapes, skip_graph, log, spec.kind,
+    optimized = graph_stage(original, model.input_shapes, skip_graph, log, spec.kind,
                             int(threads or 1), tuning.progress)
 
     t0 = time.perf_counter()
@@ -115,14 +137,14 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     tune_result = None
     if tuning.enabled:
         selected = select_tasks(part.tasks, tuning.kernels)
-        records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
                                  seed, tuning.rpc, progress=tuning.progress)
         tuned = tune_result.best_configs
         before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
         after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
-        log.add("tune", tune_result.seconds, trials=tune_result.trials, scheduler=tune_result.scheduler,
-                searcher=tune_result.searcher, records=str(records), kernel_ms_before=round(before, 4),
+        log.add("tune", tune_result.seconds, trials=tune_result.trials, measured_now=tune_result.measured_now,
+                scheduler=tune_result.scheduler, searcher=tune_result.searcher, records=str(records),
+                kernel_ms_before=round(before, 4),
                 kernel_ms_after=round(after, 4),
                 tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
                         "best_ms": t.best_ms, "weight": t.weight} for t in tune_result.tasks])
@@ -130,26 +152,36 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
 
     compiled = compile_partition(imported, part, spec, tuned)
+    if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
+        compiled, choice = pick_build(compiled, imported, part, spec, tuned, records,
+                                      optimized.SerializeToString(), seed, tuning.rpc)
+        log.stages["tune"]["e2e"] = choice.to_json()
     facts: dict[str, Any] = {"schedules": compiled.schedules}
     if spec.can_run:
         # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
-        check = check_outputs(compiled, imported.graph, original, seed)
-        facts["max_abs_err"] = check.max_abs_err
+        check = check_outputs(compiled, imported.graph, original, seed, samples=model.samples)
+        facts.update(check.to_dict(), checked="compiled model vs onnxruntime")
         if not check.ok:
-            raise UserError(f"the compiled model differs from onnxruntime by {check.max_abs_err:.3g} (> {ATOL}); "
-                            "nothing was written - rerun with --skip-graph / --skip-tune to isolate the stage")
+            raise UserError(f"the compiled model differs from onnxruntime: {check.reason()}; nothing was written - "
+                            f"{mismatch_hint(check)}")
     else:
-        facts["not_run"] = spec.note
+        # The kernels cannot run here; onnxruntime can still check the graph the library was compiled from.
+        check = check_graph(original, optimized, imported.graph, seed, model.samples)
+        facts.update(check.to_dict(), checked="graph only (optimized.onnx vs the input in onnxruntime)",
+                     not_run=spec.note)
+        if not check.ok:
+            raise UserError(f"the optimized graph differs from the input model in onnxruntime: {check.reason()}; "
+                            "nothing was written - rerun with --skip-graph")
     log.add("compile", compiled.build_s, **facts)
 
-    out.mkdir(parents=True, exist_ok=True)
+    files = {"optimized": "optimized.onnx", "library": "model.so", "report_md": "report.md"}
+    with contextlib.suppress(FileNotFoundError):  # report.json is written last: its presence means complete
+        (out / "report.json").unlink()
     write_bytes_atomic(out / "optimized.onnx", optimized.SerializeToString())
     lib = compiled.export(out / "model.so")
-    files = {"optimized": "optimized.onnx", "library": lib.name, "report_md": "report.md"}
     if lib.with_suffix(".hsaco").exists():
         files["code_object"] = lib.with_suffix(".hsaco").name
     if tune_result is not None:
-        records = Path(tuning.records) if tuning.records else out / "records.jsonl"
         if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
             write_bytes_atomic(out / "records.jsonl", records.read_bytes())
         plot_tuning(tune_result, out / "tuning.png")
@@ -157,13 +189,35 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     report = {
         "model": str(model_path), "target": spec.kind, "target_detail": str(spec.target),
         "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
+        "inputs": str(inputs) if inputs else None,
         "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
                                         for t in part.tasks],
         "files": files,
     }
-    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(out / "report.md", report_markdown(report))
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     return OptimizeResult(out, report)
+
+
+def output_bytes(model: onnx.ModelProto) -> int:
+    """Room DIR needs: optimized.onnx and model.so each hold the weights; 64 MB for code, records, plots."""
+    return 2 * model.ByteSize() + 64 * 2**20
+
+
+def check_graph(original: onnx.ModelProto, optimized: onnx.ModelProto, graph: Graph, seed: int,
+                samples: dict | None) -> Comparison:
+    """optimized vs original, both in onnxruntime, on the check inputs (for targets that cannot run here)."""
+    sets = feed_sets(graph, seed, samples)
+    return compare_runs(list(zip(run_ort_sets(original, sets), run_ort_sets(optimized, sets))))
+
+
+def mismatch_hint(check: Comparison) -> str:
+    """What the user can do about a compiled model that does not match onnxruntime."""
+    if check.nan_mismatch or check.inf_mismatch:
+        return ("onnxruntime's result has NaN or Inf where the compiled one has numbers or the reverse (TVM's "
+                "max/min/relu kernels do not propagate NaN the way onnxruntime does): keep the model's values "
+                "finite, e.g. clamp the inputs of Log/Sqrt/Div")
+    return "rerun with --skip-graph / --skip-tune to isolate the stage, and report it"
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -171,9 +225,14 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = [f"# optimize-model: {report['model']} on {report['target']}", "", "| stage | time s | facts |",
              "|---|---|---|"]
     for name, st in report["stages"].items():
-        facts = ", ".join(f"{k}={v}" for k, v in st.items() if k not in ("time_s", "tasks", "schedules"))
+        facts = ", ".join(f"{k}={v}" for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
         lines.append(f"| {name} | {st['time_s']} | {facts} |")
     tune = report["stages"].get("tune", {})
+    if tune.get("e2e"):
+        e2e = tune["e2e"]
+        ms = (f"; default build {e2e['default_ms']} ms, tuned build {e2e['tuned_ms']} ms"
+              if e2e.get("tuned_ms") is not None else "")
+        lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
     if tune.get("tasks"):
         lines += ["", "## tuned tasks", "", "| idx | task | weight | trials | default ms | best ms |",
                   "|---|---|---|---|---|---|"]

@@ -11,6 +11,8 @@ unsupported after that is an error, one line naming the operators.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ import tvm
 
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
 from pipeline.frontend import legalize_for_tvm
 
 # What the frontend raises for a model it cannot convert: TVM 0.27 has no tvm.error.TVMError; C++ failures
@@ -54,7 +56,10 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
               if i.name not in graph.initializers}
     dtypes = {i.name: i.dtype for i in graph.inputs if i.name not in graph.initializers}
     try:
-        return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+        # The importer prints "Error converting operator ..." with the whole Relax input before raising: the
+        # one-line error below says it, so its print is dropped.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
     except tvm.error.OpNotImplemented as exc:
         msg = str(exc).strip().splitlines()[0]
         raise UserError(f"{msg}; TVM's ONNX importer cannot compile this model - replace those operators "
@@ -74,12 +79,7 @@ def import_model(source: str | os.PathLike | onnx.ModelProto,
     if input_shapes:
         # from_onnx reads shapes from shape_dict, but keep the proto consistent for onnxruntime as well.
         model = onnx.ModelProto.FromString(model.SerializeToString())
-        for inp in model.graph.input:
-            if inp.name in input_shapes:
-                dims = inp.type.tensor_type.shape.dim
-                del dims[:]
-                for d in input_shapes[inp.name]:
-                    dims.add().dim_value = d
+        apply_input_shapes(model, input_shapes)
     # onnxruntime keeps running the model as given (its own LSTM kernel is the reference and the baseline);
     # TVM converts the legalized graph.
     frontend_model = export_onnx(legal.graph) if legal.changed else model

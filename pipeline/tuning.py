@@ -1,16 +1,48 @@
 """The tuning stage of ``optimize-model`` and ``bench-model``: the model's fused tasks handed to kerneltune's
-multi-task tuner (:func:`kerneltune.tune_tasks.tune_tasks`), and the plot of how the tuning went.
+multi-task tuner (:func:`kerneltune.tune_tasks.tune_tasks`), the end-to-end check that decides which build
+ships, and the plot of how the tuning went.
+
+Which build ships (:func:`pick_build`).  Tuning judges kernels one by one; the model is judged whole (cold
+weights, epilogues, every kernel in sequence - a kernel sum once said 66 ms of a model that ran in 125 ms).
+So after compiling, the tuned build is timed against the default-schedule build (what ``--skip-tune``
+gives) with :func:`graphopt.timing.compare`, the timer bench-model uses: blocks of interleaved runs, the
+order swapped between blocks, the median of the blocks' ratios.  The tuned build ships only when it is
+faster by :data:`E2E_MARGIN`; otherwise the default build ships and the report says tuning lost (slower
+beyond the margin) or was undecided (within it).  Undecided keeps the default because the default is the
+reference a tuned build has to beat, the same rule as a task's default config at the kernel level, and
+because a 2% difference is inside what this shared machine's noise can fake either way.
+
+The same command must give the same artifact, and a timing is never exactly repeatable: the verdict is
+recorded in the records file (a line of kind ``"e2e"``, keyed by a fingerprint of the tuned configs, the
+target and the model), and a rerun whose tuning ends with the same configs reuses it instead of timing
+again.  So rerunning or resuming a finished run ships the same build; only a run whose tuning found other
+configs measures anew.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from graphopt.errors import UserError
+from graphopt.feeds import random_inputs
+from graphopt.fileio import save_figure
+from graphopt.timing import compare
 from kerneltune.opkinds import KINDS as OP_KINDS
+from kerneltune.records import Record, RecordLog
 from kerneltune.targets import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningTask, tune_tasks
-from pipeline.partition import FusedTask
+from pipeline.compile import CompiledModel, compile_partition, model_runner
+from pipeline.partition import FusedTask, Partition
+from pipeline.relax_import import ImportedModel
+
+E2E_MARGIN = 0.02  # the tuned build must be this much faster end to end to ship (graphopt's stage uses 2% too)
+E2E_BLOCKS = 3  # interleaved blocks; the verdict takes the median of their ratios
+E2E_RUNS = 10  # timed runs per build per block
+VERDICT = "e2e"  # the records' kind for the end-to-end verdict
 
 
 def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_path: str | Path,
@@ -23,6 +55,76 @@ def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_pa
         raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune")
     return tune_tasks(tunable, spec, trials, records_path, scheduler, searcher, seed, rpc, measure_factory,
                       progress)
+
+
+@dataclass
+class BuildChoice:
+    """Which build ships after tuning, and the end-to-end evidence (report.json's ``tune.e2e``)."""
+
+    kept: str  # "tuned" or "default"
+    status: str  # "measured", "recorded" (a rerun: the stored verdict), or "skipped: <why>"
+    default_ms: float | None = None
+    tuned_ms: float | None = None
+    ratios: list[float] = field(default_factory=list)  # tuned / default, per interleaved block
+    margin: float = E2E_MARGIN
+
+    @property
+    def note(self) -> str | None:
+        """One line for the user when tuning did not earn its place, else None."""
+        if self.kept != "default" or self.tuned_ms is None or self.default_ms is None:
+            return None
+        how = "slower" if self.tuned_ms > self.default_ms * (1 + self.margin) else "not faster beyond noise"
+        return (f"tuning lost: the tuned build was {how} end to end ({self.tuned_ms:.3f} ms vs "
+                f"{self.default_ms:.3f} ms with default schedules, margin {self.margin:.0%}); shipped the "
+                "default build")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"note": self.note}
+
+
+def fingerprint(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> str:
+    """What the end-to-end verdict depends on: the tuned configs, the target (threads included) and the
+    model compiled."""
+    blob = json.dumps({"tuned": sorted((k, repr(v)) for k, v in tuned.items()), "target": str(spec.target),
+                       "model": hashlib.sha256(model_bytes).hexdigest()}, sort_keys=True)
+    return "e2e:" + hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partition, spec: TargetSpec,
+               tuned: dict[str, Any], records_path: str | Path, model_bytes: bytes, seed: int = 0,
+               rpc: str | None = None, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
+    """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
+    ``timer`` replaces :func:`graphopt.timing.time_interleaved` (tests)."""
+    if not tuned:
+        return tuned_build, BuildChoice("default", "skipped: no tuned config beat its default schedule")
+    if rpc:
+        return tuned_build, BuildChoice("tuned", "skipped: the kernels were measured on the --rpc device; the "
+                                                 "model cannot be timed there")
+    if not spec.can_run:
+        return tuned_build, BuildChoice("tuned", f"skipped: cannot run {spec.kind} here ({spec.note})")
+    key = fingerprint(tuned, spec, model_bytes)
+    log = RecordLog(records_path)
+    stored = log.load(task=key, target=str(spec.target), kind=VERDICT)
+    if stored:  # a rerun of a finished run: the same verdict, so the same artifact
+        rec = stored[-1]
+        choice = BuildChoice(rec.config.get("build", "default"), "recorded", rec.extra.get("default_ms"),
+                             rec.extra.get("tuned_ms"), rec.extra.get("ratios", []),
+                             rec.extra.get("margin", E2E_MARGIN))
+        if choice.kept == "tuned":
+            return tuned_build, choice
+        return compile_partition(imported, part, spec, {}), choice
+    default_build = compile_partition(imported, part, spec, {})
+    feeds = random_inputs(imported.graph, seed)
+    cmp = compare(model_runner(default_build, feeds), model_runner(tuned_build, feeds), E2E_MARGIN, E2E_BLOCKS,
+                  E2E_RUNS, timer=timer)
+    choice = BuildChoice("tuned" if cmp.faster else "default", "measured", round(cmp.baseline_ms, 4),
+                         round(cmp.candidate_ms, 4), [round(r, 4) for r in cmp.ratios], E2E_MARGIN)
+    with log:
+        log.append([Record(task=key, target=str(spec.target), config={"build": choice.kept}, gflops=0.0,
+                           time=time.time(), kind=VERDICT,
+                           extra={"default_ms": choice.default_ms, "tuned_ms": choice.tuned_ms,
+                                  "ratios": choice.ratios, "margin": choice.margin})])
+    return (tuned_build if choice.kept == "tuned" else default_build), choice
 
 
 def plot_tuning(result: TuningResult, path: str | Path) -> None:
@@ -50,6 +152,5 @@ def plot_tuning(result: TuningResult, path: str | Path) -> None:
     ax2.set_ylabel("sum weight x latency, ms")
     ax2.set_title(f"objective ({result.scheduler}, {result.searcher})")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -18,8 +18,9 @@ BERT_TINY = ROOT / "models" / "bert_tiny.onnx"
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the installed console scripts import this checkout, not whichever one the venv points at
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={"PATH": str(BIN), "TVM_NUM_THREADS": "1", "HOME": str(ROOT)})
+                          env={"PATH": str(BIN), "TVM_NUM_THREADS": "1", "HOME": str(ROOT), "PYTHONPATH": str(ROOT)})
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:

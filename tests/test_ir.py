@@ -5,7 +5,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import UserError
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import max_abs_err
+from graphopt.feeds import random_inputs, run_ort
 from graphopt.onnx_io import export_onnx, import_onnx, parse_input_shapes
 
 

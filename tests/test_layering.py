@@ -1,6 +1,6 @@
 """The package layering, checked on every import the code makes (module level, in functions, under
 TYPE_CHECKING): ``graphopt`` -> ``kerneltune`` -> ``pipeline`` -> ``bench``/``tests``, each importing only
-below itself; ``models`` standalone (it may use ``graphopt.errors``); and no import cycle between the
+below itself; ``models`` standalone (it may use ``graphopt.errors`` and ``graphopt.fileio``); and no import cycle between the
 project's modules.  See docs/architecture.md.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ ALLOWED = {
     "graphopt": set(),
     "kerneltune": {"graphopt"},
     "pipeline": {"graphopt", "kerneltune"},
-    "models": {"graphopt.errors"},
+    "models": {"graphopt.errors", "graphopt.fileio"},
 }
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import max_abs_err
+from graphopt.feeds import random_inputs, run_ort
 from graphopt.match import GraphIndex, RuleIndex, find_matches
 from graphopt.onnx_io import export_onnx, import_onnx
 from graphopt.cleanup import fold_constants

@@ -160,15 +160,24 @@ def test_rpc_tracker_hands_out_the_keyed_device():
             time.sleep(0.5)
         result = _measure_default(f"127.0.0.1:{tracker_port}:testcpu")
         assert result.error is None and result.gflops > 0
+        # The up-front check: a key no server registered is refused at once, naming the keys there are.
+        from graphopt.errors import UserError
+        from kerneltune.runner import check_device
+
+        check_device(f"127.0.0.1:{tracker_port}:testcpu")
+        with pytest.raises(UserError, match=r"no device registered under key 'gpu0' \(registered: testcpu\)"):
+            check_device(f"127.0.0.1:{tracker_port}:gpu0")
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
 
 
+@pytest.mark.slow
 def test_cold_cache_timing_is_slower_on_a_weight_bound_kernel(tmp_path):
     """``cache_flush`` times the kernel with its weight in DRAM, as in a model: on a matmul that streams an
-    8 MiB weight for 8 rows, cold calls must cost clearly more than warm ones (cache-resident weight)."""
+    8 MiB weight for 8 rows, cold calls must cost clearly more than warm ones (cache-resident weight).
+    A comparison of two timings: slow (run it on a quiet machine), since other load on the cores moves both."""
     task = make_task("matmul", "8,2048,1024")
     lib_path = str(tmp_path / "k.so")
     build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM).export_library(lib_path)
@@ -176,6 +185,12 @@ def test_cold_cache_timing_is_slower_on_a_weight_bound_kernel(tmp_path):
     cold, err_c = run(task, lib_path, RunConfig("cpu", 20, 5, cache_flush=True), None)
     assert err_w is None and err_c is None
     assert cold > 1.2 * warm, (cold, warm)
+
+
+def test_cold_cache_measurer_times_and_labels_its_records():
+    """A measurer with ``cache_flush`` runs the kernel correctly and labels its timings "cold", so records
+    taken with warm caches never resume it."""
+    task = make_task("matmul", "8,2048,1024")
     with Measurer(LLVM, workers=1, cache_flush=True) as m:
         assert m.timing == "cold"
         res = m.measure(task, [templates.default_config(task, LLVM)])[0]

@@ -52,7 +52,7 @@ def test_corrupt_trailing_line_is_skipped_and_isolated(tmp_path, caplog):
         fh.write(b'{"task": "t", "target": "llvm", "conf')   # a write cut short by a kill
     with caplog.at_level(logging.WARNING):
         assert len(RecordLog(path).load()) == 1
-    assert "line 2 is not a complete tuning record" in caplog.text
+    assert "line 2 is not a valid tuning record" in caplog.text
     with RecordLog(path) as log:
         log.append([Record("t", "llvm", {"i": [2]}, 2.0, 0.5)])
     assert [r.config for r in RecordLog(path).load()] == [{"i": [1]}, {"i": [2]}]
@@ -179,3 +179,97 @@ def test_resume_only_takes_records_of_the_same_timing(tmp_path):
         again = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, task_key="t", target="llvm",
                      records=log, progress=False, timing="cold")
     assert again.measured_now == 0 and again.trials == 4
+
+
+def test_bad_and_forged_records_are_skipped_and_never_become_best(tmp_path, caplog):
+    """A records file is input: wrong types, impossible values and forged speeds are warned about and never
+    believed; the configs they name are measured for real."""
+    space = SearchSpace([FactorKnob("i", 4, 2), FactorKnob("k", 2, 2)])   # 3 x 2 = 6 configs
+    flops, ceiling = 2e6, 1000.0
+    configs = [space.from_dict({"i": list(i), "k": list(k)}) for i in ((1, 4), (2, 2), (4, 1)) for k in ((1, 2), (2, 1))]
+    path = tmp_path / "r.jsonl"
+    lines = [
+        {"gflops": None, "latency_s": 1e-3},             # null
+        {"gflops": "fast", "latency_s": 1e-3},           # a string
+        {"gflops": -5.0, "latency_s": 1e-3},             # negative
+        {"gflops": 50.0, "latency_s": 1e-3},             # 2e6 FLOPs in 1 ms is 2 GFLOP/s, not 50
+        {"gflops": 1e6, "latency_s": 2e-9},              # consistent, but above the target's ceiling
+        {"gflops": 5.0, "latency_s": None},              # a result without a latency
+    ]
+    path.write_text("".join(json.dumps({"task": "t", "target": "llvm", "config": space.as_dict(c), "error": None,
+                                        "timing": "warm", **d}) + "\n" for c, d in zip(configs, lines)))
+    measured = []
+
+    def measure(cs):
+        measured.extend(cs)
+        return [Result(flops / 1e-2 / 1e9, 1e-2) for _ in cs]   # 0.2 GFLOP/s: slow, but real
+
+    with caplog.at_level(logging.WARNING):
+        with RecordLog(path) as log:
+            res = tune(space, make_searcher("random", space, 0), measure, 6, task_key="t", target="llvm",
+                       records=log, progress=False, flops=flops, ceiling=ceiling)
+    assert sorted(measured) == sorted(configs)                   # nothing stored was believed
+    assert res.best_gflops == pytest.approx(0.2) and res.measured_now == 6
+    assert caplog.text.count("is not a valid tuning record") == 4  # null, string, negative, no latency
+    assert "disagrees with the task's" in caplog.text and "above the target's ceiling" in caplog.text
+
+
+def test_gflops_ceiling_catches_a_forged_speed_on_this_host():
+    from kerneltune.targets import gflops_ceiling, llvm_target
+
+    ceiling = gflops_ceiling(llvm_target(2))
+    assert 200 < ceiling < 1e6   # above any real 2-core fp32 kernel, far below a forged 1e6
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from kerneltune.records import RecordLog
+    log = RecordLog(sys.argv[1])
+    log.acquire()
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+""")
+
+
+def test_one_tuner_per_records_file(tmp_path, capsys):
+    """A second writer waits a bounded time, then refuses with one line naming the file and the holder."""
+    from graphopt.errors import UserError
+
+    path = tmp_path / "r.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), "60"], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        with pytest.raises(UserError) as err:
+            RecordLog(path).acquire(wait_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5
+        msg = str(err.value)
+        assert str(path) in msg and f"PID {holder.pid}" in msg and "\n" not in msg
+        with pytest.raises(UserError, match="in use by another tuner"):
+            with RecordLog(path) as log:
+                tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 4, task_key="t", target="llvm",
+                     records=log, progress=False)
+        # optimize-model refuses before any work (no graph stage, no output directory), in one line.
+        from pathlib import Path
+
+        from pipeline.cli import optimize_model_main
+
+        bert = Path(__file__).resolve().parents[1] / "models" / "bert_tiny.onnx"
+        rc = optimize_model_main([str(bert), "--trials", "8", "--records", str(path), "-o", str(tmp_path / "o")])
+        assert rc == 2 and not (tmp_path / "o").exists()
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"in use by another tuner (PID {holder.pid})" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    # A holder that finishes within the wait lets the second one go on.
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), "0.5"], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with RecordLog(path) as log:
+        log.acquire(wait_s=30)
+        log.append([Record("t", "llvm", {"i": [1, 1, 64]}, 1.0, 1.0)])
+    holder.wait()
+    assert len(RecordLog(path).load()) == 1

@@ -45,14 +45,24 @@ def test_gradient_reaches_round_robin_result_with_at_most_70_percent_of_rounds()
     assert needed <= 0.7 * rounds, (needed, target)
 
 
-def test_warmup_visits_every_task_once_then_prefers_heavy_tasks():
+def test_starts_from_measured_defaults_heaviest_weighted_latency_first():
+    """No round-robin warm-up: with every task's default latency known, the first batch goes to the task
+    with the largest weight x latency, and a task whose rounds stop paying gives way to the next one."""
     infos = [TaskInfo(t.name, t.weight, t.flops, t.kind, curve(0)) for t, curve in TASKS]
     sched = GradientScheduler(infos)
-    first = [sched.next_task() for _ in range(len(infos))]
-    assert sorted(first) == list(range(len(infos)))
-    for i in first:
-        sched.update(i, TASKS[i][1](1))
-    assert infos[sched.next_task()].weight == 12
+    heaviest = max(range(len(infos)), key=lambda i: infos[i].weight * infos[i].latency_s)
+    assert sched.next_task() == heaviest
+    sched.update(heaviest, infos[heaviest].latency_s)  # a round that found nothing better
+    sched.update(heaviest, infos[heaviest].latency_s)
+    second = max((i for i in range(len(infos)) if i != heaviest), key=lambda i: infos[i].weight * infos[i].latency_s)
+    assert sched.next_task() == second
+    # The light tasks (pooler, cls: weight 1, < 0.1 ms) get nothing while heavy ones still pay.
+    given = [0] * len(infos)
+    for _ in range(20):
+        i = sched.next_task()
+        given[i] += 1
+        sched.update(i, TASKS[i][1](given[i]))
+    assert given[4] == given[5] == 0
 
 
 def test_task_without_valid_kernel_goes_first():

@@ -11,7 +11,8 @@ from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import CostModel
 from graphopt.cost.measured import MeasuredCost
 from graphopt.cost.runners import OrtRunner
-from graphopt.feeds import max_abs_err, random_inputs, run_ort
+from graphopt.compare import max_abs_err
+from graphopt.feeds import random_inputs, run_ort
 from graphopt.match import GraphIndex
 from graphopt.onnx_io import export_onnx, import_onnx
 from graphopt.cleanup import fold_constants

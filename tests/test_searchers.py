@@ -128,6 +128,42 @@ def test_gbfs_expands_best_first():
     assert all(sum(c[i] != best[i] for i in range(3)) == 1 for c in nxt)
 
 
+WARM = ((4, 2, 2, 8), (2, 4, 12, 8), (48, 16))   # a decent config, as a template default would be
+
+
+def knob_moves(a, b) -> int:
+    return sum(x != y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHERS))
+def test_warm_start_is_where_every_searcher_begins(name):
+    """A config observed before the first proposal (the template default) is where the search starts:
+    never proposed again; OpEvo's first children are mutations of it (no random generation first), G-BFS
+    expands it instead of measuring the untiled config, N-A2C rolls out from it; random just skips it."""
+    s = make_searcher(name, MM_SPACE, 0)
+    s.observe([WARM], [rugged(WARM)])
+    batch = s.propose(8 if name != "gbfs" else 5)
+    assert WARM not in batch and len(batch) == len(set(batch))
+    near = [knob_moves(c, WARM) for c in batch]
+    if name == "random":
+        assert sum(near) > 2 * len(batch)  # unrelated configs differ in (nearly) every knob
+    elif name == "gbfs":
+        assert near == [1] * 5 and ((128, 1, 1, 1), (768, 1, 1, 1), (768, 1)) not in batch
+    else:  # opevo, na2c: a few knobs moved from the warm start, the rest kept
+        assert all(1 <= n <= 3 for n in near) and sum(n < 3 for n in near) >= len(batch) // 2
+
+
+def test_opevo_warm_started_beats_cold_on_a_small_budget():
+    """The point of the warm start: with 24 trials, evolving from a good default finds better configs than
+    a first random generation does."""
+    def best(warm: bool, seed: int) -> float:
+        s = make_searcher("opevo", MM_SPACE, seed)
+        if warm:
+            s.observe([WARM], [rugged(WARM)])
+        return max(rugged(c) for c in run(s, rugged, 24))
+    assert np.mean([best(True, k) for k in range(6)]) > 1.2 * np.mean([best(False, k) for k in range(6)])
+
+
 def test_factor_only_searchers_refuse_other_knobs_and_can_fix_them():
     space = SearchSpace([FactorKnob("a", 64, 3), DiscreteKnob("u", (0, 16, 64))])
     for name in ("gbfs", "na2c"):

@@ -53,4 +53,7 @@ def test_tune_tasks_spends_the_budget_favours_weight_and_resumes(tmp_path):
     assert objective == sorted(objective, reverse=True)
     FakeMeasurer.calls = []
     again = tune_tasks(tasks, spec, 48, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
-    assert again.trials == 48 and len(FakeMeasurer.calls) == 2  # only the two default baselines
+    # The defaults were recorded as trials too: the rerun measures nothing and ends where the first did.
+    assert again.trials == 48 and FakeMeasurer.calls == [] and again.measured_now == 0
+    assert again.best_configs == res.best_configs
+    assert [t.trials for t in again.tasks] == [t.trials for t in res.tasks]

@@ -88,6 +88,11 @@ CELLS = {"LSTM": Cell("LSTM", 4, ("Sigmoid", "Tanh", "Tanh")), "GRU": Cell("GRU"
          "RNN": Cell("RNN", 1, ("Tanh",))}
 
 
+# The longest sequence unrolled: the graph grows by ~10 operators a step and the build with it (a 256-step
+# LSTM builds in ~12 s), so a user-given length of millions would spin for hours instead of failing.
+MAX_STEPS = 2048
+
+
 @dataclass
 class Recurrence:
     """One RNN node, parsed and validated: static sizes, per-direction activations, optional inputs."""
@@ -134,6 +139,9 @@ def parse(node: Node, b: Builder) -> Recurrence:
     if layout not in (0, 1):
         raise fail(f"layout={layout} is not 0 or 1")
     steps, batch = (x_shape[0], x_shape[1]) if layout == 0 else (x_shape[1], x_shape[0])
+    if steps > MAX_STEPS:
+        raise fail(f"{steps} time steps: unrolling is limited to {MAX_STEPS} steps (each adds ~10 operators to "
+                   "compile); pass a shorter sequence with --input-shape, or split the sequence")
     direction = node.attr("direction", "forward")
     direction = direction.decode() if isinstance(direction, bytes) else str(direction)
     dirs = {"forward": ["forward"], "reverse": ["reverse"], "bidirectional": ["forward", "reverse"]}.get(direction)

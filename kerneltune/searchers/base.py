@@ -4,6 +4,12 @@ A searcher is a pure proposal engine: ``propose(n)`` returns up to ``n`` configs
 observed before, ``observe(configs, results)`` feeds back their fitness (GFLOPS; 0 for a failed build/run).
 It never measures anything itself, so the same object drives real TVM measurements, a synthetic objective
 in the tests, or a replay of records on resume (configs it did not propose are accepted by ``observe``).
+
+Contract every searcher keeps: it is a deterministic function of its seed and of the sequence of
+(propose, observe) calls it receives - a resumed run re-executes the search and looks the proposals up in
+the records (:mod:`kerneltune.tune`), so the same calls must give the same proposals (seeded RNGs only, no
+iteration over sets whose order can vary).  Configs observed before the first proposal are the warm start
+(the template's default config): a searcher starts from the best of them.
 """
 from __future__ import annotations
 

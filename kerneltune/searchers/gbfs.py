@@ -5,6 +5,10 @@ then repeatedly pop the best measured config that has not been expanded and meas
 unvisited neighbours of it (a neighbour moves one prime factor between two tile levels of one knob).
 When every measured config is expanded (the reachable graph is exhausted) the search continues with random
 unvisited configs, so a trial budget is always used up.
+
+Warm start: a searcher that has observed configs before its first proposal (the template's default, given
+to every searcher alike by :func:`kerneltune.tune.tune`) starts by expanding the best of them instead of
+measuring the untiled start, which is only the paper's start point for lack of a better one.
 """
 from __future__ import annotations
 
@@ -40,8 +44,8 @@ class GBFS(Searcher):
         return list(dict.fromkeys(out))
 
     def _propose(self, n: int) -> list[Config]:
-        if self.start not in self.sampled:
-            return [self.start]              # measure s0 first; expansion needs its result
+        if not self.fitness and self.start not in self.sampled:
+            return [self.start]              # measure s0 first (no warm start); expansion needs its result
         out: list[Config] = []
         while len(out) < n and self._queue:
             _, _, s = heapq.heappop(self._queue)

@@ -170,8 +170,8 @@ class NA2C(Searcher):
     # -- searcher interface
     def _propose(self, n: int) -> list[Config]:
         out: list[Config] = []
-        if self.start not in self.sampled:
-            out.append(self.start)
+        if not self.fitness and self.start not in self.sampled:
+            out.append(self.start)  # the paper's start; with a warm start, rollouts begin at the best observed
         s0 = self.best[0] or self.start
         rollouts = 0
         while len(out) < n and rollouts < 50 * n:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ..space import ChoiceKnob, SearchSpace
+from ..space import ChoiceKnob, SearchSpace, divisors
 from ..targets import num_cores, vector_lanes
 from ..prepack import PREPROC
 from ..task import Task, root_blocks
@@ -157,12 +157,8 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     sch.annotate(packed, PREPROC, True)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in _divisors(n) if d <= cap)
+    return max(d for d in divisors(n) if d <= cap)
 
 
 def rows_axis(task: Task) -> str | None:
@@ -242,7 +238,7 @@ def _vector_tile(extent: int, lanes: int) -> int:
     """Innermost vector length: a multiple of ``lanes`` dividing ``extent`` (<= 4 vectors), else the largest
     divisor of ``extent`` that fits one vector (a partial vector, e.g. 14 of 16 lanes, is one masked op;
     a length such as 28 or 56 that is neither becomes a pile of shuffles: measured 7 vs 105 GFLOP/s)."""
-    whole = [d for d in _divisors(extent) if d % lanes == 0 and d <= 4 * lanes]
+    whole = [d for d in divisors(extent) if d % lanes == 0 and d <= 4 * lanes]
     if whole:
         return max(whole)
     return _largest_divisor_at_most(extent, lanes)
@@ -259,7 +255,7 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int) -> None:
     for lvl in (1, 2, 3):
         for r in roles:
             while par() < want and cfg[r][lvl] > 1:
-                p = min(d for d in _divisors(cfg[r][lvl]) if d > 1)
+                p = min(d for d in divisors(cfg[r][lvl]) if d > 1)
                 cfg[r][lvl] //= p
                 cfg[r][0] *= p
 

@@ -1,0 +1,404 @@
+"""Everything about a command's model input that can be wrong, checked before any long work.
+
+Every console script runs :func:`check_model` first, so a bad model costs seconds and one line
+(a :class:`~graphopt.errors.UserError` naming the problem and the fix), never a tuning run followed by an
+internal error, a ``RecursionError`` or a wrong success.  In order, cheapest first:
+
+1. the file (:func:`graphopt.onnx_io.load_model`: missing, a folder, not ONNX, external data missing);
+2. the graph's structure, with our own messages (no outputs, two writers of one tensor, a tensor nobody
+   writes - a missing initializer or a dangling input -, a cycle, nodes out of topological order), because
+   ``onnx.checker`` reports several of these all as "not topologically sorted";
+3. dtypes we support, opset and IR versions the pinned onnx / onnxruntime read;
+4. ``--input-shape`` / ``--inputs`` against the model's inputs, and every runtime input static after them;
+5. ``onnx.checker`` full check (types and shapes included), see
+   https://onnx.ai/onnx/api/checker.html;
+6. the memory the model needs, estimated from its inferred shapes, against this machine's memory (a
+   1e6 x 1e6 MatMul or a 130 GB Expand is refused here instead of being attempted);
+7. an onnxruntime session on the model (it is the reference every check compares with: a model it rejects
+   cannot be checked), unknown custom-domain operators named.
+
+No TVM here: a bad file must fail in well under a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, shape_inference
+
+from graphopt.errors import UserError
+from graphopt.onnx_io import SUPPORTED_DTYPES, InputShapes, apply_input_shapes, load_model, require_static_inputs
+
+# The newest IR version onnxruntime 1.31 reads; the pinned onnx writes 14 by default (onnx.IR_VERSION), so a
+# model saved with a plain onnx.helper.make_model is one onnxruntime rejects.
+_ORT_IR_RE = re.compile(r"max supported IR version: (\d+)")
+_ORT_OPSET_RE = re.compile(r"official support for domain (\S+) is till opset (\d+)")
+_ORT_UNKNOWN_OP_RE = re.compile(r"([\w.]*):(\w+)\(-?\d+\) is not a registered function/op")
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@dataclass
+class ModelInput:
+    """A model that passed every check, with the shapes and sample inputs it runs with."""
+
+    path: str
+    proto: onnx.ModelProto  # as loaded (input shapes not applied: each stage applies ``input_shapes``)
+    input_shapes: InputShapes = field(default_factory=dict)  # --input-shape merged with the --inputs shapes
+    samples: dict[str, np.ndarray] | None = None  # from --inputs FILE.npz
+    memory_bytes: int = 0  # the estimate :func:`check_memory` accepted
+
+
+def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None,
+                inputs_file: str | os.PathLike | None = None, memory_limit: int | None = None) -> ModelInput:
+    """Run every check (module docstring) on the model at ``path``; a UserError for the first that fails."""
+    with contextlib.suppress(OSError):  # a missing file is load_model's to report
+        if Path(path).stat().st_size > (memory_limit or memory_limit_bytes()):
+            raise UserError(f"{str(path)!r} is {_gb(Path(path).stat().st_size)}, more than this machine's "
+                            f"{_gb(memory_limit or memory_limit_bytes())} of memory: it cannot be loaded here")
+    proto = load_model(path)
+    name = Path(path).name
+    check_structure(proto.graph)
+    check_versions(proto)
+    check_dtypes(proto.graph)
+    samples = read_inputs(inputs_file, proto) if inputs_file else None
+    shapes = dict(input_shapes or {})
+    if samples:
+        for k, v in samples.items():
+            if k in shapes and tuple(shapes[k]) != tuple(v.shape):
+                raise UserError(f"--input-shape {k}={','.join(map(str, shapes[k]))} contradicts --inputs, where "
+                                f"{k!r} has shape {list(v.shape)}: drop one of them")
+            shapes[k] = tuple(int(d) for d in v.shape)
+    shaped = onnx.ModelProto.FromString(proto.SerializeToString()) if shapes else proto
+    if shapes:
+        apply_input_shapes(shaped, shapes)
+    require_static_inputs(shaped)
+    if shapes:
+        check_onnx(proto, name)  # the model itself first, so that a failure below is the sizes' fault
+    check_onnx(shaped, name, shapes)
+    inferred = _infer(shaped)
+    memory = check_memory(tensor_sizes(inferred), memory_limit)
+    check_onnxruntime(proto, path)
+    return ModelInput(str(path), proto, shapes, samples, memory)
+
+
+def check_threads(threads: int | None, option: str = "--threads") -> int | None:
+    """A positive thread count this machine can sensibly run (a huge one makes TVM's pool and onnxruntime
+    start that many threads); None stays None (the caller's default)."""
+    limit = 4 * (os.cpu_count() or 1)
+    if threads is not None and not 1 <= threads <= limit:
+        raise UserError(f"{option} {threads}: give a number from 1 to {limit} (4 x this machine's cores)")
+    return threads
+
+
+# ---- 2. structure ------------------------------------------------------------------------------------------
+
+def check_structure(g: onnx.GraphProto) -> None:
+    """Our own one-line messages for the structural faults users hit (top-level graph)."""
+    if not g.output:
+        raise UserError("the model has no graph outputs, so there is nothing to compute or check: mark the "
+                        "tensors you want as outputs in the exporting framework")
+    inputs = [i.name for i in g.input]
+    inits = {t.name for t in g.initializer}
+    given = set(inputs) | inits
+    writer: dict[str, str] = {}
+    for k, n in enumerate(g.node):
+        label = _node_label(n, k)
+        for o in n.output:
+            if not o:
+                continue
+            if o in writer:
+                raise UserError(f"tensor {o!r} is written by two nodes ({writer[o]} and {label}); ONNX graphs "
+                                "assign each tensor once: rename one of the outputs and re-export")
+            if o in given:
+                raise UserError(f"node {label} writes {o!r}, which is already a graph input or initializer: "
+                                "rename the node's output and re-export")
+            writer[o] = label
+    for k, n in enumerate(g.node):
+        for t in n.input:
+            if t and t not in writer and t not in given:
+                raise UserError(f"node {_node_label(n, k)} reads tensor {t!r}, which no node, graph input or "
+                                "initializer provides (a missing initializer or a dangling input): re-export "
+                                "the model, or add the tensor")
+    for o in g.output:
+        if o.name not in writer and o.name not in given:
+            raise UserError(f"graph output {o.name!r} is written by no node and is no input or initializer: "
+                            "remove it from the outputs or re-export the model")
+    _check_order(g, writer, given)
+
+
+def _node_label(n: onnx.NodeProto, k: int) -> str:
+    return f"{n.name!r} ({n.op_type})" if n.name else f"#{k} ({n.op_type})"
+
+
+def _check_order(g: onnx.GraphProto, writer: dict[str, str], given: set[str]) -> None:
+    """A cycle, then nodes out of topological order (onnx.checker and every stage need sorted nodes)."""
+    index = {o: k for k, n in enumerate(g.node) for o in n.output if o}
+    deps = [{index[t] for t in n.input if t in index} for n in g.node]
+    indegree = [len(d) for d in deps]
+    users: dict[int, list[int]] = {}
+    for k, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(k)
+    ready = [k for k, d in enumerate(indegree) if d == 0]
+    done = 0
+    while ready:
+        k = ready.pop()
+        done += 1
+        for u in users.get(k, []):
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                ready.append(u)
+    if done < len(g.node):
+        k = next(k for k, d in enumerate(indegree) if d > 0)
+        raise UserError(f"the graph has a cycle through node {_node_label(g.node[k], k)}: ONNX graphs must be "
+                        "acyclic (loops belong in a Loop or Scan node); re-export the model")
+    for k, n in enumerate(g.node):
+        later = next((t for t in n.input if t in index and index[t] > k), None)
+        if later is not None:
+            raise UserError(f"nodes are not in topological order: node {_node_label(n, k)} reads {later!r} "
+                            f"before node {writer[later]} writes it; sort the nodes (ONNX requires it), e.g. "
+                            "re-export, or reorder graph.node")
+
+
+# ---- 3. versions and dtypes --------------------------------------------------------------------------------
+
+def check_versions(model: onnx.ModelProto) -> None:
+    """Opsets the pinned onnx knows and IR versions it defines (onnxruntime's own limits: check_onnxruntime)."""
+    newest = onnx.defs.onnx_opset_version()
+    for o in model.opset_import:
+        if o.domain in _DEFAULT_DOMAINS and o.version > newest:
+            raise UserError(f"the model imports opset {o.version} of the default ONNX domain, newer than the "
+                            f"installed onnx knows ({newest}): re-export with an older opset, e.g. "
+                            "torch.onnx.export(..., opset_version=17)")
+        if o.domain in _DEFAULT_DOMAINS and o.version < 1:
+            raise UserError(f"the model imports opset {o.version} of the default ONNX domain: re-export it "
+                            "with a valid opset (e.g. 17)")
+    if model.ir_version > onnx.IR_VERSION:
+        raise UserError(f"the model has IR version {model.ir_version}, newer than the installed onnx knows "
+                        f"({onnx.IR_VERSION}): re-save it with an older IR version (model.ir_version = 10)")
+
+
+def _dtype_name(elem_type: int) -> str:
+    if elem_type == onnx.TensorProto.STRING:
+        return "string"  # numpy would call it "object"
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+    except Exception:  # noqa: BLE001 - STRING, UNDEFINED, or a type numpy cannot name
+        try:
+            return onnx.TensorProto.DataType.Name(elem_type).lower()
+        except ValueError:
+            return f"type {elem_type}"
+
+
+def check_dtypes(g: onnx.GraphProto) -> None:
+    """Inputs, outputs and weights of dtypes the whole stack handles (the kernels, numpy and onnxruntime)."""
+    tensors = [(vi.name, vi.type.tensor_type.elem_type) for vi in list(g.input) + list(g.output)
+               if vi.type.HasField("tensor_type")]
+    tensors += [(t.name, t.data_type) for t in g.initializer]
+    for vi in list(g.input) + list(g.output):
+        if not vi.type.HasField("tensor_type"):
+            raise UserError(f"{vi.name!r} is a {vi.type.WhichOneof('value') or 'untyped'} value, not a tensor: "
+                            "only tensor inputs and outputs are supported (export the model with tensors only)")
+    for name, elem in tensors:
+        dtype = _dtype_name(elem)
+        if dtype not in SUPPORTED_DTYPES:
+            raise UserError(f"tensor {name!r} has dtype {dtype}, which is not supported; supported: "
+                            f"{', '.join(sorted(SUPPORTED_DTYPES))} (cast it in the exporting framework)")
+
+
+# ---- 4. sample inputs --------------------------------------------------------------------------------------
+
+def read_inputs(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """``--inputs FILE.npz``: arrays named after the model's runtime inputs, with their dtypes and ranks, and
+    their static dimensions.  Inputs the file does not name are drawn at random as usual."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--inputs {str(p)!r} {'is a folder' if p.is_dir() else 'does not exist'}: pass an .npz "
+                        "file written by numpy.savez(FILE, input_name=array, ...)")
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise ValueError("not an npz archive")
+            arrays = {k: data[k] for k in data.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise UserError(f"--inputs {str(p)!r} is not a readable .npz file ({str(exc).splitlines()[0][:120]}): "
+                        "write it with numpy.savez(FILE, input_name=array, ...)") from None
+    inits = {t.name for t in model.graph.initializer}
+    runtime = {i.name: i for i in model.graph.input if i.name not in inits}
+    for k, arr in arrays.items():
+        if k not in runtime:
+            raise UserError(f"--inputs names {k!r}, which is not a runtime input of the model (inputs: "
+                            f"{', '.join(sorted(runtime)) or 'none'}): rename the array")
+        tt = runtime[k].type.tensor_type
+        want = _dtype_name(tt.elem_type)
+        if arr.dtype.name != want:
+            raise UserError(f"--inputs {k!r} is {arr.dtype.name} but the model input is {want}: save it as "
+                            f"{want} (array.astype('{want}'))")
+        if tt.HasField("shape"):
+            dims = list(tt.shape.dim)
+            if len(dims) != arr.ndim:
+                raise UserError(f"--inputs {k!r} has rank {arr.ndim} but the model input has rank {len(dims)}")
+            for axis, (d, n) in enumerate(zip(dims, arr.shape)):
+                if d.HasField("dim_value") and d.dim_value != n:
+                    raise UserError(f"--inputs {k!r} has {n} at axis {axis} where the model fixes {d.dim_value}: "
+                                    "give an array of the model's static size")
+        if arr.size == 0:
+            raise UserError(f"--inputs {k!r} is empty (shape {list(arr.shape)}): give at least one element per axis")
+    return arrays
+
+
+# ---- 5. onnx.checker ---------------------------------------------------------------------------------------
+
+def check_onnx(model: onnx.ModelProto, name: str, shapes: InputShapes | None = None) -> None:
+    """onnx.checker's full check (strict shape inference included) as one line; ``shapes`` are the input
+    sizes applied to ``model``, blamed when given (the caller checked the model without them first)."""
+    try:
+        if model.ByteSize() < 2**31 - 1:
+            onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        if shapes:
+            given = " ".join(f"{k}={','.join(map(str, v))}" for k, v in sorted(shapes.items()))
+            raise UserError(f"{name} does not accept the input sizes {given} (onnx.checker: {first[:200]}): give "
+                            "sizes the model was made for (--input-shape / --inputs)") from None
+        raise UserError(f"{name} is not a valid ONNX model (onnx.checker: {first[:240]}): fix or re-export "
+                        "the model") from None
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - malformed models make inference fail in many ways
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise UserError(f"ONNX shape inference failed ({first[:200]}); check the model with onnx.checker or "
+                        "re-export it") from None
+
+
+# ---- 6. memory ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSize:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "weight" | "input" | "value"
+
+    @property
+    def bytes(self) -> int:
+        itemsize = 1 if self.dtype == "bool" else np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+        return math.prod(self.shape) * itemsize
+
+
+def tensor_sizes(model: onnx.ModelProto) -> list[TensorSize]:
+    """Every tensor of a shape-inferred model whose shape is fully known (Python ints: no overflow)."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    out: list[TensorSize] = [TensorSize(t.name, tuple(int(d) for d in t.dims), _dtype_name(t.data_type), "weight")
+                             for t in g.initializer if _dtype_name(t.data_type) in SUPPORTED_DTYPES]
+    seen = set(inits)
+    for vi, kind in [(i, "input") for i in g.input] + [(v, "value") for v in list(g.value_info) + list(g.output)]:
+        if vi.name in seen or not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        dtype = _dtype_name(tt.elem_type)
+        if dtype not in SUPPORTED_DTYPES or not tt.HasField("shape"):
+            continue
+        if all(d.HasField("dim_value") for d in tt.shape.dim):
+            seen.add(vi.name)
+            out.append(TensorSize(vi.name, tuple(int(d.dim_value) for d in tt.shape.dim), dtype, kind))
+    for n in g.node:  # Constant nodes hold weights too
+        if n.op_type == "Constant" and n.domain in _DEFAULT_DOMAINS:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR and n.output[0] not in seen:
+                    seen.add(n.output[0])
+                    out.append(TensorSize(n.output[0], tuple(int(d) for d in a.t.dims), _dtype_name(a.t.data_type),
+                                          "weight"))
+    return out
+
+
+def memory_limit_bytes() -> int:
+    """This machine's memory for one process: physical memory, or the cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(f).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def check_memory(sizes: list[TensorSize], limit: int | None = None, hint: str = "pass smaller --input-shape "
+                 "values") -> int:
+    """Refuse a model whose tensors cannot fit this machine's memory; returns the estimate in bytes.
+
+    The estimate is a lower bound on the peak of any run: every weight and input, plus the largest other
+    tensor twice (an operator reads at least one tensor while it writes another; runtimes reuse the rest).
+    A model above it would be killed by the kernel's OOM killer after minutes of work, or spin in loops
+    over impossible extents."""
+    limit = limit or memory_limit_bytes()
+    if not sizes:
+        return 0
+    biggest = max(sizes, key=lambda t: t.bytes)
+    if biggest.bytes > limit:
+        raise UserError(f"tensor {biggest.name!r} of shape {list(biggest.shape)} ({biggest.dtype}) alone needs "
+                        f"{_gb(biggest.bytes)}, more than this machine's {_gb(limit)} of memory: {hint}, or "
+                        "check the model's sizes")
+    fixed = sum(t.bytes for t in sizes if t.kind in ("weight", "input"))
+    values = [t for t in sizes if t.kind == "value"]
+    largest = max((t.bytes for t in values), default=0)
+    need = fixed + 2 * largest
+    if need > limit:
+        raise UserError(f"the model needs at least {_gb(need)} of memory (weights and inputs {_gb(fixed)}, largest "
+                        f"intermediate {_gb(largest)} twice), more than this machine's {_gb(limit)}: {hint}")
+    return need
+
+
+# ---- 7. onnxruntime ----------------------------------------------------------------------------------------
+
+def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """An onnxruntime session on the model (optimizations off: only loading and type checking matter)."""
+    import onnxruntime as ort  # imported here: the structural checks above fail faster without it
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4  # errors come back as exceptions; the log would be a second copy
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    src = model.SerializeToString() if model.ByteSize() < 2**31 - 1 else str(path)
+    try:
+        ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own Fail / InvalidGraph / NotImplemented
+        raise UserError(_ort_message(model, str(exc))) from None
+
+
+def _ort_message(model: onnx.ModelProto, text: str) -> str:
+    m = _ORT_IR_RE.search(text)
+    if m:
+        return (f"the model has IR version {model.ir_version}, newer than onnxruntime reads ({m.group(1)}): re-save "
+                f"it with model.ir_version = {m.group(1)} (onnx.helper.make_model writes {onnx.IR_VERSION} by default)")
+    m = _ORT_OPSET_RE.search(text)
+    if m:
+        used = next((o.version for o in model.opset_import if o.domain in (m.group(1), "") ), "?")
+        return (f"the model uses opset {used} of {m.group(1)}, newer than onnxruntime supports ({m.group(2)}): "
+                f"re-export with opset_version <= {m.group(2)}")
+    m = _ORT_UNKNOWN_OP_RE.search(text)
+    if m:
+        return (f"operator {m.group(2)} of domain {m.group(1)!r} is unknown to onnxruntime and TVM, so no reference "
+                "can run it: replace it in the exporting framework (or register it with onnxruntime and run it there)")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    detail = lines[0] if lines else "no detail"
+    detail = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", detail)
+    detail = re.sub(r"/onnxruntime_src/\S+ \S+ [^)]*\) ", "", detail)
+    return f"onnxruntime cannot load the model ({detail[:240]}); fix or re-export the model"
+

@@ -1,0 +1,159 @@
+"""Tuning never ships a slower model: every task's default is measured and recorded first and kept unless
+a tuned config beats it (also after a resume), and optimize-model times the tuned build against the
+default build end to end and ships the faster one, deterministically on a rerun (the verdict is recorded).
+Fake measurers stand for the kernel timings; the builds and the model check are real (bert-tiny)."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("TVM_NUM_THREADS", "2")
+
+from graphopt.timing import Timing, compare  # noqa: E402
+from kerneltune import templates  # noqa: E402
+from kerneltune.records import RecordLog  # noqa: E402
+
+BERT_TINY = Path(__file__).resolve().parents[1] / "models" / "bert_tiny.onnx"
+
+
+class Interrupted(BaseException):
+    """A kill, in-process."""
+
+
+class Fake:
+    """Default config 1 ms; other configs ``lo``..``lo + 1`` ms, a fixed function of the config."""
+
+    lo = 1.5  # > 1: every tuned config is slower than the default
+    calls = 0
+    stop_after = None
+
+    def __init__(self, target, rpc):
+        self.target = target
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def measure(self, task, configs):
+        Fake.calls += 1
+        if Fake.stop_after is not None and Fake.calls >= Fake.stop_after:
+            raise Interrupted()
+        default = templates.default_config(task, self.target)
+        out = []
+        for c in configs:
+            lat = 1e-3 if c == default else (Fake.lo + zlib.crc32(repr(c).encode()) % 1000 / 1000) * 1e-3
+            out.append(SimpleNamespace(gflops=task.flops / lat / 1e9, latency_s=lat, error=None))
+        return out
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    import pipeline.tuning as tuning
+
+    real = tuning.tune_model
+    monkeypatch.setattr(tuning, "tune_model", lambda *a, **k: real(*a, **k, measure_factory=Fake))
+    Fake.lo, Fake.calls, Fake.stop_after = 1.5, 0, None
+    yield Fake
+
+
+def optimize(out: Path, trials: int = 24):
+    from pipeline.optimize import TuneOptions, optimize_model
+
+    return optimize_model(str(BERT_TINY), "llvm", str(out), 2, skip_graph=True,
+                          tuning=TuneOptions(trials, "matmul", searcher="opevo", progress=False)).report
+
+
+def tuned_schedules(report) -> dict[str, str]:
+    return {t["name"]: t["schedule"] for t in report["tasks"] if t["kind"] == "matmul"}
+
+
+def test_defaults_are_kept_when_every_tuned_config_is_slower_also_after_a_resume(tmp_path, fake):
+    fake.stop_after = 6  # killed in the middle of the scheduled rounds
+    with pytest.raises(Interrupted):
+        optimize(tmp_path)
+    fake.stop_after = None
+    report = optimize(tmp_path)
+    tune = report["stages"]["tune"]
+    assert tune["trials"] == 24 and tune["measured_now"] < 24  # the killed run's trials were resumed
+    assert set(tuned_schedules(report).values()) == {"template"}  # every task kept its default schedule
+    assert tune["e2e"]["kept"] == "default" and tune["e2e"]["status"].startswith("skipped: no tuned config")
+    for t in tune["tasks"]:
+        assert t["default_ms"] == pytest.approx(1.0) and t["best_ms"] == pytest.approx(1.0)
+    # The defaults are trials like any other: each task's first record is its default config, measured once.
+    recs = RecordLog(tmp_path / "records.jsonl").load()
+    firsts = {}
+    for r in recs:
+        firsts.setdefault(r.task, r)
+    assert all(r.latency_s == pytest.approx(1e-3) for r in firsts.values())
+    assert len({(r.task, json.dumps(r.config, sort_keys=True)) for r in recs}) == len(recs) == 24
+
+
+def fake_timer(tuned_ms: float, calls: list):
+    def timer(runners, runs, warmup):
+        calls.append(list(runners))
+        for run in runners.values():  # the builds really run (they must not crash); the times are made up
+            run()
+        return {"baseline": Timing(1.0, 0.9), "candidate": Timing(tuned_ms, tuned_ms * 0.9)}
+    return timer
+
+
+def test_tuned_build_that_loses_end_to_end_ships_the_default_and_a_rerun_keeps_the_verdict(
+        tmp_path, fake, monkeypatch, capsys):
+    import graphopt.timing as timing
+    from pipeline.cli import optimize_model_main
+
+    fake.lo = 0.4  # many tuned configs beat the defaults per kernel ...
+    calls: list = []
+    monkeypatch.setattr(timing, "time_interleaved", fake_timer(1.1, calls))  # ... but the model got slower
+    argv = [str(BERT_TINY), "--skip-graph", "--threads", "2", "--trials", "24", "--kernels", "matmul",
+            "-o", str(tmp_path), "--no-progress"]
+    assert optimize_model_main(argv) == 0
+    assert "note: tuning lost: the tuned build was slower end to end" in capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    e2e = report["stages"]["tune"]["e2e"]
+    assert e2e["kept"] == "default" and e2e["status"] == "measured" and e2e["ratios"] == [1.1] * 3
+    assert set(tuned_schedules(report).values()) == {"template"}
+    assert calls == [["baseline", "candidate"], ["candidate", "baseline"], ["baseline", "candidate"]]
+    # The same command again: the tuning is all in the records and the verdict too; even a timer that would
+    # now favour the tuned build is not consulted, so the artifact is the same.
+    calls.clear()
+    monkeypatch.setattr(timing, "time_interleaved", fake_timer(0.5, calls))
+    assert optimize_model_main(argv) == 0
+    again = json.loads((tmp_path / "report.json").read_text())
+    assert calls == [] and again["stages"]["tune"]["e2e"]["status"] == "recorded"
+    assert again["stages"]["tune"]["e2e"]["kept"] == "default" and tuned_schedules(again) == tuned_schedules(report)
+    assert again["stages"]["tune"]["measured_now"] == 0
+
+
+def test_tuned_build_timed_for_real_ships_by_the_verdict(tmp_path, fake):
+    fake.lo = 0.4
+    report = optimize(tmp_path, trials=16)
+    e2e = report["stages"]["tune"]["e2e"]
+    assert e2e["status"] == "measured" and len(e2e["ratios"]) == 3 and e2e["tuned_ms"] > 0 < e2e["default_ms"]
+    shipped = set(tuned_schedules(report).values())
+    assert ("tuned" in shipped) == (e2e["kept"] == "tuned")
+    assert (e2e["kept"] == "tuned") == (sorted(e2e["ratios"])[1] <= 1 - e2e["margin"])
+    assert report["stages"]["compile"]["max_abs_err"] <= 1e-4  # the shipped build was the one checked
+
+
+@pytest.mark.parametrize("ratios, faster, slower", [
+    ((0.97, 1.05, 0.97), True, False),   # one disturbed block does not decide
+    ((1.00, 0.99, 1.01), False, False),  # within the margin: undecided
+    ((1.10, 1.03, 0.90), False, True),
+])
+def test_compare_takes_the_median_block_ratio_against_the_margin(ratios, faster, slower):
+    it = iter(ratios)
+
+    def timer(runners, runs, warmup):
+        r = next(it)
+        return {"baseline": Timing(2.0, 2.0), "candidate": Timing(2.0 * r, 2.0 * r)}
+
+    c = compare(lambda: None, lambda: None, 0.02, blocks=3, timer=timer)
+    assert (c.faster, c.slower) == (faster, slower) and c.ratios == pytest.approx(ratios)
