@@ -8,7 +8,8 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
 2. :class:`_Lift`: ONNX ``Clip`` arrives as ``call_tir`` of TOPI's maximum/minimum, which no layout pass can
    see through, and Relax's ``clip`` (HardSwish, HardSigmoid) has no layout inference: both become Relax
    ``maximum``/``minimum``;
-3. :func:`assign_blocks`: every conv's input and output block (phase 1: a heuristic, see there);
+3. every conv's input and output block: :func:`heuristic_plans` (``--layout nchwc``) or the measured search of
+   :mod:`pipeline.layout_search` (``--layout auto``), over the layout classes :func:`analyze` finds;
    :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
    (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
 4. Relax ``ConvertLayout`` with a per-call callback: each conv gets data ``NCHW{a}c``, kernel ``OIHW`` (the
@@ -21,8 +22,8 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
 6. :class:`_LowerBlockedConvs`: every blocked ``nn.conv2d`` becomes a call of our compute
    (:func:`kerneltune.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
 
-A cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms it
-implies) replaces :func:`assign_blocks`'s heuristic in phase 2.
+The cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms
+it implies) is :mod:`pipeline.layout_search` (``--layout auto``); :func:`heuristic_plans` is ``--layout nchwc``.
 """
 from __future__ import annotations
 
