@@ -26,6 +26,7 @@ from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, outputs_numpy, to_device
 from pipeline.optimize import StageLog, graph_stage
+from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
 from pipeline.relax_import import import_model
 
@@ -203,6 +204,7 @@ class BenchOptions:
     searcher: str = "opevo"
     work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
     progress: bool = True
+    layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
 
 
 def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
@@ -216,21 +218,22 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         model = check_model(model, input_shapes)
     input_shapes = model.input_shapes
     imported = import_model(model.proto, input_shapes)
-    base = partition(imported.mod)
+    base = partition_model(imported.mod, spec, opts.layout)
     engines = {"tvm": compile_partition(imported, base, spec)}
     graph_part, graph_imported = base, imported
     if not opts.skip_graph:
         optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
                                 opts.progress)
         graph_imported = import_model(optimized)
-        graph_part = partition(graph_imported.mod)
+        graph_part = partition_model(graph_imported.mod, spec, opts.layout)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
         result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
                             work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
         engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
-        if not opts.skip_metaschedule:
-            ms_mod = metaschedule.tune(base, spec, opts.trials, work / "metaschedule", seed)
-            engines["metaschedule"] = compile_partition(imported, base, spec, base=ms_mod)
+        if not opts.skip_metaschedule:  # TVM's own tuner on the model as imported (no layout stage)
+            plain = partition(imported.mod)
+            ms_mod = metaschedule.tune(plain, spec, opts.trials, work / "metaschedule", seed)
+            engines["metaschedule"] = compile_partition(imported, plain, spec, base=ms_mod)
     return imported, engines
