@@ -27,6 +27,7 @@ from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, outputs_numpy, to_device
 from pipeline.optimize import StageLog, graph_stage
+from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
 from pipeline.relax_import import import_model
 
@@ -209,6 +210,7 @@ class BenchOptions:
     searcher: str = "opevo"
     work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
     progress: bool = True
+    layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
 
 
 def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
@@ -227,7 +229,7 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         model = check_model(model, input_shapes)
     input_shapes = model.input_shapes
     imported = import_model(model.proto, input_shapes)
-    base = partition(imported.mod)
+    base = partition_model(imported.mod, spec, opts.layout)
     engines = {"tvm": compile_partition(imported, base, spec)}
     graph_part, graph_imported, graph_proto = base, imported, model.proto
     choice = None
@@ -235,7 +237,7 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
                                 opts.progress)
         graph_imported, graph_proto = import_model(optimized), optimized
-        graph_part = partition(graph_imported.mod)
+        graph_part = partition_model(graph_imported.mod, spec, opts.layout)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
@@ -244,7 +246,8 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         engines["tuned"], choice = tuning.pick_build(
             compile_partition(graph_imported, graph_part, spec, result.best_configs), graph_imported, graph_part,
             spec, result.best_configs, work / "records.jsonl", graph_proto.SerializeToString(), seed)
-        if not opts.skip_metaschedule:
-            ms_mod = metaschedule.tune(base, spec, opts.trials, work / "metaschedule", seed)
-            engines["metaschedule"] = compile_partition(imported, base, spec, base=ms_mod)
+        if not opts.skip_metaschedule:  # TVM's own tuner on the model as imported (no layout stage)
+            plain = partition(imported.mod)
+            ms_mod = metaschedule.tune(plain, spec, opts.trials, work / "metaschedule", seed)
+            engines["metaschedule"] = compile_partition(imported, plain, spec, base=ms_mod)
     return imported, engines, choice
