@@ -28,6 +28,7 @@ from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, parse_target, set_num_threads
+from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
 from pipeline.optimize import TuneOptions, optimize_model
 
@@ -58,6 +59,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
                                                         "every check and timing; their shapes fix the input shapes")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS, help=LAYOUT_HELP)
 
 
 def set_threads(threads: int | None) -> int:
@@ -104,7 +106,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
                          args.skip_tune, not args.no_progress)
     res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
                          skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs,
-                         graph_time_limit=args.time_limit)
+                         layout=args.layout, graph_time_limit=args.time_limit)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
     if comp.get("top1_agreement") is not None:
@@ -162,10 +164,10 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
-                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress)
-    imported, engines = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
+                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
+    imported, engines, choice = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
-                          args.trials, model.samples)
+                          args.trials, model.samples, choice)
     print(benchmark.format_table(res))
     if args.json:
         benchmark.write_json(res, args.json)

@@ -96,9 +96,11 @@ class TuneOptions:
 def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
                    input_shapes: InputShapes | None = None, skip_graph: bool = False,
                    seed: int = 0, tuning: TuneOptions | None = None,
-                   inputs: str | None = None, graph_time_limit: float = 60.0) -> OptimizeResult:
+                   inputs: str | None = None, layout: str = "auto",
+                   graph_time_limit: float = 60.0) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
-    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks.
+    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
+    ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
 
     Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
     model (:func:`graphopt.validate.check_model`); the artifacts are written only after the compiled model
@@ -114,7 +116,8 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
     # Deferred: these load TVM (seconds), after every cheap check above has passed.
     from pipeline.compile import check_outputs, compile_partition
-    from pipeline.partition import partition, select_tasks
+    from pipeline.layout_search import partition_model
+    from pipeline.partition import select_tasks
     from pipeline.relax_import import import_model
     from pipeline.tuning import pick_build, plot_tuning, tune_model
 
@@ -130,9 +133,10 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
-    part = partition(imported.mod)
+    part = partition_model(imported.mod, spec, layout)
     log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
-            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4))
+            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
+            layout=part.layout)
 
     tuned: dict[str, Any] = {}
     tune_result = None

@@ -12,7 +12,7 @@ from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import ModelTimes
 from graphopt.cost.measured import MeasuredCost
 from graphopt.cost.runners import OrtRunner
-from graphopt.timing import time_interleaved
+from graphopt.timing import time_blocks
 from graphopt.errors import UserError
 from graphopt.onnx_io import import_onnx
 from graphopt.stage import check_end_to_end
@@ -130,12 +130,22 @@ def test_measured_cost_times_whole_models_with_its_backend(tmp_path):
     assert times.backend == "ort" and 0 < times.seconds[0] < times.seconds[1]
 
 
-def test_interleaved_medians_are_per_runner():
+def test_blocks_alternate_with_idle_gaps_and_medians_are_per_runner():
     calls: list[str] = []
-    times = time_interleaved({"a": lambda: calls.append("a"), "inv": lambda: np.linalg.inv(np.eye(200))}, runs=5,
-                             warmup=1)
-    assert calls == ["a"] * 11  # 1 warm-up + 5 x (priming + timed)
+    gaps: list[float] = []
+    times = time_blocks({"a": lambda: calls.append("a"), "inv": lambda: (calls.append("inv"), np.linalg.inv(np.eye(200)))},
+                        runs=6, warmup=1, rounds=3, gap_s=0.25, sleep=gaps.append)
+    # 3 rounds; each block = 1 warm-up + 2 timed calls; the order is reversed every other round
+    assert calls == ["a"] * 3 + ["inv"] * 3 + ["inv"] * 3 + ["a"] * 3 + ["a"] * 3 + ["inv"] * 3
+    assert gaps == [0.25] * 6  # an idle gap before every block
     assert times["a"].median_ms < times["inv"].median_ms and times["a"].min_ms <= times["a"].median_ms
+    assert len(times["inv"].blocks_ms) == 3 and min(times["inv"].blocks_ms) >= times["inv"].min_ms
+
+
+def test_blocks_take_at_least_one_timed_call_each():
+    n = []
+    times = time_blocks({"x": lambda: n.append(1)}, runs=2, warmup=0, rounds=5, sleep=lambda s: None)
+    assert len(n) == 2 and len(times["x"].blocks_ms) == 2  # rounds capped by runs
 
 
 def test_merge_everything_wins_when_the_whole_model_says_so():

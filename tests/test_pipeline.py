@@ -354,11 +354,14 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
     monkeypatch.setattr(tuning, "tune_model", lambda *a, **k: real(*a, **k, measure_factory=FakeMeasurer))
     opts = benchmark.BenchOptions(trials=16, skip_graph=True, skip_metaschedule=True, kernels="matmul",
                                   searcher="random", work_dir=str(tmp_path), progress=False)
-    imported, engines = benchmark.compile_engines(str(BERT_TINY), llvm, 2, None, opts)
+    imported, engines, choice = benchmark.compile_engines(str(BERT_TINY), llvm, 2, None, opts)
     assert set(engines) == {"tvm", "tuned"}
-    assert "tuned" in engines["tuned"].schedules.values()
-    res = benchmark.bench(imported, engines, 2, 2, trials=16)
-    assert res.to_json()["tuned_ms"] > 0 and res.max_abs_err <= 1e-4
+    # the tuned engine is the build optimize-model ships: tuned schedules only if they won end to end
+    assert ("tuned" in engines["tuned"].schedules.values()) == (choice.kept == "tuned")
+    assert choice.status == "measured" and len(choice.ratios) == 3
+    res = benchmark.bench(imported, engines, 2, 2, trials=16, tuned_choice=choice)
+    out = res.to_json()
+    assert out["tuned_ms"] > 0 and res.max_abs_err <= 1e-4 and out["tuned_choice"]["kept"] == choice.kept
 
 
 # ------------------------------------------------------------------------------------------------ tuning stage

@@ -15,7 +15,7 @@ the time of a trivial model (the fixed cost of one call from Python) is subtract
 smaller nodes are not overcharged for Python overhead that the real run does not pay.
 
 :meth:`MeasuredCost.time_models` times whole graphs with the same engine through the project's one
-whole-model timer (:func:`graphopt.timing.time_interleaved`), so the graph stage can check that a graph the
+whole-model timer (:func:`graphopt.timing.time_blocks`), so the graph stage can check that a graph the
 per-operator sum prefers really runs faster end to end; each graph is built once per instance (the stage
 times the input against several candidates, block after block).
 """
@@ -33,7 +33,7 @@ from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, 
 from graphopt.cost.cache import CostCache, cache_dir, cpu_id
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.ir import Graph, Node, TensorInfo, attrs_key
-from graphopt.timing import time_interleaved
+from graphopt.timing import time_blocks
 
 SMALL_CONST = 64  # constant inputs up to this many elements are part of the key and embedded (shapes, axes)
 
@@ -168,7 +168,7 @@ class MeasuredCost(CostModel):
                 raise
             runner = self._fallback
             calls = [self._prepare(runner, g, h) for g, h in zip(graphs, hashes)]
-        times = time_interleaved(dict(enumerate(calls)), runs)
+        times = time_blocks(dict(enumerate(calls)), runs)
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
 
     def _prepare(self, runner: GraphRunner, graph: Graph, digest: str) -> Callable[[], object]:
@@ -196,7 +196,7 @@ def cache_file(target: str, backend: str, threads: int) -> str:
 
 def best_time(run: Callable[[], object]) -> float:
     """Seconds per call of ``run``: warm-up, then the best of 3 batches of about 20 ms each (one operator;
-    whole models go through :func:`graphopt.timing.time_interleaved`)."""
+    whole models go through :func:`graphopt.timing.time_blocks`)."""
     run()
     t = time.perf_counter()
     run()
