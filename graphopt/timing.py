@@ -121,3 +121,56 @@ def compare(baseline: Callable[[], object], candidate: Callable[[], object], mar
         cand.append(t["candidate"].median_ms)
         ratios.append(t["candidate"].median_ms / t["baseline"].median_ms)
     return Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)
+
+
+MIN_BLOCKS = 3
+MAX_BLOCKS = 7
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether a candidate is faster than a baseline beyond a margin, from repeated interleaved blocks."""
+
+    comparison: Comparison
+    faster: bool
+    reason: str
+
+
+def decide(block: Callable[[int], tuple[float, float]], margin: float, min_blocks: int = MIN_BLOCKS,
+           max_blocks: int = MAX_BLOCKS, deadline: float | None = None) -> Decision:
+    """Keep-or-reject on repeated measurement, never on one noisy timing.
+
+    ``block(b)`` times one interleaved block (the caller swaps the order on odd ``b``) and returns the
+    baseline's and the candidate's milliseconds.  The candidate is *faster* only when every block says it is
+    faster by at least ``margin`` (a sign test on the blocks, at least ``min_blocks`` of them); blocks are
+    added, up to ``max_blocks``, while most but not all do; when at most half do, or the blocks run out,
+    or ``deadline`` (a :func:`time.perf_counter` value) passes, the baseline is kept.  A candidate near the
+    margin therefore loses consistently instead of winning on a lucky run."""
+    base: list[float] = []
+    cand: list[float] = []
+    ratios: list[float] = []
+    reason = ""
+    while True:
+        if len(ratios) < max(1, min_blocks) and deadline is not None and ratios and time.perf_counter() >= deadline:
+            reason = f"time limit after {len(ratios)} of {min_blocks} blocks"
+            break
+        b, c = block(len(ratios))
+        base.append(b)
+        cand.append(c)
+        ratios.append(c / b if b > 0 else math.inf)
+        if len(ratios) < max(1, min_blocks):
+            continue
+        fast = sum(r <= 1.0 - margin for r in ratios)
+        if fast == len(ratios):
+            reason = f"faster by the margin in all {len(ratios)} blocks"
+            break
+        if 2 * fast <= len(ratios):
+            reason = f"faster by the margin in {fast} of {len(ratios)} blocks"
+            break
+        if len(ratios) >= max_blocks or (deadline is not None and time.perf_counter() >= deadline):
+            reason = (f"undecided: faster by the margin in {fast} of {len(ratios)} blocks"
+                      + (" (time limit)" if len(ratios) < max_blocks else ""))
+            break
+    comparison = Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)
+    faster = reason.startswith("faster by the margin in all")
+    return Decision(comparison, faster, reason)

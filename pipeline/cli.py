@@ -20,7 +20,7 @@ from typing import Callable
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
+from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir
 from graphopt.onnx_io import parse_input_shapes
 from graphopt.validate import check_model, check_threads
@@ -82,6 +82,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json")
     p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
+    p.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
+                   help="bound on the whole graph stage: pricing, search, end-to-end timing (default 60)")
     t = p.add_argument_group("kernel tuning")
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
@@ -104,7 +106,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
                          args.skip_tune, not args.no_progress)
     res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
                          skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs,
-                         layout=args.layout)
+                         layout=args.layout, graph_time_limit=args.time_limit)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
     if comp.get("top1_agreement") is not None:

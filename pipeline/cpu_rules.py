@@ -75,7 +75,13 @@ def inline_without_blowup(sch: s_tir.Schedule, blocks: list) -> list:
 
     def reverse_ok(rv) -> bool:  # substitute the producers' values into this block, computed in their loops
         block = sch.get(rv)
-        return all(small(p) or reads(block, p) <= 1 for p in map(sch.get, sch.get_producers(rv)))
+        producers = sch.get_producers(rv)
+        # A producer whose buffer another block also reads must keep writing it: TVM 0.27's
+        # reverse_compute_inline does not check this and drops the buffer (a Concat feeding a two-way Split:
+        # FlattenBuffer "T_concat_intermediate is used before its definition" at build time).
+        if any(len(sch.get_consumers(p)) > 1 for p in producers):
+            return False
+        return all(small(p) or reads(block, p) <= 1 for p in map(sch.get, producers))
 
     def first(step, guard) -> int | None:
         for i, info in enumerate(blocks):

@@ -41,9 +41,10 @@ class StageLog:
 
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
-                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
-    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM), or the
-    imported graph re-exported."""
+                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
+                time_limit: float = 60.0) -> onnx.ModelProto:
+    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM, the stage
+    within ``time_limit`` seconds), or the imported graph re-exported."""
     t0 = time.perf_counter()
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
     graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
@@ -56,10 +57,13 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
     cost = make_cost_model("measured", target, TvmRunner(threads))
-    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
+    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress, time_limit=time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
              "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
-             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after}
+             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
+             "e2e_check": result.check.status, "e2e_decision": result.check.decision,
+             "stop_reason": result.stop_reason, "pricing_failures": result.pricing_failures,
+             "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
     return export_onnx(result.graph)
@@ -92,7 +96,8 @@ class TuneOptions:
 def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
                    input_shapes: InputShapes | None = None, skip_graph: bool = False,
                    seed: int = 0, tuning: TuneOptions | None = None,
-                   inputs: str | None = None, layout: str = "auto") -> OptimizeResult:
+                   inputs: str | None = None, layout: str = "auto",
+                   graph_time_limit: float = 60.0) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
     report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
     ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
@@ -124,7 +129,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         check_device(tuning.rpc)
     log = StageLog()
     optimized = graph_stage(original, model.input_shapes, skip_graph, log, spec.kind,
-                            int(threads or 1), tuning.progress)
+                            int(threads or 1), tuning.progress, graph_time_limit)
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
