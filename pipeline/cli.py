@@ -26,7 +26,7 @@ import numpy as np
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
+from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
 from graphopt.onnx_io import parse_input_shapes
@@ -35,6 +35,7 @@ from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use_threads
+from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
 from pipeline.optimize_model import TuneOptions, optimize_model
 
@@ -65,6 +66,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
                                                         "every check and timing; their shapes fix the input shapes")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS, help=LAYOUT_HELP)
 
 
 def set_threads(threads: int | None) -> int:
@@ -85,6 +87,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json")
     p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
+    p.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
+                   help="bound on the whole graph stage: pricing, search, end-to-end timing (default 60)")
     t = p.add_argument_group("kernel tuning")
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
@@ -106,7 +110,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
                          args.skip_tune, not args.no_progress)
     res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
-                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs)
+                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs,
+                         layout=args.layout, graph_time_limit=args.time_limit)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
     if comp.get("top1_agreement") is not None:
@@ -169,10 +174,10 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
-                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress)
-    imported, engines = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
+                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
+    imported, engines, choice = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
-                          args.trials, model.samples)
+                          args.trials, model.samples, choice)
     print(benchmark.format_table(res))
     if args.json:
         benchmark.write_json(res, args.json)

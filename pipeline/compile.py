@@ -36,7 +36,7 @@ from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
 from kerneltune.targets import TargetSpec, device_for
-from pipeline.cpu_rules import Injective, ParallelFallback
+from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 
@@ -95,7 +95,7 @@ def _cpu_rules() -> list:
     # Injective first: it declines any kernel with a reduction, and dlight's rules start by inlining every
     # block (try_inline), which recomputes reused values exponentially before they decline an elementwise
     # kernel (see pipeline.cpu_rules).
-    return [Injective(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
+    return [Injective(), LaneReduction(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
 
 
 def _gpu_rules() -> list:

@@ -43,9 +43,10 @@ class StageLog:
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
-                runs_here: bool = True) -> onnx.ModelProto:
+                runs_here: bool = True, time_limit: float = 60.0) -> onnx.ModelProto:
     """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM on ``target``
-    where this machine can run it, priced analytically otherwise), or the imported graph re-exported."""
+    where this machine can run it, priced analytically otherwise; the stage within ``time_limit`` seconds),
+    or the imported graph re-exported."""
     t0 = time.perf_counter()
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
     graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
@@ -59,10 +60,13 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
 
     kind = check_name(target).cost_kind if runs_here else "not-here"  # a kind other than llvm: analytic cost
     cost = make_cost_model("measured", kind, TvmRunner(threads, target))
-    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
+    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress, time_limit=time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
              "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
-             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after}
+             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
+             "e2e_check": result.check.status, "e2e_decision": result.check.decision,
+             "stop_reason": result.stop_reason, "pricing_failures": result.pricing_failures,
+             "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
     return export_onnx(result.graph)
@@ -95,9 +99,11 @@ class TuneOptions:
 def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
                    input_shapes: InputShapes | None = None, skip_graph: bool = False,
                    seed: int = 0, tuning: TuneOptions | None = None,
-                   inputs: str | None = None) -> OptimizeResult:
+                   inputs: str | None = None, layout: str = "auto",
+                   graph_time_limit: float = 60.0) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
-    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks.
+    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
+    ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
 
     Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
     model (:func:`graphopt.validate.check_model`); the artifacts are written only after the compiled model
@@ -113,7 +119,8 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
     # Deferred: these load TVM (seconds), after every cheap check above has passed.
     from pipeline.compile import check_outputs, compile_partition
-    from pipeline.partition import partition, select_tasks
+    from pipeline.layout_search import partition_model
+    from pipeline.partition import select_tasks
     from pipeline.relax_import import import_model
     from pipeline.tuning import pick_build, plot_tuning, tune_model
 
@@ -127,13 +134,14 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         check_device(tuning.rpc)
     log = StageLog()
     optimized = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
-                            int(threads or 1), tuning.progress, spec.can_run)
+                            int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
-    part = partition(imported.mod)
+    part = partition_model(imported.mod, spec, layout)
     log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
-            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4))
+            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
+            layout=part.layout)
 
     tuned: dict[str, Any] = {}
     tune_result = None

@@ -96,7 +96,7 @@ def test_defaults_are_kept_when_every_tuned_config_is_slower_also_after_a_resume
 
 
 def fake_timer(tuned_ms: float, calls: list):
-    def timer(runners, runs, warmup):
+    def timer(runners, runs, warmup, **kw):
         calls.append(list(runners))
         for run in runners.values():  # the builds really run (they must not crash); the times are made up
             run()
@@ -111,7 +111,7 @@ def test_tuned_build_that_loses_end_to_end_ships_the_default_and_a_rerun_keeps_t
 
     fake.lo = 0.4  # many tuned configs beat the defaults per kernel ...
     calls: list = []
-    monkeypatch.setattr(timing, "time_interleaved", fake_timer(1.1, calls))  # ... but the model got slower
+    monkeypatch.setattr(timing, "time_blocks", fake_timer(1.1, calls))  # ... but the model got slower
     argv = [str(BERT_TINY), "--skip-graph", "--threads", "2", "--trials", "24", "--kernels", "matmul",
             "-o", str(tmp_path), "--no-progress"]
     assert optimize_model_main(argv) == 0
@@ -124,7 +124,7 @@ def test_tuned_build_that_loses_end_to_end_ships_the_default_and_a_rerun_keeps_t
     # The same command again: the tuning is all in the records and the verdict too; even a timer that would
     # now favour the tuned build is not consulted, so the artifact is the same.
     calls.clear()
-    monkeypatch.setattr(timing, "time_interleaved", fake_timer(0.5, calls))
+    monkeypatch.setattr(timing, "time_blocks", fake_timer(0.5, calls))
     assert optimize_model_main(argv) == 0
     again = json.loads((tmp_path / "report.json").read_text())
     assert calls == [] and again["stages"]["tune"]["e2e"]["status"] == "recorded"
@@ -151,7 +151,7 @@ def test_tuned_build_timed_for_real_ships_by_the_verdict(tmp_path, fake):
 def test_compare_takes_the_median_block_ratio_against_the_margin(ratios, faster, slower):
     it = iter(ratios)
 
-    def timer(runners, runs, warmup):
+    def timer(runners, runs, warmup, **kw):
         r = next(it)
         return {"baseline": Timing(2.0, 2.0), "candidate": Timing(2.0 * r, 2.0 * r)}
 
