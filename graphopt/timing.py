@@ -174,3 +174,39 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
     comparison = Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)
     faster = reason.startswith("faster by the margin in all")
     return Decision(comparison, faster, reason)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """The latency distribution of back-to-back calls of one model (what ``run-model`` reports)."""
+
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    min_ms: float
+    runs: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def latency(run: Callable[[], object], runs: int, warmup: int = WARMUP) -> Latency:
+    """Time ``runs`` back-to-back calls of ``run`` after ``warmup`` untimed ones: a deployed model serves
+    requests one after another, so unlike :func:`time_blocks` there is no other engine to interleave
+    with and each call is timed (the tail percentiles are what a service level is written against)."""
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(max(1, runs)):
+        t0 = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return Latency(percentile(samples, 50), percentile(samples, 90), percentile(samples, 99),
+                   statistics.fmean(samples), min(samples), len(samples))

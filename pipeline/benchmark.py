@@ -26,7 +26,7 @@ from graphopt.timing import Timing, time_blocks
 from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, outputs_numpy, to_device
-from pipeline.optimize import StageLog, graph_stage
+from pipeline.optimize_model import StageLog, graph_stage
 from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
 from pipeline.relax_import import import_model

@@ -56,11 +56,16 @@ class CompiledModel:
         return relax.VirtualMachine(self.executable, device_for(self.spec))
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write the shared library atomically; for rocm also the AMDGPU code object next to it (``.hsaco``),
+        """Write the shared library atomically (linked by the cross gcc for another CPU architecture); for rocm also the AMDGPU code object next to it (``.hsaco``),
         which is what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
         p = Path(path)
+        fcompile = None
+        if self.spec.cross is not None:  # another CPU architecture: its gcc links (LLVM emitted the objects)
+            from tvm.support import cc
+
+            fcompile = cc.cross_compiler(self.spec.cross.compiler)
         with atomic_path(p) as tmp, quiet_native_stderr():  # one 'Scope Saving' warning per kernel otherwise
-            self.executable.export_library(str(tmp))
+            self.executable.export_library(str(tmp), fcompile=fcompile)
         if self.spec.kind == "rocm":
             objs = amdgpu_code_objects(p.read_bytes())
             if objs:

@@ -183,8 +183,12 @@ def convert(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto",
     if mode == "nchw" or spec.kind != "llvm" or "main" not in mod or not has_convs(mod):
         return mod, layout.LayoutReport(mode="nchw")
     lanes = vector_lanes(spec.target, "float32")
-    if mode == "nchwc":
-        return layout.to_nchwc(mod, lanes)
+    if mode == "nchwc" or (pricer is None and not spec.can_run):
+        # a target built here but run elsewhere (a cross build) cannot be priced: the heuristic blocks
+        out, report = layout.to_nchwc(mod, lanes)
+        if mode == "auto":
+            report.search = {"skipped": "the target does not run here: heuristic blocks, no prices"}
+        return out, report
     pricer = pricer or Pricer(spec)
     decisions: list[Decision] = []
 

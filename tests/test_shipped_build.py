@@ -64,7 +64,7 @@ def fake(monkeypatch):
 
 
 def optimize(out: Path, trials: int = 24):
-    from pipeline.optimize import TuneOptions, optimize_model
+    from pipeline.optimize_model import TuneOptions, optimize_model
 
     return optimize_model(str(BERT_TINY), "llvm", str(out), 2, skip_graph=True,
                           tuning=TuneOptions(trials, "matmul", searcher="opevo", progress=False)).report

@@ -26,7 +26,8 @@ from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 from graphopt.validate import check_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.records import RecordLog
-from kerneltune.targets import check_name, parse_target
+from kerneltune.targets import check_can_tune, check_name, parse_target
+from pipeline.artifact import deployment, tensor_specs
 from pipeline.frontend import legalize_for_tvm
 
 
@@ -42,9 +43,10 @@ class StageLog:
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
-                time_limit: float = 60.0) -> onnx.ModelProto:
-    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM, the stage
-    within ``time_limit`` seconds), or the imported graph re-exported."""
+                runs_here: bool = True, time_limit: float = 60.0) -> onnx.ModelProto:
+    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM on ``target``
+    where this machine can run it, priced analytically otherwise; the stage within ``time_limit`` seconds),
+    or the imported graph re-exported."""
     t0 = time.perf_counter()
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
     graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
@@ -56,7 +58,8 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
         return export_onnx(graph)
     from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
-    cost = make_cost_model("measured", target, TvmRunner(threads))
+    kind = check_name(target).cost_kind if runs_here else "not-here"  # a kind other than llvm: analytic cost
+    cost = make_cost_model("measured", kind, TvmRunner(threads, target))
     result = optimize_graph(graph, cost, GraphStageOptions(progress=progress, time_limit=time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
              "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
@@ -106,7 +109,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     model (:func:`graphopt.validate.check_model`); the artifacts are written only after the compiled model
     matched onnxruntime, each atomically, report.json last (its presence means a complete run)."""
     tuning = tuning or TuneOptions()
-    check_name(target)
+    request = check_name(target)
     out = check_output_dir(out_dir, "-o")
     records = Path(tuning.records) if tuning.records else out / "records.jsonl"
     if tuning.enabled:  # a records path we cannot write, or one another tuner holds
@@ -123,13 +126,15 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
     original = model.proto
     spec = parse_target(target, threads)
-    if tuning.enabled and tuning.rpc:  # fail in seconds, not after the graph stage: no device
-        from kerneltune.runner import check_device  # deferred with TVM (see above)
+    if tuning.enabled:
+        check_can_tune(spec, tuning.rpc)
+    if tuning.enabled and tuning.rpc and not _has_records(records):  # fail in seconds, not after the graph
+        from kerneltune.runner import check_device  # stage; a resume checks when it first needs the device
 
         check_device(tuning.rpc)
     log = StageLog()
-    optimized = graph_stage(original, model.input_shapes, skip_graph, log, spec.kind,
-                            int(threads or 1), tuning.progress, graph_time_limit)
+    optimized = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
+                            int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
@@ -192,9 +197,13 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         plot_tuning(tune_result, out / "tuning.png")
         files.update(records="records.jsonl", tuning_plot="tuning.png")
     report = {
-        "model": str(model_path), "target": spec.kind, "target_detail": str(spec.target),
+        "model": str(model_path), "target": spec.kind, "target_request": request.text,
+        "target_detail": str(spec.target),
         "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
         "inputs": str(inputs) if inputs else None,
+        "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
+                                                 if i.name not in imported.graph.initializers]),
+                             tensor_specs(imported.graph.outputs)),
         "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
                                         for t in part.tasks],
         "files": files,
@@ -202,6 +211,14 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     write_text_atomic(out / "report.md", report_markdown(report))
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     return OptimizeResult(out, report)
+
+
+def _has_records(path: Path) -> bool:
+    """A records file with content: this run resumes (or rebuilds from) an earlier one."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def output_bytes(model: onnx.ModelProto) -> int:
