@@ -79,7 +79,7 @@ def time_blocks(runners: Mapping[K, Callable[[], object]], runs: int, warmup: in
 
 @dataclass(frozen=True)
 class Comparison:
-    """A candidate timed against a baseline in several interleaved blocks (see :func:`compare`)."""
+    """A candidate timed against a baseline in several blocks (see :func:`decide`)."""
 
     baseline_ms: float  # median over blocks of the baseline's per-block median
     candidate_ms: float
@@ -88,39 +88,25 @@ class Comparison:
 
     @property
     def ratio(self) -> float:
-        """The median of the per-block ratios: one disturbed block cannot decide."""
+        """The median of the per-block ratios (for reports; the verdict is :func:`decide`'s)."""
         return statistics.median(self.ratios)
 
-    @property
-    def faster(self) -> bool:
-        """The candidate is faster than the baseline by more than the margin."""
-        return self.ratio <= 1.0 - self.margin
 
-    @property
-    def slower(self) -> bool:
-        """The candidate is slower than the baseline by more than the margin."""
-        return self.ratio >= 1.0 + self.margin
-
-
-def compare(baseline: Callable[[], object], candidate: Callable[[], object], margin: float, blocks: int = 3,
-            runs: int = 10, warmup: int = WARMUP,
-            timer: Callable[..., Mapping[str, Timing]] | None = None) -> Comparison:
-    """Time ``candidate`` against ``baseline``: ``blocks`` rounds, each one block of ``runs`` timed calls per
-    build (:func:`time_blocks` with one round), the order of the two swapped from round to round so that
-    neither always runs first.
-
-    A decision taken on the result never hangs on one noisy timing: each block's ratio is a ratio of
-    medians, the verdict takes the median of the blocks' ratios, and ``faster`` / ``slower`` need it beyond
-    ``margin``.  ``timer`` replaces the one-round :func:`time_blocks` (tests)."""
+def compare(baseline: Callable[[], object], candidate: Callable[[], object], margin: float,
+            runs: int = 10, warmup: int = WARMUP, timer: Callable[..., Mapping[str, Timing]] | None = None,
+            deadline: float | None = None) -> "Decision":
+    """Is ``candidate`` faster than ``baseline`` (two runners) by ``margin``?  :func:`decide` over blocks of
+    :func:`time_blocks` with one round (``runs`` timed calls per build), the order of the two swapped from
+    block to block so that neither always runs first.  ``timer`` replaces the one-round :func:`time_blocks`
+    (tests)."""
     timer = timer or partial(time_blocks, rounds=1)
-    ratios, base, cand = [], [], []
-    for b in range(max(1, blocks)):
+
+    def block(b: int) -> tuple[float, float]:
         order = (("baseline", baseline), ("candidate", candidate))
         t = timer(dict(order if b % 2 == 0 else order[::-1]), runs, warmup)
-        base.append(t["baseline"].median_ms)
-        cand.append(t["candidate"].median_ms)
-        ratios.append(t["candidate"].median_ms / t["baseline"].median_ms)
-    return Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)
+        return t["baseline"].median_ms, t["candidate"].median_ms
+
+    return decide(block, margin, deadline=deadline)
 
 
 MIN_BLOCKS = 3

@@ -358,7 +358,7 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
     assert set(engines) == {"tvm", "tuned"}
     # the tuned engine is the build optimize-model ships: tuned schedules only if they won end to end
     assert ("tuned" in engines["tuned"].schedules.values()) == (choice.kept == "tuned")
-    assert choice.status == "measured" and len(choice.ratios) == 3
+    assert choice.status == "measured" and 3 <= len(choice.ratios) <= 7
     res = benchmark.bench(imported, engines, 2, 2, trials=16, tuned_choice=choice)
     out = res.to_json()
     assert out["tuned_ms"] > 0 and res.max_abs_err <= 1e-4 and out["tuned_choice"]["kept"] == choice.kept
