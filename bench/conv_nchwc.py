@@ -9,7 +9,7 @@ For each shape a one-node ONNX model (Conv, random weights) is run by
 * ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph; narrow
   groups merged to fill the blocks);
 
-all alternated run by run (:func:`graphopt.timing.time_interleaved`), and the FMA peak is measured in the same
+in alternating blocks (:func:`graphopt.timing.time_blocks`), and the FMA peak is measured in the same
 run (``bench/peak.py``).  GFLOP/s count the convolution's useful FLOPs (merged groups compute more).
 
     python bench/conv_nchwc.py [--shapes r50_3x3,mbv2_dw] [--runs 50] [--json out.json]
@@ -86,7 +86,7 @@ def kernel_runner(name: str, spec):
 def bench_shape(name: str, runs: int, threads: int) -> dict:
     from graphopt.compare import max_abs_err
     from graphopt.feeds import ort_session, random_inputs
-    from graphopt.timing import time_interleaved
+    from graphopt.timing import time_blocks
     from kerneltune.targets import device_for, parse_target, vector_lanes
     from pipeline import layout
     from pipeline.compile import compile_partition, outputs_numpy, to_device
@@ -97,7 +97,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     imported = import_model(model)
     spec = parse_target("llvm", threads=threads)
     feeds = random_inputs(imported.graph, 0)
-    sess = ort_session(model, threads, spin=False)
+    sess = ort_session(model, threads)
     ref = sess.run(None, feeds)
     engines = {"ort": lambda: sess.run(None, feeds)}
     errors = {}
@@ -109,7 +109,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
         engines[key] = lambda main=main, args=args: main(*args)
         errors[key] = max_abs_err(ref, outputs_numpy(main(*args)))
     engines["nchwc_kernel"], task = kernel_runner(name, spec)
-    times = time_interleaved(engines, runs)
+    times = time_blocks(engines, runs)
     return {"shape": SHAPES[name], "useful_gflop": flops / 1e9, "executed_gflop": task.flops / 1e9,
             "transforms": report.transforms, "errors": errors,
             "ms": {k: t.median_ms for k, t in times.items()}, "min_ms": {k: t.min_ms for k, t in times.items()},

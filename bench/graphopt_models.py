@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.fileio import save_figure, write_text_atomic
-from graphopt.timing import time_interleaved
+from graphopt.timing import time_blocks
 from kerneltune.targets import host_model_name, set_num_threads, tvm_num_threads
 from pipeline.cli import GRAPHOPT_COMPONENTS
 
@@ -37,13 +37,13 @@ DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
 
 def _interleaved(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
     """Median milliseconds per model, from the project's one whole-model timer."""
-    return {k: t.median_ms for k, t in time_interleaved(fns, runs).items()}
+    return {k: t.median_ms for k, t in time_blocks(fns, runs).items()}
 
 
 def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, float]:
     from graphopt.feeds import ort_session
 
-    sessions = {k: ort_session(m, threads, spin=False) for k, m in models.items()}
+    sessions = {k: ort_session(m, threads) for k, m in models.items()}
     fns = {}
     for k, s in sessions.items():
         names = {i.name for i in s.get_inputs()}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.fileio import write_text_atomic
+from graphopt.timing import time_blocks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -44,19 +45,9 @@ def lowered(proto, hoist: bool):
         lg.LOWERINGS.update(saved)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 3) -> dict[str, float]:
-    """Median ms per engine; each timed run follows an untimed one of the same engine (warm pool)."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, f in fns.items():
-            f()
-            t = time.perf_counter()
-            f()
-            samples[k].append((time.perf_counter() - t) * 1e3)
-    return {k: round(statistics.median(v), 4) for k, v in samples.items()}
+def interleaved(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """Median ms per engine, from the project's one whole-model timer (:func:`graphopt.timing.time_blocks`)."""
+    return {k: round(t.median_ms, 4) for k, t in time_blocks(fns, runs).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = parse_target("llvm", args.threads)
     dev = device_for(spec)
     engines: dict[str, Callable[[], object]] = {}
-    sess = ort_session(original, args.threads, spin=False)
+    sess = ort_session(original, args.threads)
     engines["ort:original"] = lambda: sess.run(None, feeds)
     for name in ("hoisted", "naive"):
-        s = ort_session(forms[name], args.threads, spin=False)
+        s = ort_session(forms[name], args.threads)
         engines[f"ort:{name}"] = (lambda s=s: s.run(None, feeds))
     for name, proto in forms.items():
         t0 = time.perf_counter()

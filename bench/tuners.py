@@ -4,10 +4,15 @@ Reproduces the shape of OpEvo's Figure 2 on this CPU: best GFLOPS found versus t
 std band over seeds, one subplot per operator, plus a table of mean/std best GFLOPS at 64/128/256 trials.
 Operators (fp32, OpEvo paper's Table 1 with the batch scaled down so a run fits on 2 cores, plus BERT-base):
 
-    mm1   matmul (512,1024)x(1024,1024)
-    bmm1  batch matmul 96x[(128,128)x(128,64)]                (paper: batch 960)
-    c2    conv2d input (2,64,27,27), kernel (192,64,5,5), stride 1, pad 2   (paper: batch 512)
-    bert  matmul (128,768)x(768,3072)                          (BERT-base FFN1)
+    mm1      matmul (512,1024)x(1024,1024)
+    bmm1     batch matmul 96x[(128,128)x(128,64)]                (paper: batch 960)
+    c2       conv2d input (2,64,27,27), kernel (192,64,5,5), stride 1, pad 2   (paper: batch 512)
+    r50_3x3  conv2d input (1,256,14,14), kernel (256,256,3,3), pad 1  (ResNet-50's costliest conv)
+    dw       depthwise conv2d input (1,144,56,56), kernel (144,1,3,3), pad 1   (MobileNet-v2)
+    bert     matmul (128,768)x(768,3072)                          (BERT-base FFN1)
+
+The convolutions run on the NCHW[x]c template (:mod:`kerneltune.templates.cpu_nchwc`; blocks of the target's
+vector width), as the pipeline runs CNN convolutions; ``c2_nchw`` is C2 on the plain NCHW conv template.
 
 Every searcher measures through the same :class:`kerneltune.measure.Measurer` (builds in worker processes,
 timing one config at a time, outputs checked) and gets the same warm start: trial 1 of each of our
@@ -27,6 +32,7 @@ Records of every run go to ``--work-dir``: rerunning the same command resumes in
 On 2 cores the whole grid takes hours; ``bench/results/tuners.*`` was made an op at a time and merged:
 
     python bench/tuners.py --ops bert --trials 256 --seeds 3 --work-dir W --json bert.json   # likewise bmm1, mm1
+    python bench/tuners.py --ops c2,r50_3x3,dw --trials 256 --seeds 3 --work-dir W --json conv.json
     python bench/tuners.py --merge bert.json bmm1.json mm1.json --json bench/results/tuners.json \
         --plot bench/results/tuners.png
 """
@@ -42,12 +48,15 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.fileio import save_figure, write_text_atomic
-from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads
+from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads, vector_lanes
 
 OPS: dict[str, dict[str, Any]] = {
     "mm1": {"kind": "matmul", "shape": (512, 1024, 1024)},
     "bmm1": {"kind": "batch_matmul", "shape": (96, 128, 128, 64)},
-    "c2": {"kind": "conv2d", "shape": (2, 64, 27, 27, 192, 5, 5), "pad": 2},
+    "c2": {"kind": "conv2d_nchwc", "shape": (2, 64, 27, 27, 192, 5, 5), "pad": 2},
+    "r50_3x3": {"kind": "conv2d_nchwc", "shape": (1, 256, 14, 14, 256, 3, 3), "pad": 1},
+    "dw": {"kind": "conv2d_nchwc", "shape": (1, 144, 56, 56, 144, 3, 3), "pad": 1, "groups": 144},
+    "c2_nchw": {"kind": "conv2d", "shape": (2, 64, 27, 27, 192, 5, 5), "pad": 2},
     "bert": {"kind": "matmul", "shape": (128, 768, 3072)},
 }
 OURS = ("opevo", "gbfs", "na2c", "random")
@@ -55,10 +64,18 @@ SEARCHERS = OURS + ("metaschedule",)
 CHECKPOINTS = (64, 128, 256)
 
 
-def make_op_task(name: str):
+def make_op_task(name: str, lanes: int = 16):
+    """The operator's task; NCHWc convolutions in blocks of ``lanes`` channels (input and output)."""
+    spec = OPS[name]
+    if spec["kind"] == "conv2d_nchwc":
+        from kerneltune.conv_nchwc import ConvSpec, make_task as make_nchwc_task
+
+        n, c, h, w, f, kh, kw = spec["shape"]
+        pad = spec.get("pad", 0)
+        return make_nchwc_task(ConvSpec(n, c, h, w, f, kh, kw, pad=(pad,) * 4, groups=spec.get("groups", 1),
+                                        ic_block=lanes, oc_block=lanes))
     from kerneltune.task import make_task
 
-    spec = OPS[name]
     return make_task(spec["kind"], spec["shape"], pad=spec.get("pad", 0))
 
 
@@ -179,14 +196,14 @@ def plot(results: dict[str, Any], trials: int, path: str, peak: float | None = N
 
 def print_table(results: dict[str, Any], peak: float | None = None) -> None:
     cols = sorted({t for op in results.values() for r in op["searchers"].values() for t in r["summary"]}, key=int)
-    print(f"{'op':6} {'searcher':13} " + " ".join(f"{'@' + c:>16}" for c in cols), file=sys.stderr)
+    print(f"{'op':8} {'searcher':13} " + " ".join(f"{'@' + c:>16}" for c in cols), file=sys.stderr)
     for op, res in results.items():
         for name, r in res["searchers"].items():
             cells = [f"{r['summary'][c]['mean']:8.1f}+-{r['summary'][c]['std']:<6.1f}" if c in r["summary"] else
                      " " * 16 for c in cols]
-            print(f"{op:6} {name:13} " + " ".join(cells), file=sys.stderr)
+            print(f"{op:8} {name:13} " + " ".join(cells), file=sys.stderr)
         if res.get("numpy_gflops"):
-            print(f"{op:6} {'numpy':13} {res['numpy_gflops']:8.1f}", file=sys.stderr)
+            print(f"{op:8} {'numpy':13} {res['numpy_gflops']:8.1f}", file=sys.stderr)
     if peak:
         print(f"peak fp32 FMA throughput (bench/peak.py): {peak:.1f} GFLOP/s", file=sys.stderr)
 
@@ -231,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=256)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
+    p.add_argument("--ops", default=",".join(o for o in OPS if o != "c2_nchw"),
+                   help=f"comma list of {', '.join(OPS)} (default: all but c2_nchw)")
     p.add_argument("--searchers", default=",".join(SEARCHERS), help=f"comma list of {', '.join(SEARCHERS)}")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all usable cores)")
     p.add_argument("--workers", type=int, default=None, help="build processes for our measurer")
@@ -250,7 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown op/searcher {bad}")
 
-
     target = llvm_target(args.threads)
     set_num_threads(tvm_num_threads(int(target.attrs["num-cores"])))
     from peak import fma_peak_gflops
@@ -261,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     # The baselines are measured before the Measurer starts: its worker processes import TVM at start-up,
     # and OpenBLAS sharing the two cores with them measured 27 instead of ~180 GFLOP/s.
     peak = fma_peak_gflops(int(target.attrs["num-cores"]))
-    tasks = {op: make_op_task(op) for op in ops}
+    tasks = {op: make_op_task(op, vector_lanes(target, "float32")) for op in ops}
     numpy = {op: numpy_gflops(t.dims["M"], t.dims["K"], t.dims["N"]) for op, t in tasks.items() if t.kind == "matmul"}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-tuners-"))
     results: dict[str, Any] = {}

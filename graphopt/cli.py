@@ -79,7 +79,11 @@ def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> No
                    help=f"target the cost model prices for ({', '.join(components.target_kinds)})")
     p.add_argument("--alpha", type=float, default=1.05, help="keep graphs up to alpha x the best cost (1.0 = greedy)")
     p.add_argument("--budget", type=int, default=1000, help="most graphs to dequeue")
-    p.add_argument("--time-limit", type=float, default=60.0, help="stop the search after this many seconds")
+    p.add_argument("--time-limit", type=float, default=60.0,
+                   help="seconds for the whole graph stage: pricing, search, end-to-end timing, merge (default 60)")
+    p.add_argument("--weights-as-inputs", action="store_true",
+                   help="keep initializers the model also lists as graph inputs (the opset-9 convention) as "
+                        "overridable inputs; by default they are weights the optimizer may fold and merge")
     p.add_argument("--cost", choices=COST_KINDS, default="measured",
                    help="measured: time each operator on this machine (cached); analytic: roofline estimate")
     p.add_argument("--backend", choices=list(components.runners), default=next(iter(components.runners)),
@@ -100,7 +104,8 @@ def _run_optimize(args: argparse.Namespace, components: Components) -> int:
     kind = components.check_target(args.target)
     options = GraphStageOptions(alpha=args.alpha, budget=args.budget, time_limit=args.time_limit,
                                 progress=not args.no_progress, e2e_check=not args.no_e2e_check,
-                                e2e_margin=args.e2e_margin, e2e_runs=args.e2e_runs)
+                                e2e_margin=args.e2e_margin, e2e_runs=args.e2e_runs,
+                                weights_as_inputs=args.weights_as_inputs)
     options.validate()
     check_threads(args.threads)
     model = _checked_model(args)

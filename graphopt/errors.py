@@ -30,6 +30,17 @@ def seed(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """argparse ``type`` of ``--time-limit``: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds: give e.g. 60") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds, e.g. 60")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one-line :class:`UserError` s (exit 2) like every other bad input,
     instead of a multi-line usage block; sub-command parsers inherit the class."""

@@ -119,6 +119,21 @@ class Graph:
         """True for weights: initializers that the caller cannot override as graph inputs."""
         return name in self.initializers and name not in self.input_names
 
+    def freeze_weights(self) -> list[str]:
+        """Make the initializers that are also listed as graph inputs plain weights (in place); their names.
+
+        ONNX before IR version 4 required every initializer to be a graph input (the opset-9 model zoo's
+        convention; https://github.com/onnx/onnx/blob/main/docs/IR.md#graphs): that lists every weight as an
+        input a caller *could* override, which none does.  Kept as inputs they are not constants: a Reshape's
+        shape is unknown, nothing folds, and a timing run feeds them zeros.  The graph stage calls this unless
+        the user asks to keep them overridable.  The IR version is raised to 4 when needed, so the exported
+        model (initializers no longer inputs) is valid."""
+        frozen = [t.name for t in self.inputs if t.name in self.initializers]
+        if frozen:
+            self.inputs = [t for t in self.inputs if t.name not in self.initializers]
+            self.ir_version = max(self.ir_version, 4)
+        return frozen
+
     # ---- structure -----------------------------------------------------------------------------------
     def topo_sort(self) -> None:
         """Reorder ``nodes`` topologically (stable: keeps the current order where it is already valid).

@@ -21,6 +21,24 @@ kept only if it is at least ``e2e_margin`` faster; otherwise the input graph is 
 The same blindness cuts the other way for merges: when the search keeps nothing, the graph with every
 parallel matmul/conv group merged (:func:`merged_alternative`) is timed against the input too, and kept if it
 is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1.04x faster end to end in TVM).
+
+Keep-or-reject is never decided on one noisy timing: the two whole models are timed in interleaved blocks,
+the order swapped from block to block, until every block says the candidate is faster by the margin or it
+is clear they do not (:func:`graphopt.timing.decide`; undecided keeps the input).  The verdict is recorded
+beside the measured costs, keyed by both graphs, so the same command with the same cache decides the same.
+
+``time_limit`` bounds the whole stage, not just the search (issue 13: pricing, a second merge search and
+the whole-model timings ran outside a 60 s search limit, 60-284 s per model): pricing and search get
+``SEARCH_SHARE`` of it (operators not measured by then are priced by estimate, see
+:meth:`~graphopt.cost.base.CostModel.set_deadline`), the end-to-end check and the merge alternative the rest,
+each skipped - keeping the input, which is always correct - when no time is left.  ``stop_reason`` records
+what the limit cut short.  (A TVM compile cannot be interrupted: one that starts before the deadline can end
+after it, by at most one whole-model build.)
+
+Initializers that the model also lists as graph inputs (the opset-9 model zoo's convention) are weights
+unless ``weights_as_inputs`` is set (:meth:`graphopt.ir.Graph.freeze_weights`), and pricing goes through
+:class:`~graphopt.cost.guard.GuardedCost`: an operator the cost model cannot run alone is priced by
+estimate, logged once, and the stage goes on.
 """
 from __future__ import annotations
 
@@ -34,6 +52,7 @@ import numpy as np
 import onnx
 
 from graphopt.cost.base import CostModel
+from graphopt.cost.guard import GuardedCost
 from graphopt.cost.kernel_count import KernelCountCost
 from graphopt.errors import UserError
 from graphopt.compare import compare_runs
@@ -43,9 +62,30 @@ from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
 from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, search
+from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
 
 E2E_MARGIN = 0.02  # the candidate must be this much faster end to end, beyond timing noise, to be kept
 E2E_RUNS = 20
+SEARCH_SHARE = 0.6  # of the stage's time limit, for pricing and search when whole models are timed after
+MERGE_SHARE = 0.5  # of what is left after the end-to-end check, for the merge-everything search
+
+
+@dataclass
+class StageClock:
+    """The stage's time limit, as deadlines on :func:`time.perf_counter`."""
+
+    limit: float
+    start: float = field(default_factory=time.perf_counter)
+
+    def at(self, fraction: float) -> float:
+        return self.start + fraction * self.limit
+
+    @property
+    def end(self) -> float:
+        return self.at(1.0)
+
+    def left(self, until: float | None = None) -> float:
+        return max(0.0, (self.end if until is None else until) - time.perf_counter())
 
 
 @dataclass
@@ -54,12 +94,13 @@ class GraphStageOptions:
 
     alpha: float = 1.05  # keep graphs up to alpha x the best cost in the queue (1.0 = greedy; TASO: 1.05)
     budget: int = 1000  # most graphs to dequeue
-    time_limit: float = 60.0  # seconds of search
+    time_limit: float = 60.0  # seconds for the whole stage: pricing, search, end-to-end checks, merge
     rules: list[Rule] | None = None  # None: the shipped verified library
     progress: bool = False
     e2e_check: bool = True  # time the whole input and candidate before keeping a rewrite
     e2e_margin: float = E2E_MARGIN
-    e2e_runs: int = E2E_RUNS
+    e2e_runs: int = E2E_RUNS  # interleaved rounds per timing block (see graphopt.timing.decide)
+    weights_as_inputs: bool = False  # keep initializers also listed as inputs overridable (not constants)
 
     def validate(self) -> None:
         """One-line errors for values a user can pass on the command line."""
@@ -80,15 +121,18 @@ class E2ECheck:
     """The end-to-end verdict on a search result: which graph is handed back, and why."""
 
     kept: str  # "optimized", "original", or "merged" (merged_alternative)
-    status: str  # "measured", "disabled", or "skipped: <reason>"
+    status: str  # "measured", "recorded" (a verdict measured before), "disabled", "skipped: <reason>", "failed: ..."
     margin: float
     ms_before: float | None = None
     ms_after: float | None = None
     backend: str | None = None
+    decision: str = ""  # why, in blocks (graphopt.timing.decide)
+    ratios: tuple[float, ...] = ()
 
     def report(self) -> dict[str, Any]:
         return {"kept": self.kept, "e2e_check": self.status, "e2e_ms_before": self.ms_before,
-                "e2e_ms_after": self.ms_after, "e2e_backend": self.backend, "e2e_margin": self.margin}
+                "e2e_ms_after": self.ms_after, "e2e_backend": self.backend, "e2e_margin": self.margin,
+                "e2e_decision": self.decision, "e2e_ratios": list(self.ratios)}
 
 
 @dataclass
@@ -113,6 +157,11 @@ class GraphStageResult:
     rules: int
     cost_model: str
     merge_all: dict[str, Any] = field(default_factory=dict)  # what merged_alternative tried and measured
+    stop_reason: str = "complete"  # or what the time limit cut short
+    seconds: float = 0.0  # the whole stage
+    pricing_failures: dict[str, str] = field(default_factory=dict)  # op type -> why it was priced by estimate
+    estimated_prices: int = 0  # operators priced by estimate because the pricing deadline had passed
+    frozen_weights: int = 0  # initializers listed as inputs, made weights
 
     @property
     def kept(self) -> str:
@@ -125,22 +174,54 @@ def check_margin(margin: float) -> None:
 
 
 def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, applied: dict[str, int],
-                     enabled: bool = True, margin: float = E2E_MARGIN, runs: int = E2E_RUNS) -> E2ECheck:
-    """Time both whole graphs with the cost model's engine and keep ``candidate`` only if it is faster by
-    ``margin`` (a fraction of the original's time).  Nothing is timed when the check is disabled, when no
-    substitution was applied (folding alone never slows a model down), or when the cost model measures
-    nothing (analytic): then the candidate is kept, and ``status`` says the check was not made."""
+                     enabled: bool = True, margin: float = E2E_MARGIN, runs: int = E2E_RUNS,
+                     deadline: float | None = None) -> E2ECheck:
+    """Time both whole graphs with the cost model's engine, in blocks until decided
+    (:func:`graphopt.timing.decide`), and keep ``candidate`` only if it is faster by ``margin`` (a fraction of
+    the original's time) in every block.  Nothing is timed when the check is disabled, when no substitution
+    was applied (folding alone never slows a model down), or when the cost model measures nothing (analytic):
+    then the candidate is kept, and ``status`` says the check was not made.  Past ``deadline``, or when the
+    engine fails to run either graph, the original is kept.  A verdict is recorded with the cost model
+    (:meth:`~graphopt.cost.base.CostModel.record`) under both graphs' hashes and reused by a rerun."""
     check_margin(margin)
     if not enabled:
         return E2ECheck("optimized", "disabled", margin)
     if not any(applied.values()):
         return E2ECheck("optimized", "skipped: no substitution applied", margin)
-    times = cost_model.time_models([original, candidate], runs)
-    if times is None:
+    key = f"e2e|{margin!r}|{runs}|{original.structural_hash()}|{candidate.structural_hash()}"
+    recorded = cost_model.recall(key)
+    if recorded is not None:
+        before, after = cost_model.recall(key + "|ms_before"), cost_model.recall(key + "|ms_after")
+        return E2ECheck("optimized" if recorded >= 0.5 else "original", "recorded", margin, before, after,
+                        cost_model.name, "the verdict of an earlier run with this cost cache")
+    if deadline is not None and time.perf_counter() >= deadline:
+        return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models")
+    backend: list[str] = []
+
+    def block(b: int) -> tuple[float, float]:
+        pair = [original, candidate] if b % 2 == 0 else [candidate, original]
+        times = cost_model.time_models(pair, runs)
+        if times is None:
+            raise LookupError
+        backend[:] = [times.backend]
+        first, second = (t * 1e3 for t in times.seconds)
+        return (first, second) if b % 2 == 0 else (second, first)
+
+    try:
+        verdict = decide(block, margin, MIN_BLOCKS, MAX_BLOCKS, deadline)
+    except LookupError:
         return E2ECheck("optimized", f"skipped: the {cost_model.name} cost model measures nothing", margin)
-    before, after = times.seconds
-    kept = "optimized" if after <= before * (1.0 - margin) else "original"
-    return E2ECheck(kept, "measured", margin, before * 1e3, after * 1e3, times.backend)
+    except Exception as exc:  # noqa: BLE001 - an engine that cannot run a whole model must not end the stage
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")[:160]
+        return E2ECheck("original", f"failed: {type(exc).__name__}: {first}", margin,
+                        decision="the whole models could not be timed: the input is kept")
+    comp = verdict.comparison
+    if "time limit" not in verdict.reason:  # measured to a verdict: a rerun with this cache decides the same
+        cost_model.record(key + "|ms_before", comp.baseline_ms)
+        cost_model.record(key + "|ms_after", comp.candidate_ms)
+        cost_model.record(key, 1.0 if verdict.faster else 0.0)
+    return E2ECheck("optimized" if verdict.faster else "original", "measured", margin, comp.baseline_ms,
+                    comp.candidate_ms, backend[0] if backend else None, verdict.reason, comp.ratios)
 
 
 def finish(graph: Graph) -> tuple[Graph, int, int]:
@@ -162,48 +243,83 @@ def searched_cost(graph: Graph, cost_model: CostModel) -> float:
 
 
 def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost_model: CostModel,
-                       options: GraphStageOptions) -> tuple[Graph | None, dict[str, Any]]:
+                       options: GraphStageOptions, clock: StageClock | None = None) -> tuple[Graph | None, dict[str, Any]]:
     """The graph with every parallel group the merge rules reach merged (searched under
     :class:`~graphopt.cost.kernel_count.KernelCountCost` from ``searched``, the search's input), if it runs
     faster than ``original`` end to end by the margin; else ``None``.  The dict says what was tried and
-    measured."""
-    res = search(searched, merge_rules(rules), KernelCountCost(), options.alpha, options.budget, options.time_limit)
+    measured.  With ``clock``, its search gets ``MERGE_SHARE`` of the time left and its check the rest."""
+    limit = options.time_limit if clock is None else max(clock.left() * MERGE_SHARE, 1e-3)
+    res = search(searched, merge_rules(rules), KernelCountCost(), options.alpha, options.budget, limit)
     if not any(res.applied.values()):
-        return None, {}
+        return None, {"stopped_by": res.stopped_by}
     merged = finish(res.graph)[0]
-    check = check_end_to_end(original, merged, cost_model, res.applied, True, options.e2e_margin, options.e2e_runs)
-    info = {"applied": res.applied, "e2e_check": check.status, "e2e_ms_before": check.ms_before,
-            "e2e_ms_after": check.ms_after, "e2e_backend": check.backend}
-    return (merged if check.status == "measured" and check.kept == "optimized" else None), info
+    check = check_end_to_end(original, merged, cost_model, res.applied, True, options.e2e_margin, options.e2e_runs,
+                             None if clock is None else clock.end)
+    info = {"applied": res.applied, "stopped_by": res.stopped_by, "e2e_check": check.status,
+            "e2e_ms_before": check.ms_before, "e2e_ms_after": check.ms_after, "e2e_backend": check.backend,
+            "e2e_decision": check.decision, "e2e_ratios": list(check.ratios)}
+    return (merged if check.status in ("measured", "recorded") and check.kept == "optimized" else None), info
+
+
+def _timed_out(status: str, decision: str) -> bool:
+    return status == "skipped: time limit" or "time limit" in decision
 
 
 def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | None = None) -> GraphStageResult:
-    """The graph stage (see module docstring): ``graph`` is not modified."""
+    """The graph stage (see module docstring), within ``options.time_limit``: ``graph`` is not modified."""
     options = options or GraphStageOptions()
     options.validate()
+    clock = StageClock(options.time_limit)
     rules = verified_library() if options.rules is None else options.rules
+    guarded = cost if isinstance(cost, GuardedCost) else GuardedCost(cost)
     original = graph.copy()
-    searched = graph.copy()
+    frozen = [] if options.weights_as_inputs else original.freeze_weights()
+    searched = original.copy()
     split_conv_bias(searched)
-    result = search(searched, rules, cost, options.alpha, options.budget, options.time_limit, options.progress)
-    best, folded, deduplicated = finish(result.graph)
-    cost_before = cost.graph_cost(searched)
-    candidate_cost = searched_cost(best, cost)
-    check = check_end_to_end(original, best, cost, result.applied, options.e2e_check, options.e2e_margin,
-                             options.e2e_runs)
+    search_end = clock.at(SEARCH_SHARE if options.e2e_check else 1.0)
+    guarded.set_deadline(search_end)
+    estimated_before = getattr(cost, "estimated", 0)
+    try:
+        result = search(searched, rules, guarded, options.alpha, options.budget, clock.left(search_end),
+                        options.progress)
+        best, folded, deduplicated = finish(result.graph)
+        cost_before = guarded.graph_cost(searched)
+        candidate_cost = searched_cost(best, guarded)
+    finally:
+        guarded.set_deadline(None)
+    estimated = getattr(cost, "estimated", 0) - estimated_before
+    cut: list[str] = []  # what the time limit cut short, in stage order
+    if estimated:
+        cut.append(f"pricing ({estimated} operators estimated, not measured)")
+    if result.stopped_by == "time limit":
+        cut.append("search")
+    check = check_end_to_end(original, best, guarded, result.applied, options.e2e_check, options.e2e_margin,
+                             options.e2e_runs, clock.end)
+    if _timed_out(check.status, check.decision):
+        cut.append("end-to-end check (input kept)")
     merged, merge_info = None, {}
     if options.e2e_check and (check.kept == "original" or not any(result.applied.values())):
-        merged, merge_info = merged_alternative(original, searched, rules, cost, options)
+        if clock.left() > 0:
+            merged, merge_info = merged_alternative(original, searched, rules, guarded, options, clock)
+            if merge_info.get("stopped_by") == "time limit" or _timed_out(merge_info.get("e2e_check", ""),
+                                                                         merge_info.get("e2e_decision", "")):
+                cut.append("merge alternative")
+        else:
+            merge_info = {"skipped": "time limit"}
+            cut.append("merge alternative (not tried)")
+    stop_reason = "time limit: " + "; ".join(cut) if cut else "complete"
     if merged is not None:
-        check = E2ECheck("merged", "measured", options.e2e_margin, merge_info["e2e_ms_before"],
-                         merge_info["e2e_ms_after"], merge_info["e2e_backend"])
-        out, cost_after, applied = merged, searched_cost(merged, cost), merge_info["applied"]
+        check = E2ECheck("merged", merge_info["e2e_check"], options.e2e_margin, merge_info["e2e_ms_before"],
+                         merge_info["e2e_ms_after"], merge_info["e2e_backend"], merge_info["e2e_decision"],
+                         tuple(merge_info["e2e_ratios"]))
+        out, cost_after, applied = merged, searched_cost(merged, guarded), merge_info["applied"]
     elif check.kept == "optimized":
         out, cost_after, applied = best, candidate_cost, result.applied
     else:
         out, cost_after, applied = original, cost_before, {}
     return GraphStageResult(out, check, result, cost_before, cost_after, applied, candidate_cost, folded,
-                            deduplicated, len(graph.nodes), len(rules), cost.name, merge_info)
+                            deduplicated, len(graph.nodes), len(rules), cost.name, merge_info, stop_reason,
+                            time.perf_counter() - clock.start, dict(guarded.failures), estimated, len(frozen))
 
 
 def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
@@ -242,5 +358,10 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "root_candidates": res.search.root_candidates,
         "merge_all": res.merge_all,
         "rules": res.rules,
+        "stage_seconds": res.seconds,
+        "stop_reason": res.stop_reason,
+        "pricing_failures": res.pricing_failures,
+        "estimated_prices": res.estimated_prices,
+        "frozen_weights": res.frozen_weights,
     }
     return optimized, report

@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import tvm
 
@@ -70,6 +70,38 @@ class MeasureResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def timing_of(cache_flush: bool) -> str:
+    """The records' timing label of a measurer that flushes caches (``cold``) or not (``warm``)."""
+    return "cold" if cache_flush else "warm"
+
+
+class LazyMeasurer:
+    """A measurer started at the first ``measure`` call: a rerun whose records hold every config the search
+    proposes (a rebuild from complete records) starts no worker process and never touches the device.
+    ``start()`` returns the real measurer (it may check the device first); ``timing`` must be known before
+    it starts, since it selects which records resume the run."""
+
+    def __init__(self, start: Callable[[], "Measurer"], timing: str):
+        self._start, self.timing = start, timing
+        self._real: Measurer | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._real is not None
+
+    def measure(self, task, configs: Sequence[tuple]) -> list[MeasureResult]:
+        if self._real is None:
+            self._real = self._start()
+        return self._real.measure(task, configs)
+
+    def __enter__(self) -> "LazyMeasurer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._real is not None:
+            self._real.close()
 
 
 class Measurer:
@@ -107,7 +139,7 @@ class Measurer:
     @property
     def timing(self) -> str:
         """How latencies are taken (``warm`` or ``cold``): records of one kind never resume the other."""
-        return "cold" if self.cache_flush else "warm"
+        return timing_of(self.cache_flush)
 
     def __enter__(self) -> "Measurer":
         return self

@@ -29,6 +29,14 @@ OP_KINDS: dict[str, OpKind] = {k.name: k for k in (
     OpKind("conv2d", "N,C,H,W,F,KH,KW", ("stride", "pad", "groups")),
 )}
 KINDS = tuple(OP_KINDS)
+# Kinds only met in a model's fused kernels, as a layout of an op kind (no standalone --op of their own):
+# ``--kernels conv2d`` selects them too.  conv2d_nchwc: :mod:`kerneltune.conv_nchwc`.
+VARIANTS: dict[str, str] = {"conv2d_nchwc": "conv2d"}
+
+
+def base_kind(kind: str) -> str:
+    """The op kind a task kind belongs to (``conv2d_nchwc`` -> ``conv2d``; others are their own)."""
+    return VARIANTS.get(kind, kind)
 
 
 def op_kind(name: str) -> OpKind:

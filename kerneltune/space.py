@@ -9,6 +9,12 @@ A space is an ordered set of named knobs of three kinds, each with the topology 
 * :class:`ChoiceKnob`: categorical; every other value is a neighbour (complete graph).
 
 A config is a tuple with one value per knob, in knob order (hashable, so it is its own key).
+
+A space may also carry constraints between knobs (:class:`ProductLimit`: a register tile's accumulators):
+configs that break one are not points of the space - :meth:`SearchSpace.sample` never draws them,
+:meth:`SearchSpace.neighbours` never steps onto them, :meth:`SearchSpace.contains` refuses them - so the
+searchers spend no trial on a config the template would refuse anyway.  ``size()`` still counts the
+unconstrained product (an upper bound).
 """
 from __future__ import annotations
 
@@ -107,12 +113,34 @@ class ChoiceKnob:
 
 Knob = Union[FactorKnob, DiscreteKnob, ChoiceKnob]
 
+# Draws before :meth:`SearchSpace.sample` gives up on satisfying the constraints (and returns the last draw).
+SAMPLE_TRIES = 1000
+
+
+@dataclass(frozen=True)
+class ProductLimit:
+    """The product of some factor-knob slots (``(knob name, slot index)``; a knob the space lacks counts 1),
+    times ``scale``, must be at most ``limit``: e.g. a register tile's ``oc x rows x cols`` vector
+    accumulators, which spill beyond the register file."""
+
+    terms: tuple[tuple[str, int], ...]
+    limit: int
+    scale: int = 1
+
+    def holds(self, values: dict[str, Any]) -> bool:
+        product = self.scale
+        for name, slot in self.terms:
+            if name in values:
+                product *= values[name][slot]
+        return product <= self.limit
+
 
 @dataclass
 class SearchSpace:
     """Ordered knobs; configs are tuples of knob values."""
 
     knobs: list[Knob] = field(default_factory=list)
+    constraints: tuple[ProductLimit, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -124,11 +152,27 @@ class SearchSpace:
             total *= len(k.values)
         return total
 
+    def valid(self, config: Config) -> bool:
+        """Whether ``config`` meets every constraint (its knob values are not checked here)."""
+        if not self.constraints:
+            return True
+        values = self.as_dict(config)
+        return all(c.holds(values) for c in self.constraints)
+
     def sample(self, rng: random.Random) -> Config:
-        return tuple(rng.choice(k.values) for k in self.knobs)
+        """A uniformly random valid config (rejection sampling; without constraints one draw per knob)."""
+        for _ in range(SAMPLE_TRIES):
+            config = tuple(rng.choice(k.values) for k in self.knobs)
+            if self.valid(config):
+                break
+        return config
 
     def neighbours(self, config: Config, knob: int) -> list[Value]:
-        return self.knobs[knob].neighbours(config[knob])
+        """The knob's neighbouring values that keep ``config`` valid."""
+        out = self.knobs[knob].neighbours(config[knob])
+        if not self.constraints:
+            return out
+        return [v for v in out if self.valid(config[:knob] + (v,) + config[knob + 1:])]
 
     def as_dict(self, config: Config) -> dict[str, Any]:
         return {k.name: v for k, v in zip(self.knobs, config)}
@@ -139,7 +183,8 @@ class SearchSpace:
 
     def contains(self, config: Config) -> bool:
         return len(config) == len(self.knobs) and all(
-            (tuple(v) if isinstance(v, list) else v) in k.values for k, v in zip(self.knobs, config))
+            (tuple(v) if isinstance(v, list) else v) in k.values for k, v in zip(self.knobs, config)) and self.valid(
+            tuple(config))
 
     @property
     def factor_only(self) -> bool:

@@ -31,7 +31,7 @@ from kerneltune import templates
 from kerneltune.records import Record, RecordLog
 from kerneltune.scheduler import TaskInfo, make_scheduler
 from kerneltune.searchers import FACTOR_ONLY, make_searcher
-from kerneltune.targets import TargetSpec, gflops_ceiling
+from kerneltune.targets import TargetSpec, check_can_tune, gflops_ceiling, kind_of
 from kerneltune.task import Task
 from kerneltune.tune import EnvFailureGuard, TaskTuner
 
@@ -122,6 +122,23 @@ def _merge_duplicates(tasks: list[TuningTask]) -> list[TuningTask]:
     return list(merged.values())
 
 
+def _lazy_measurer(target, rpc: str | None):
+    """The default measurer, started (and the ``--rpc`` device checked) only when a config is missing from the
+    records: rebuilding from complete records starts no worker and needs no device.  Cold caches on CPUs: in
+    the model a kernel's weights come from DRAM (see kerneltune.measure)."""
+    # Deferred: importing the measurer loads TVM's runtime pieces; tests pass their own factory.
+    from kerneltune.measure import LazyMeasurer, Measurer, timing_of
+    from kerneltune.runner import check_device
+
+    flush = kind_of(target).device == "cpu"
+
+    def start() -> Measurer:
+        check_device(rpc)  # an unreachable --rpc device: one line now, not minutes of failed trials
+        return Measurer(target, rpc=rpc, cache_flush=flush)
+
+    return LazyMeasurer(start, timing_of(flush))
+
+
 def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_path: str | Path,
                scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
                measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
@@ -134,17 +151,9 @@ def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_p
     """
     if not tasks:
         raise UserError("no task to tune")
-    if not spec.can_run and not rpc:
-        raise UserError(f"tuning for --target {spec.kind} needs a device: {spec.note}; pass --rpc "
-                        "HOST:PORT:KEY of a TVM RPC tracker with that device, or --skip-tune")
+    check_can_tune(spec, rpc)
     if measure_factory is None:
-        # Deferred: the measurer starts worker processes; tests and resumed runs pass their own.
-        from kerneltune.measure import Measurer
-        from kerneltune.runner import check_device
-
-        check_device(rpc)  # an unreachable --rpc device: one line now, not minutes of failed trials
-        # Cold caches (CPU): in the model a kernel's weights come from DRAM, see kerneltune.measure.
-        measure_factory = lambda target, rpc_: Measurer(target, rpc=rpc_, cache_flush=True)  # noqa: E731
+        measure_factory = _lazy_measurer
     tasks = _merge_duplicates(tasks)
     target = spec.target
     target_key = str(target)

@@ -1,10 +1,11 @@
-"""``bench-model``: onnxruntime vs the TVM-compiled model, interleaved in one process.
+"""``bench-model``: onnxruntime vs the TVM-compiled model, in one process.
 
 Engines: onnxruntime, TVM with default schedules, TVM + graphopt, TVM + graphopt + our tuning, TVM +
 MetaSchedule (the last two with the same ``--trials``).  All run the same seeded inputs with the same
-thread count, alternating run by run (ORT, TVM, ..., ORT, TVM, ...) so a noisy neighbour on this shared
-2-core machine slows every engine alike instead of whichever ran last; the median is the headline and the
-min shows the floor.
+thread count, timed by :func:`graphopt.timing.time_blocks`: alternating blocks of back-to-back runs with
+an idle gap between engines, so each engine runs as it would alone (no other engine's threads spinning
+beside it) while a noisy neighbour on a shared machine still slows every engine alike; the median is the
+headline and the min shows the floor.
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
 from graphopt.fileio import save_figure, write_text_atomic
 from graphopt.validate import ModelInput, check_model
-from graphopt.timing import Timing, time_interleaved
+from graphopt.timing import Timing, time_blocks
 from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, outputs_numpy, to_device
-from pipeline.optimize import StageLog, graph_stage
+from pipeline.optimize_model import StageLog, graph_stage
+from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
 from pipeline.relax_import import import_model
 
@@ -49,6 +51,7 @@ class BenchResult:
     timings: dict[str, Timing]  # engine key -> timing (only the engines that ran)
     checks: dict[str, Comparison]  # TVM engine key -> its outputs vs onnxruntime's
     trials: int = 0
+    tuned_choice: tuning.BuildChoice | None = None  # which build the tuned engine is (the one optimize-model ships)
 
     @property
     def errors(self) -> dict[str, float]:
@@ -67,14 +70,16 @@ class BenchResult:
         out.update({f"{k}_min_ms": t.min_ms for k, t in self.timings.items()})
         out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
                    target=self.target, threads=self.threads, runs=self.runs, cpu=host_model_name(),
-                   mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()})
+                   mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()},
+                   tuned_choice=self.tuned_choice.to_json() if self.tuned_choice else None)
         return out
 
 
 def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
-          trials: int = 0, samples: dict | None = None) -> BenchResult:
+          trials: int = 0, samples: dict | None = None,
+          tuned_choice: tuning.BuildChoice | None = None) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
-    onnxruntime on the original model, all interleaved in one loop.
+    onnxruntime on the original model, all timed together (:func:`graphopt.timing.time_blocks`).
 
     Every engine is first checked against onnxruntime on the check inputs (the samples, or several seeded
     sets); a wrong engine is a UserError: the latency of a wrong build means nothing.  The timed runs use
@@ -82,7 +87,7 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
     feeds = sample_feeds(imported.graph, samples, seed)
     sets = feed_sets(imported.graph, seed, samples)
     references = run_ort_sets(imported.onnx_model, sets, threads)
-    sess = ort_session(imported.onnx_model, threads, spin=False)  # timed interleaved with TVM
+    sess = ort_session(imported.onnx_model, threads)  # as it runs alone: blocks with idle gaps (graphopt.timing)
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
     engines: dict[str, Callable[[], object]] = {"ort": lambda: sess.run(None, ort_feeds)}
@@ -105,8 +110,8 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
             raise UserError(f"'{ENGINES[key]}' differs from onnxruntime: {checks[key].reason()}; no latency of a "
                             "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
         engines[key] = run_tvm
-    times = time_interleaved(engines, runs)
-    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials)
+    times = time_blocks(engines, runs)
+    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials, tuned_choice)
 
 
 @dataclass
@@ -163,6 +168,8 @@ def format_table(res: BenchResult) -> str:
     for name, t, err in rows:
         lines.append(f"{name:<{width}}  {t.median_ms:>10.3f}  {t.min_ms:>10.3f}  {t.median_ms / ort:>6.2f}x  "
                      f"{'-' if err is None else f'{err:.3g}':>11}")
+    if res.tuned_choice and res.tuned_choice.note:
+        lines.append(f"'{ENGINES['tuned']}' is the build optimize-model ships: {res.tuned_choice.note}")
     return "\n".join(lines)
 
 
@@ -203,10 +210,16 @@ class BenchOptions:
     searcher: str = "opevo"
     work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
     progress: bool = True
+    layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
 
 
 def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
-    """(imported original, {engine key: CompiledModel}) for every TVM variant the options ask for.
+    """(imported original, {engine key: CompiledModel}, tuned build choice or None) for every TVM variant the
+    options ask for.
+
+    The tuned engine is the build ``optimize-model`` would ship (:func:`pipeline.tuning.pick_build`): the
+    tuned schedules if they are faster end to end, else the default schedules - a benchmark of the product
+    reports what the user gets, and the choice (with its timings) says whether tuning won.
 
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
     serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
@@ -216,21 +229,25 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         model = check_model(model, input_shapes)
     input_shapes = model.input_shapes
     imported = import_model(model.proto, input_shapes)
-    base = partition(imported.mod)
+    base = partition_model(imported.mod, spec, opts.layout)
     engines = {"tvm": compile_partition(imported, base, spec)}
-    graph_part, graph_imported = base, imported
+    graph_part, graph_imported, graph_proto = base, imported, model.proto
+    choice = None
     if not opts.skip_graph:
         optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
                                 opts.progress)
-        graph_imported = import_model(optimized)
-        graph_part = partition(graph_imported.mod)
+        graph_imported, graph_proto = import_model(optimized), optimized
+        graph_part = partition_model(graph_imported.mod, spec, opts.layout)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
     if opts.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
         result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
                             work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
-        engines["tuned"] = compile_partition(graph_imported, graph_part, spec, result.best_configs)
-        if not opts.skip_metaschedule:
-            ms_mod = metaschedule.tune(base, spec, opts.trials, work / "metaschedule", seed)
-            engines["metaschedule"] = compile_partition(imported, base, spec, base=ms_mod)
-    return imported, engines
+        engines["tuned"], choice = tuning.pick_build(
+            compile_partition(graph_imported, graph_part, spec, result.best_configs), graph_imported, graph_part,
+            spec, result.best_configs, work / "records.jsonl", graph_proto.SerializeToString(), seed)
+        if not opts.skip_metaschedule:  # TVM's own tuner on the model as imported (no layout stage)
+            plain = partition(imported.mod)
+            ms_mod = metaschedule.tune(plain, spec, opts.trials, work / "metaschedule", seed)
+            engines["metaschedule"] = compile_partition(imported, plain, spec, base=ms_mod)
+    return imported, engines, choice

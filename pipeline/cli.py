@@ -1,4 +1,5 @@
-"""The console scripts, all composed here: ``optimize-model``, ``bench-model``, ``graphopt``, ``tune-kernels``.
+"""The console scripts, all composed here: ``optimize-model``, ``run-model``, ``bench-model``, ``graphopt``,
+``tune-kernels``.
 
 This module is the composition root: the lower packages define interfaces and the pipeline plugs the
 engines in (graphopt's measured cost model gets the TVM runner here, kerneltune's CLI the model mode), so no
@@ -12,24 +13,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import io
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.errors import ArgumentParser, UserError, cli_entry, seed
-from graphopt.fileio import FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir
+from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
+from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir,
+                             write_bytes_atomic, write_text_atomic)
 from graphopt.onnx_io import parse_input_shapes
-from graphopt.validate import check_model, check_threads
+from graphopt.validate import check_model
 from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import KINDS, TARGET_HELP, check_name, default_threads, parse_target, set_num_threads
+from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use_threads
+from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
-from pipeline.optimize import TuneOptions, optimize_model
+from pipeline.optimize_model import TuneOptions, optimize_model
 
 
 def console_script(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -58,13 +66,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
                                                         "every check and timing; their shapes fix the input shapes")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS, help=LAYOUT_HELP)
 
 
 def set_threads(threads: int | None) -> int:
     """Fix the thread count for TVM's pool before it starts; returns the count used."""
-    n = check_threads(threads) or default_threads()
-    set_num_threads(n)
-    return n
+    return use_threads(threads)
 
 
 def _check_searcher(name: str) -> None:
@@ -80,6 +87,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json")
     p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
+    p.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
+                   help="bound on the whole graph stage: pricing, search, end-to-end timing (default 60)")
     t = p.add_argument_group("kernel tuning")
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
@@ -101,7 +110,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
                          args.skip_tune, not args.no_progress)
     res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
-                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs)
+                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs,
+                         layout=args.layout, graph_time_limit=args.time_limit)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
     if comp.get("top1_agreement") is not None:
@@ -155,14 +165,19 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     model = check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)  # before TVM loads
     from pipeline import benchmark  # deferred: loads TVM (seconds)
 
+    if args.trials > 0 and not args.skip_metaschedule:
+        from pipeline.metaschedule import check_installed
+
+        check_installed()
+
     spec = parse_target(args.target, threads)
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
-                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress)
-    imported, engines = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
+                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
+    imported, engines, choice = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
-                          args.trials, model.samples)
+                          args.trials, model.samples, choice)
     print(benchmark.format_table(res))
     if args.json:
         benchmark.write_json(res, args.json)
@@ -176,6 +191,69 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@console_script
+@cli_entry
+def run_model_main(argv: list[str] | None = None) -> int:
+    """``run-model``: load a built folder, run it, report latency percentiles; optionally check it."""
+    p = ArgumentParser(prog="run-model", description="Run a folder built by optimize-model: latency percentiles, "
+                       "outputs, and a check against onnxruntime on its optimized.onnx.")
+    p.add_argument("dir", metavar="DIR", help="the -o folder of optimize-model (model.so, report.json)")
+    p.add_argument("--inputs", metavar="FILE.npz", help="inputs (numpy.savez(FILE, name=array, ...)); default: "
+                                                        "seeded random inputs of the compiled shapes")
+    p.add_argument("--repeat", type=int, default=50, help="timed runs (default 50)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for TVM (default: the cores this process "
+                                                             "may use)")
+    p.add_argument("--check", action="store_true", help="compare the outputs with onnxruntime on optimized.onnx")
+    p.add_argument("--outputs", metavar="FILE.npz", help="write the outputs of one run")
+    p.add_argument("--json", metavar="FILE", help="write p50_ms, p90_ms, p99_ms, mean_ms, min_ms, runs, threads "
+                                                  "(and the check) to FILE")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        raise UserError(f"--repeat {args.repeat}: give at least 1 run")
+    for option, path in (("--json", args.json), ("--outputs", args.outputs)):
+        if path:
+            check_output_file(path, option)
+    threads = set_threads(args.threads)
+    from graphopt.timing import latency  # noqa: I001 - deferred with TVM: --help and the checks above stay fast
+    from pipeline.artifact import Model, read_report
+
+    model = Model(args.dir, read_report(args.dir), threads)
+    feeds = model.random_feeds(args.seed) if not args.inputs else _npz(args.inputs)
+    outputs = model.run(feeds)
+    stats = latency(model.runner(feeds), args.repeat)
+    result = {"dir": str(args.dir), "threads": model.threads, **dataclasses.asdict(stats)}
+    line = (f"{args.dir}: p50 {stats.p50_ms:.3f} ms, p90 {stats.p90_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms, "
+            f"mean {stats.mean_ms:.3f} ms ({stats.runs} runs, {model.threads} threads)")
+    if args.check:
+        comp = model.check(feeds)
+        result["check"] = comp.to_dict()
+        line += f"; vs onnxruntime: {'ok' if comp.ok else 'DIFFERENT'}, max abs err {comp.max_abs_err:.3g}"
+    print(line)
+    bad = [k for k, v in outputs.items() if v.dtype.kind in "fc" and not np.isfinite(v).all()]
+    if bad:
+        print(f"warning: outputs {', '.join(bad)} hold NaN or Inf", file=sys.stderr)
+    if args.outputs:
+        buf = io.BytesIO()
+        np.savez(buf, **outputs)
+        write_bytes_atomic(args.outputs, buf.getvalue())
+    if args.json:
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
+    if args.check and not result["check"]["ok"]:
+        raise UserError(f"the outputs differ from onnxruntime on optimized.onnx: {comp.reason()}")
+    return 0
+
+
+def _npz(path: str) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file; a one-line error for a missing or unreadable one."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--inputs {path!r}: cannot read it as an .npz file ({exc}); write it with "
+                        "numpy.savez(FILE, name=array, ...)") from None
+
+
 def _tvm_runner(threads: int) -> GraphRunner:
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
     from pipeline.graph_runner import TvmRunner
@@ -186,7 +264,7 @@ def _tvm_runner(threads: int) -> GraphRunner:
 GRAPHOPT_COMPONENTS = graphopt_cli.Components(
     runners={"tvm": _tvm_runner, "ort": OrtRunner},
     target_kinds=KINDS,
-    check_target=lambda name: check_name(name)[0],
+    check_target=lambda name: check_name(name).cost_kind,
 )
 
 

@@ -36,7 +36,7 @@ from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
 from kerneltune.targets import TargetSpec, device_for
-from pipeline.cpu_rules import Injective, ParallelFallback
+from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 
@@ -56,11 +56,16 @@ class CompiledModel:
         return relax.VirtualMachine(self.executable, device_for(self.spec))
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write the shared library atomically; for rocm also the AMDGPU code object next to it (``.hsaco``),
+        """Write the shared library atomically (linked by the cross gcc for another CPU architecture); for rocm also the AMDGPU code object next to it (``.hsaco``),
         which is what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
         p = Path(path)
+        fcompile = None
+        if self.spec.cross is not None:  # another CPU architecture: its gcc links (LLVM emitted the objects)
+            from tvm.support import cc
+
+            fcompile = cc.cross_compiler(self.spec.cross.compiler)
         with atomic_path(p) as tmp, quiet_native_stderr():  # one 'Scope Saving' warning per kernel otherwise
-            self.executable.export_library(str(tmp))
+            self.executable.export_library(str(tmp), fcompile=fcompile)
         if self.spec.kind == "rocm":
             objs = amdgpu_code_objects(p.read_bytes())
             if objs:
@@ -90,7 +95,7 @@ def _cpu_rules() -> list:
     # Injective first: it declines any kernel with a reduction, and dlight's rules start by inlining every
     # block (try_inline), which recomputes reused values exponentially before they decline an elementwise
     # kernel (see pipeline.cpu_rules).
-    return [Injective(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
+    return [Injective(), LaneReduction(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
 
 
 def _gpu_rules() -> list:

@@ -75,7 +75,13 @@ def inline_without_blowup(sch: s_tir.Schedule, blocks: list) -> list:
 
     def reverse_ok(rv) -> bool:  # substitute the producers' values into this block, computed in their loops
         block = sch.get(rv)
-        return all(small(p) or reads(block, p) <= 1 for p in map(sch.get, sch.get_producers(rv)))
+        producers = sch.get_producers(rv)
+        # A producer whose buffer another block also reads must keep writing it: TVM 0.27's
+        # reverse_compute_inline does not check this and drops the buffer (a Concat feeding a two-way Split:
+        # FlattenBuffer "T_concat_intermediate is used before its definition" at build time).
+        if any(len(sch.get_consumers(p)) > 1 for p in producers):
+            return False
+        return all(small(p) or reads(block, p) <= 1 for p in map(sch.get, producers))
 
     def first(step, guard) -> int | None:
         for i, info in enumerate(blocks):
@@ -171,4 +177,53 @@ class ParallelFallback(CPUScheduleRule):
             outer = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
             if isinstance(get_extent(sch, outer), int) and get_extent(sch, outer) > 1:
                 sch.parallel(outer)
+        return sch
+
+
+class LaneReduction(CPUScheduleRule):
+    """A reduction over middle axes whose innermost axis is spatial: a pool or spatial mean of a blocked
+    NCHW[x]c tensor (the channel lanes are innermost and contiguous).
+
+    The generic rules put the reduction loops innermost, so each lane is summed on its own with a stride of
+    a whole block: ResNet-50's global average pool in NCHW16c took 0.64 ms (1 thread) for 100K elements.
+    Here the lanes stay innermost and vectorized (one vector of partial sums per output pixel), the
+    reductions run around them and the outer spatial axes are parallel; an elementwise epilogue (the
+    mean's division) follows per output chunk.
+    """
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos:
+            return None
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1 or not all(b.is_injective() for b in infos[infos.index(reductions[0]) + 1:]):
+            return None
+        if infos.index(reductions[0]) != 0:  # producers (pads) first: leave them to the other rules
+            return None
+        red = reductions[0]
+        kinds = red.dom_kind()
+        n_s = len(kinds) - len(kinds.lstrip("S"))
+        if n_s < 2 or kinds != "S" * n_s + "R" * (len(kinds) - n_s):
+            return None
+        loops = sch.get_loops(red.block_rv)
+        lanes = get_extent(sch, loops[n_s - 1])
+        if not isinstance(lanes, int) or not 4 <= lanes <= 64:
+            return None
+        spatial, reduce_loops, lane = loops[: n_s - 1], loops[n_s:], loops[n_s - 1]
+        sch.reorder(*spatial, *reduce_loops, lane)
+        outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+        total = get_extent(sch, outer)
+        if int(target.attrs.get("num-cores", 1)) > 1 and isinstance(total, int) and total * lanes >= 64:
+            sch.parallel(outer)
+        for info in infos[1:]:  # the epilogue (the mean's division) per output chunk, vectorized
+            sch.reverse_compute_at(info.block_rv, outer)
+            sch.vectorize(sch.get_loops(info.block_rv)[-1])
+        sch.vectorize(lane)  # before decompose_reduction: TVM vectorizes only under a block that has its init
+        init = sch.decompose_reduction(red.block_rv, reduce_loops[0])
+        inner = sch.get_loops(init)[-1]
+        if sch.get(inner).kind != tirx.ForKind.VECTORIZED:
+            sch.vectorize(inner)
         return sch

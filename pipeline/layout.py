@@ -8,7 +8,8 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
 2. :class:`_Lift`: ONNX ``Clip`` arrives as ``call_tir`` of TOPI's maximum/minimum, which no layout pass can
    see through, and Relax's ``clip`` (HardSwish, HardSigmoid) has no layout inference: both become Relax
    ``maximum``/``minimum``;
-3. :func:`assign_blocks`: every conv's input and output block (phase 1: a heuristic, see there);
+3. every conv's input and output block: :func:`heuristic_plans` (``--layout nchwc``) or the measured search of
+   :mod:`pipeline.layout_search` (``--layout auto``), over the layout classes :func:`analyze` finds;
    :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
    (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
 4. Relax ``ConvertLayout`` with a per-call callback: each conv gets data ``NCHW{a}c``, kernel ``OIHW`` (the
@@ -21,13 +22,14 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
 6. :class:`_LowerBlockedConvs`: every blocked ``nn.conv2d`` becomes a call of our compute
    (:func:`kerneltune.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
 
-A cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms it
-implies) replaces :func:`assign_blocks`'s heuristic in phase 2.
+The cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms
+it implies) is :mod:`pipeline.layout_search` (``--layout auto``); :func:`heuristic_plans` is ``--layout nchwc``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import tvm
 from tvm import relax, tirx
@@ -42,12 +44,24 @@ CONV = "relax.nn.conv2d"
 class LayoutReport:
     """What the pass did, for report.json and the tests."""
 
+    mode: str = "nchw"  # nchw (pass not run) | nchwc (heuristic blocks) | auto (cost-based search)
     convs: int = 0  # conv2d calls in the model
     blocked: int = 0  # of which run in NCHWc
     merged_groups: int = 0  # grouped convs whose groups were merged to fill a block
     lifted: int = 0  # call_tir maximum/minimum and clip turned into Relax maximum/minimum
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
     kept_nchw: list[str] = field(default_factory=list)  # why convs stayed NCHW
+    search: dict | None = None  # the cost-based search's summary (mode auto)
+
+    def to_json(self) -> dict:
+        reasons: dict[str, int] = {}
+        for r in self.kept_nchw:
+            reasons[r] = reasons.get(r, 0) + 1
+        out = {"mode": self.mode, "convs": self.convs, "blocked": self.blocked, "transforms": self.transforms,
+               "merged_groups": self.merged_groups, "kept_nchw": reasons}
+        if self.search is not None:
+            out["search"] = self.search
+        return out
 
 
 def channel_block(channels: int, lanes: int) -> int:
@@ -151,8 +165,16 @@ class _UnionFind:
         self.parent[self.find(a)] = self.find(b)
 
 
-# Ops whose output is stored in the layout of their (4-d) activation input when ConvertLayout converts them.
-_POOLS = ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d", "relax.mean")
+# Pools keep a 4-d activation's layout; the reductions keep it when they reduce the spatial axes and keep dims.
+_POOLS = ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d")
+_REDUCTIONS = ("relax.mean", "relax.sum", "relax.max", "relax.min")
+# Ops with a layout inference whose result still mixes channels or axes: never carried across (their inputs
+# and outputs are the edges of a layout class).
+_AXIS_SENSITIVE = ("relax.nn.softmax", "relax.nn.log_softmax", "relax.nn.layer_norm", "relax.nn.group_norm",
+                   "relax.nn.instance_norm", "relax.nn.rms_norm", "relax.nn.batch_norm", "relax.flip",
+                   "relax.repeat", "relax.tile", "relax.permute_dims", "relax.squeeze", "relax.expand_dims",
+                   "relax.strided_slice", "relax.dynamic_strided_slice", "relax.split", "relax.stack",
+                   "relax.gather_elements", "relax.scatter_elements", "relax.scatter_nd", "relax.image.resize2d")
 
 
 def _shape(expr) -> tuple[int, ...] | None:
@@ -162,70 +184,196 @@ def _shape(expr) -> tuple[int, ...] | None:
         return None
 
 
-def assign_blocks(mod: tvm.IRModule, lanes: int, narrow_groups: str = "nchw") -> _Plans:
-    """Every conv's (ic_block, oc_block, merge), or why it stays NCHW.
+def _has_layout_inference(op) -> bool:
+    return isinstance(op, tvm.ir.Op) and op.get_attr("FRelaxInferLayout") is not None
 
-    Tensors that must share a layout form one class (union-find over ``main``'s bindings): the inputs and
-    output of an elementwise op (same 4-d shape: activations, residual adds, BN's multiply/add), of a pool,
-    of a channel concat, and a depthwise conv's input and output.  A class's block is
-    :func:`channel_block` of the gcd of its channel counts, so a concat of 8 + 16 channels is stored in
-    8-channel blocks on both sides (ConvertLayout cannot concatenate different blocks), and a conv reads
-    its input in the block its producer writes: no transform between them.
+
+def _elementwise_links(call: relax.Call, shape: tuple[int, ...] | None) -> list | None:
+    """The 4-d activation arguments an elementwise op carries its layout through (same channels, the other
+    axes equal or broadcast), or None when the op is not such an op (ConvertLayout would put it back in NCHW).
+    Rank-0 arguments (Clip's bounds, scalars) do not matter."""
+    if shape is None or len(shape) != 4 or not _has_layout_inference(call.op) or call.op.name in _AXIS_SENSITIVE:
+        return None
+    linked = []
+    for arg in call.args:
+        s = _shape(arg)
+        if s is None:
+            return None
+        if len(s) == 0:
+            continue
+        if len(s) != 4 or s[1] != shape[1] or any(d not in (1, o) for d, o in zip(s, shape)):
+            return None
+        if isinstance(arg, relax.Var):
+            linked.append(arg)
+    return linked
+
+
+@dataclass
+class ConvSite:
+    """One conv2d call of the model: its logical convolution and the layout classes of its input and output."""
+
+    weight: object  # the weight Constant: what plans are keyed by
+    spec: conv_nchwc.ConvSpec | None  # logical conv (blocks of 1); None when it cannot be blocked
+    inp: int  # class of the data tensor
+    out: int  # class of the output tensor
+    in_shape: tuple[int, ...] = ()  # data and output shapes (NCHW)
+    out_shape: tuple[int, ...] = ()
+    why: str = ""  # why it cannot be blocked
+
+
+@dataclass
+class TensorClass:
+    """Activations that must share one layout: linked by elementwise ops (residual adds, activations, BN's
+    multiply/add, SE's broadcast multiply), pools, spatial reductions and channel concats."""
+
+    channels: int  # gcd of the members' channel counts: every block must divide it
+    entries: list[tuple[int, ...]] = field(default_factory=list)  # members made in NCHW (model inputs, ...)
+    exits: list[tuple[int, ...]] = field(default_factory=list)  # members read in NCHW (model outputs, ...)
+    group_widths: set[int] = field(default_factory=set)  # channels per group of grouped convs touching it
+
+
+@dataclass
+class LayoutGraph:
+    classes: list[TensorClass]
+    convs: list[ConvSite]
+
+
+def _conv_spec(call: relax.Call) -> tuple[conv_nchwc.ConvSpec | None, str]:
+    dims = _conv_dims(call)
+    if dims is None:
+        return None, "non-constant weight, or not a static NCHW/OIHW conv2d"
+    ds, ws = _shape(call.args[0]), _shape(call.args[1])
+    a = call.attrs
+    if a.out_dtype and str(a.out_dtype) not in ("", "void", str(call.args[0].ty.dtype)):
+        return None, f"conv2d out_dtype {a.out_dtype} differs from its input's"
+    pad = [int(p) for p in a.padding]
+    pad = pad * 2 if len(pad) == 2 else pad
+    spec = conv_nchwc.ConvSpec(n=ds[0], c=ds[1], h=ds[2], w=ds[3], f=ws[0], kh=ws[2], kw=ws[3],
+                               stride=tuple(int(s) for s in a.strides), pad=tuple(pad),
+                               dilation=tuple(int(s) for s in a.dilation), groups=int(a.groups), ic_block=1,
+                               oc_block=1, dtype=str(call.args[0].ty.dtype))
+    try:
+        spec.check()
+    except ValueError as exc:
+        return None, str(exc)
+    return spec, ""
+
+
+def analyze(mod: tvm.IRModule) -> LayoutGraph:
+    """The layout classes of ``main``'s 4-d activations and the convs between them (program order, so the
+    numbering is the same on every run).
+
+    Union-find over the bindings: an elementwise op links its output with its 4-d inputs of the same
+    channels, a pool or spatial reduction (keepdims) its input and output, a channel concat its inputs and
+    output.  A member made by anything else (a model input, a reshape) is an *entry* and a member read by
+    anything else (a classifier's flatten, the model's output) an *exit*: in a blocked layout each costs a
+    layout transform.  A conv reads and writes its classes in whatever layout it is given.
     """
     uf = _UnionFind()
     channels: dict[int, int] = {}
-    convs: list[tuple[relax.Call, int, int]] = []  # call, input class key, output class key
+    order: list[int] = []
+    entries: list[tuple[int, tuple[int, ...]]] = []
+    exits: list[tuple[int, tuple[int, ...]]] = []
+    widths: list[tuple[int, int]] = []
+    convs: list[tuple] = []  # (weight, spec, input key, output key, input shape, output shape, why)
 
-    def track(var, c: int) -> int:
+    def track(var) -> int | None:
+        s = _shape(var)
+        if s is None or len(s) != 4:
+            return None
         k = _key(var)
-        uf.find(k)
-        channels[k] = c
+        if k not in channels:
+            uf.find(k)
+            channels[k] = s[1]
+            order.append(k)
         return k
 
-    for block in mod["main"].body.blocks:
+    func = mod["main"]
+    for p in func.params:
+        k = track(p)
+        if k is not None:
+            entries.append((k, _shape(p)))
+    for block in func.body.blocks:
         for binding in block.bindings:
             call, var = binding.value, binding.var
+            if not isinstance(call, relax.Call):
+                continue
             shape = _shape(var)
-            if not isinstance(call, relax.Call) or shape is None or len(shape) < 2:
+            out = track(var)
+            args = list(call.args)
+            if _is_op(call, "relax.concat") and isinstance(args[0], relax.Tuple):
+                args = list(args[0].fields)
+            acts = [a for a in args if isinstance(a, relax.Var) and track(a) is not None]
+            if _is_op(call, CONV) and out is not None and acts and call.args[0].same_as(acts[0]):
+                spec, why = _conv_spec(call)
+                inp = track(call.args[0])
+                convs.append((call.args[1], spec, inp, out, _shape(call.args[0]), shape, why))
+                if spec is not None and spec.groups > 1 and not spec.depthwise:
+                    widths += [(inp, spec.cg), (out, spec.fg)]
                 continue
-            out = track(var, shape[1])
-            if _is_op(call, CONV):
-                x = call.args[0]
-                xs = _shape(x)
-                if xs is None or not isinstance(x, relax.Var):
-                    continue
-                inp = track(x, xs[1])
-                convs.append((call, inp, out))
-                dims = _conv_dims(call)
-                if dims is not None and dims[2] == dims[0] == dims[1]:  # depthwise: lanes map 1:1
-                    uf.union(inp, out)
+            linked = None
+            if out is not None:
+                if _is_op(call, "relax.concat") and int(call.attrs.axis) in (1, -3):
+                    linked = acts
+                elif isinstance(call.op, tvm.ir.Op) and call.op.name in _POOLS:
+                    linked = acts[:1]
+                elif isinstance(call.op, tvm.ir.Op) and call.op.name in _REDUCTIONS:
+                    axes = sorted(int(x) % 4 for x in (call.attrs.axis or []))
+                    linked = acts[:1] if axes == [2, 3] and bool(call.attrs.keepdims) else None
+                else:
+                    linked = _elementwise_links(call, shape)
+            if linked is None:  # an op that keeps NCHW: its 4-d operands leave, its 4-d result enters
+                exits += [(_key(a), _shape(a)) for a in acts]
+                if out is not None:
+                    entries.append((out, shape))
                 continue
-            acts = [a for a in call.args if isinstance(a, relax.Var) and _shape(a) is not None]
-            if _is_op(call, "relax.concat") and int(call.attrs.axis) in (1, -3) and len(shape) == 4:
-                linked = acts if isinstance(call.args[0], relax.Var) else []
-                if not linked and isinstance(call.args[0], relax.Tuple):
-                    linked = [a for a in call.args[0].fields if isinstance(a, relax.Var)]
-            elif isinstance(call.op, tvm.ir.Op) and call.op.name in _POOLS:
-                linked = acts[:1]
-            elif len(shape) == 4:
-                linked = [a for a in acts if _shape(a) == shape]
-            else:
-                linked = []
             for a in linked:
-                uf.union(track(a, _shape(a)[1]), out)
+                uf.union(_key(a), out)
+            exits += [(_key(a), _shape(a)) for a in acts if not any(a.same_as(x) for x in linked)]
+    body = func.body.body
+    for ret in (body.fields if isinstance(body, relax.Tuple) else [body]):
+        if isinstance(ret, relax.Var) and track(ret) is not None:
+            exits.append((_key(ret), _shape(ret)))
 
-    gcd: dict[int, int] = {}
-    for k, c in channels.items():
+    index: dict[int, int] = {}
+    classes: list[TensorClass] = []
+    for k in order:  # numbered by first appearance
         r = uf.find(k)
-        gcd[r] = math.gcd(gcd.get(r, 0), c)
-    block = lambda k: channel_block(gcd[uf.find(k)], lanes)  # noqa: E731
+        if r not in index:
+            index[r] = len(classes)
+            classes.append(TensorClass(0))
+        cls = classes[index[r]]
+        cls.channels = math.gcd(cls.channels, channels[k])
+    cid = lambda k: index[uf.find(k)]  # noqa: E731
+    for k, s in entries:
+        classes[cid(k)].entries.append(s)
+    for k, s in exits:
+        classes[cid(k)].exits.append(s)
+    for k, w in widths:
+        classes[cid(k)].group_widths.add(w)
+    sites = [ConvSite(w, spec, cid(i), cid(o), si, so, why) for w, spec, i, o, si, so, why in convs]
+    return LayoutGraph(classes, sites)
+
+
+def heuristic_plans(graph: LayoutGraph, lanes: int, narrow_groups: str = "nchw") -> _Plans:
+    """Phase-1 blocks without measuring: each class in :func:`channel_block` of its channels (a depthwise
+    conv's input and output classes share one block, as its kernel needs), each conv planned by :func:`plan`.
+    """
+    uf = _UnionFind()
+    for s in graph.convs:
+        if s.spec is not None and s.spec.depthwise:
+            uf.union(s.inp, s.out)
+    gcd: dict[int, int] = {}
+    for i, cls in enumerate(graph.classes):
+        r = uf.find(i)
+        gcd[r] = math.gcd(gcd.get(r, 0), cls.channels)
+    block = lambda i: channel_block(gcd[uf.find(i)], lanes)  # noqa: E731
     plans = _Plans()
-    for call, inp, out in convs:
-        dims = _conv_dims(call)
-        if dims is None:
-            plans.set(call.args[1], "non-constant weight, or not a static NCHW/OIHW conv2d")
-            continue
-        plans.set(call.args[1], plan(*dims, block(inp), block(out), narrow_groups))
+    for s in graph.convs:
+        if s.spec is None:
+            plans.set(s.weight, s.why)
+        else:
+            plans.set(s.weight, plan(s.spec.c, s.spec.f, s.spec.groups, block(s.inp), block(s.out), narrow_groups))
     return plans
 
 
@@ -361,16 +509,33 @@ def count_transforms(mod: tvm.IRModule) -> int:
     return n
 
 
-def to_nchwc(mod: tvm.IRModule, lanes: int, narrow_groups: str = "nchw") -> tuple[tvm.IRModule, LayoutReport]:
+def prepare(mod: tvm.IRModule, report: LayoutReport) -> tvm.IRModule:
+    """Steps 1-2 of the module docstring: BatchNormalization decomposed, Clip lifted to maximum/minimum."""
+    mod = relax.transform.DecomposeOpsForInference()(mod)
+    return _Lift(mod, report).transform()
+
+
+Planner = Callable[[LayoutGraph], _Plans]
+
+
+def to_nchwc(mod: tvm.IRModule, lanes: int, narrow_groups: str = "nchw",
+             planner: Planner | None = None) -> tuple[tvm.IRModule, LayoutReport]:
     """The module with its convs in NCHWc (see the module docstring) and what was done.  ``lanes``: fp32
-    lanes of the target's vector registers (16 with AVX-512); ``narrow_groups``: see :func:`plan`."""
+    lanes of the target's vector registers (16 with AVX-512); ``planner``: each conv's blocks from the
+    module's :class:`LayoutGraph` (default :func:`heuristic_plans` with ``narrow_groups``, see :func:`plan`)."""
     if narrow_groups not in NARROW_GROUPS:
         raise ValueError(f"narrow_groups={narrow_groups!r}: use one of {NARROW_GROUPS}")
-    report = LayoutReport()
+    report = LayoutReport(mode="nchwc")
+    mod = prepare(mod, report)
+    graph = analyze(mod)
+    plans = planner(graph) if planner is not None else heuristic_plans(graph, lanes, narrow_groups)
+    return realize(mod, plans, report)
+
+
+def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm.IRModule, LayoutReport]:
+    """Steps 3-6 on a :func:`prepare`-d module: merged groups, ConvertLayout with ``plans``, clean-up,
+    blocked convs lowered to our compute."""
     T = relax.transform
-    mod = T.DecomposeOpsForInference()(mod)
-    mod = _Lift(mod, report).transform()
-    plans = assign_blocks(mod, lanes, narrow_groups)
     mod = _MergeGroups(mod, plans, report).transform()
     mod = T.ConvertLayout({}, _layout_callback(plans, report))(mod)
     mod = tvm.transform.Sequential([T.FoldConstant(), T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),

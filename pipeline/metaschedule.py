@@ -6,13 +6,24 @@ the same default schedules as ours, so the difference between the two is the tun
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import tvm
 from tvm import relax
 
-from pipeline.partition import Partition
+from graphopt.errors import UserError
 from kerneltune.targets import TargetSpec
+from pipeline.partition import Partition
+
+INSTALL_HINT = "pip install 'optimize-model[metaschedule]'"
+
+
+def check_installed() -> None:
+    """MetaSchedule's cost model is XGBoost, an optional extra (it pulls scipy and NCCL): one line now,
+    before any engine is compiled, instead of an ImportError after minutes."""
+    if importlib.util.find_spec("xgboost") is None:
+        raise UserError(f"the MetaSchedule engine needs XGBoost: run `{INSTALL_HINT}`, or pass --skip-metaschedule")
 
 
 def tune(part: Partition, spec: TargetSpec, trials: int, work_dir: str | Path, seed: int = 0) -> tvm.IRModule:

@@ -7,10 +7,11 @@ import argparse
 
 from graphopt.errors import UserError
 from graphopt.onnx_io import parse_input_shapes
-from graphopt.validate import check_model
+from graphopt.validate import check_model, check_threads
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
-from kerneltune.targets import check_name
+from kerneltune.targets import check_name, default_threads, parse_target, set_num_threads
+from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,6 +21,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                                                        "GFLOP, shapes) and exit")
     g.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="with MODEL: fix a dynamic input's shape (repeatable)")
+    g.add_argument("--layout", default="auto", choices=LAYOUTS, help=f"with MODEL: {LAYOUT_HELP}")
 
 
 def run_model(args: argparse.Namespace) -> int:
@@ -31,12 +33,15 @@ def run_model(args: argparse.Namespace) -> int:
         raise UserError("give either a MODEL or --op, not both")
     check_name(args.target)
     model = check_model(args.model, parse_input_shapes(args.input_shape))  # a model we would refuse is not listed
+    threads = check_threads(args.threads) or default_threads()
+    set_num_threads(threads)  # before TVM's pool starts: the layout stage times kernels with it
     # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
-    from pipeline.partition import format_tasks, partition
+    from pipeline.layout_search import partition_model
+    from pipeline.partition import format_tasks
     from pipeline.relax_import import import_model
 
     imported = import_model(model.proto, model.input_shapes)
-    part = partition(imported.mod)
+    part = partition_model(imported.mod, parse_target(args.target, threads), args.layout)
     print(format_tasks(part.tasks))
     tunable = [t for t in part.tasks if t.task is not None]
     print(f"{len(part.tasks)} tasks, {len(tunable)} tunable ({' / '.join(OP_KINDS)}), "

@@ -23,10 +23,13 @@ from graphopt.errors import UserError
 from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
+from kerneltune.opkinds import VARIANTS, base_kind
+from pipeline.fast_sigmoid import FastSigmoid
 
-KINDS = OP_KINDS + ("other",)  # FusedTask.kind: a tunable op kind, or a kernel no template covers
+KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
 
-# FastMathTransform first: it swaps erf/exp/tanh/softmax for TOPI's polynomial versions, which vectorize;
+# FastMathTransform first (with our FastSigmoid, pipeline.fast_sigmoid, just before it): it swaps
+# erf/exp/tanh/softmax for TOPI's polynomial versions, which vectorize;
 # the exact ones lower to scalar libm calls, and on BERT the GELU's erf alone made the FFN1 kernel ~4x
 # slower than the same matmul without it.  The approximations are accurate to ~1e-7 relative; the whole
 # model stays within ~2e-6 of onnxruntime.
@@ -45,7 +48,7 @@ class FusedTask:
 
     index: int
     name: str  # the PrimFunc's global name (first occurrence)
-    kind: str  # matmul | batch_matmul | conv2d | other
+    kind: str  # matmul | batch_matmul | conv2d | conv2d_nchwc | other
     shapes: list[tuple[int, ...]]  # argument shapes, inputs then output
     dtype: str
     weight: int  # calls per model run
@@ -66,6 +69,7 @@ class Partition:
 
     mod: tvm.IRModule
     tasks: list[FusedTask]
+    layout: dict | None = None  # what the layout stage did (pipeline.layout_search), for report.json
 
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)
@@ -73,7 +77,7 @@ class Partition:
 
 def fuse(mod: tvm.IRModule) -> tvm.IRModule:
     """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out)."""
-    seq = tvm.transform.Sequential([getattr(relax.transform, p)() for p in FUSION_PASSES])
+    seq = tvm.transform.Sequential([FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES])
     with quiet_native_stderr():  # TOPI's fast take warns once per Gather
         return seq(mod)
 
@@ -159,8 +163,8 @@ def select_tasks(tasks: list[FusedTask], selector: str | None) -> list[FusedTask
                 raise UserError(f"--kernels {part}: there are only {len(tasks)} tasks (0..{len(tasks) - 1}); "
                                 "list them with `tune-kernels MODEL --list`")
             hits = [tasks[idx]]
-        elif part in KINDS:
-            hits = [t for t in tasks if t.kind == part]
+        elif part in KINDS:  # an op kind selects its layout variants too (conv2d: conv2d_nchwc)
+            hits = [t for t in tasks if t.kind == part or base_kind(t.kind) == part]
         else:
             hits = [t for t in tasks if any(fnmatch.fnmatchcase(n, part) for n in t.names)]
             if not hits:

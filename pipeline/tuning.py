@@ -5,9 +5,10 @@ ships, and the plot of how the tuning went.
 Which build ships (:func:`pick_build`).  Tuning judges kernels one by one; the model is judged whole (cold
 weights, epilogues, every kernel in sequence - a kernel sum once said 66 ms of a model that ran in 125 ms).
 So after compiling, the tuned build is timed against the default-schedule build (what ``--skip-tune``
-gives) with :func:`graphopt.timing.compare`, the timer bench-model uses: blocks of interleaved runs, the
-order swapped between blocks, the median of the blocks' ratios.  The tuned build ships only when it is
-faster by :data:`E2E_MARGIN`; otherwise the default build ships and the report says tuning lost (slower
+gives) with :func:`graphopt.timing.compare`: the timer bench-model uses (alternating blocks of runs, the
+order swapped between blocks) and the rule the graph stage keeps a rewrite by (:func:`graphopt.timing.decide`:
+faster by :data:`E2E_MARGIN` in every block, 3 to 7 blocks).  The tuned build ships only when it is
+faster so; otherwise the default build ships and the report says tuning lost (slower
 beyond the margin) or was undecided (within it).  Undecided keeps the default because the default is the
 reference a tuned build has to beat, the same rule as a task's default config at the kernel level, and
 because a 2% difference is inside what this shared machine's noise can fake either way.
@@ -40,7 +41,6 @@ from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 
 E2E_MARGIN = 0.02  # the tuned build must be this much faster end to end to ship (graphopt's stage uses 2% too)
-E2E_BLOCKS = 3  # interleaved blocks; the verdict takes the median of their ratios
 E2E_RUNS = 10  # timed runs per build per block
 VERDICT = "e2e"  # the records' kind for the end-to-end verdict
 
@@ -65,7 +65,7 @@ class BuildChoice:
     status: str  # "measured", "recorded" (a rerun: the stored verdict), or "skipped: <why>"
     default_ms: float | None = None
     tuned_ms: float | None = None
-    ratios: list[float] = field(default_factory=list)  # tuned / default, per interleaved block
+    ratios: list[float] = field(default_factory=list)  # tuned / default, per round
     margin: float = E2E_MARGIN
 
     @property
@@ -94,7 +94,7 @@ def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partit
                tuned: dict[str, Any], records_path: str | Path, model_bytes: bytes, seed: int = 0,
                rpc: str | None = None, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
     """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
-    ``timer`` replaces :func:`graphopt.timing.time_interleaved` (tests)."""
+    ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
     if not tuned:
         return tuned_build, BuildChoice("default", "skipped: no tuned config beat its default schedule")
     if rpc:
@@ -115,9 +115,10 @@ def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partit
         return compile_partition(imported, part, spec, {}), choice
     default_build = compile_partition(imported, part, spec, {})
     feeds = random_inputs(imported.graph, seed)
-    cmp = compare(model_runner(default_build, feeds), model_runner(tuned_build, feeds), E2E_MARGIN, E2E_BLOCKS,
-                  E2E_RUNS, timer=timer)
-    choice = BuildChoice("tuned" if cmp.faster else "default", "measured", round(cmp.baseline_ms, 4),
+    verdict = compare(model_runner(default_build, feeds), model_runner(tuned_build, feeds), E2E_MARGIN, E2E_RUNS,
+                      timer=timer)
+    cmp = verdict.comparison
+    choice = BuildChoice("tuned" if verdict.faster else "default", "measured", round(cmp.baseline_ms, 4),
                          round(cmp.candidate_ms, 4), [round(r, 4) for r in cmp.ratios], E2E_MARGIN)
     with log:
         log.append([Record(task=key, target=str(spec.target), config={"build": choice.kept}, gflops=0.0,

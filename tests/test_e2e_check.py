@@ -12,7 +12,7 @@ from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import ModelTimes
 from graphopt.cost.measured import MeasuredCost
 from graphopt.cost.runners import OrtRunner
-from graphopt.timing import time_interleaved
+from graphopt.timing import time_blocks
 from graphopt.errors import UserError
 from graphopt.onnx_io import import_onnx
 from graphopt.stage import check_end_to_end
@@ -35,8 +35,11 @@ class TimedLaunchCost(LaunchCost):
         self.timed: list[list[int]] = []  # MatMul count of each graph timed, per call
 
     def time_models(self, graphs, runs=20):
+        """The first graph ever timed (the stage's input) takes ``before_ms``, any other ``after_ms``."""
         self.timed.append([sum(n.op_type == "MatMul" for n in g.nodes) for g in graphs])
-        return ModelTimes([self.ms[0] / 1e3, self.ms[1] / 1e3], "fake")
+        hashes = [g.structural_hash() for g in graphs]
+        self.first = getattr(self, "first", None) or hashes[0]
+        return ModelTimes([(self.ms[0] if h == self.first else self.ms[1]) / 1e3 for h in hashes], "fake")
 
 
 def _matmuls(model: onnx.ModelProto) -> int:
@@ -47,7 +50,8 @@ def test_slower_end_to_end_hands_back_the_input():
     proto = three_projections()
     cost = TimedLaunchCost(before_ms=1.0, after_ms=1.1)
     out, rep = optimize(proto, cost=cost, rules=HAND, budget=60)
-    assert cost.timed == [[3, 1]]  # the input and the merged candidate, in that order
+    # the input and the merged candidate, in 3 blocks (order swapped in the second): all say slower
+    assert cost.timed == [[3, 1], [1, 3], [3, 1]]
     assert rep["candidate_applied"] and rep["candidate_cost_after"] < rep["cost_before"]
     assert out is proto and _matmuls(out) == 3
     assert rep["kept"] == "original" and rep["applied"] == {} and rep["cost_after"] == rep["cost_before"]
@@ -126,12 +130,22 @@ def test_measured_cost_times_whole_models_with_its_backend(tmp_path):
     assert times.backend == "ort" and 0 < times.seconds[0] < times.seconds[1]
 
 
-def test_interleaved_medians_are_per_runner():
+def test_blocks_alternate_with_idle_gaps_and_medians_are_per_runner():
     calls: list[str] = []
-    times = time_interleaved({"a": lambda: calls.append("a"), "inv": lambda: np.linalg.inv(np.eye(200))}, runs=5,
-                             warmup=1)
-    assert calls == ["a"] * 11  # 1 warm-up + 5 x (priming + timed)
+    gaps: list[float] = []
+    times = time_blocks({"a": lambda: calls.append("a"), "inv": lambda: (calls.append("inv"), np.linalg.inv(np.eye(200)))},
+                        runs=6, warmup=1, rounds=3, gap_s=0.25, sleep=gaps.append)
+    # 3 rounds; each block = 1 warm-up + 2 timed calls; the order is reversed every other round
+    assert calls == ["a"] * 3 + ["inv"] * 3 + ["inv"] * 3 + ["a"] * 3 + ["a"] * 3 + ["inv"] * 3
+    assert gaps == [0.25] * 6  # an idle gap before every block
     assert times["a"].median_ms < times["inv"].median_ms and times["a"].min_ms <= times["a"].median_ms
+    assert len(times["inv"].blocks_ms) == 3 and min(times["inv"].blocks_ms) >= times["inv"].min_ms
+
+
+def test_blocks_take_at_least_one_timed_call_each():
+    n = []
+    times = time_blocks({"x": lambda: n.append(1)}, runs=2, warmup=0, rounds=5, sleep=lambda s: None)
+    assert len(n) == 2 and len(times["x"].blocks_ms) == 2  # rounds capped by runs
 
 
 def test_merge_everything_wins_when_the_whole_model_says_so():
@@ -144,7 +158,7 @@ def test_merge_everything_wins_when_the_whole_model_says_so():
     assert rep["candidate_applied"] == {} and rep["kept"] == "merged" and rep["outputs_equal"]
     assert rep["merge_all"]["applied"] and rep["applied"] == rep["merge_all"]["applied"]
     merged = _matmuls(out)
-    assert merged < 3 and cost.timed == [[3, merged]]  # only the input and the merged graph were timed
+    assert merged < 3 and {tuple(sorted(t)) for t in cost.timed} == {(merged, 3)}  # only the input and merged
     res = graph_stage(import_onnx(three_projections()), cost=cost, rules=None, budget=60)
     assert res.kept == "merged" and sum(n.op_type == "MatMul" for n in res.graph.nodes) == merged
     slower = TimedLaunchCost(1.0, 1.2)

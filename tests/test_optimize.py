@@ -170,7 +170,7 @@ def test_library_merges_parallel_inception_convs(tmp_path):
 
 
 def test_pipeline_entry_point_returns_an_exportable_graph():
-    """``pipeline.optimize`` calls ``graphopt.stage.optimize_graph(graph)`` and exports ``result.graph``."""
+    """``pipeline.optimize_model`` calls ``graphopt.stage.optimize_graph(graph)`` and exports ``result.graph``."""
     from graphopt.compare import max_abs_err
     from graphopt.feeds import random_inputs, run_ort
     from graphopt.onnx_io import export_onnx

@@ -221,11 +221,14 @@ def test_a_node_no_engine_runs_alone_is_priced_analytically_and_the_search_goes_
     proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     proto.ir_version = 8
     graph = import_onnx(proto)
-    cm = MeasuredCost(OrtRunner(1), "llvm", path=tmp_path / "cost.json")
+    from graphopt.cost.guard import GuardedCost
+
+    cm = GuardedCost(MeasuredCost(OrtRunner(1), "llvm", path=tmp_path / "cost.json"))
     node = next(n for n in graph.nodes if n.op_type == "If")
     price = cm.opaque_cost(node, graph)
     assert price == AnalyticCost().opaque_cost(node, graph) and price > 0
-    assert len(cm.unpriced) == 1 and "If" in next(iter(cm.unpriced.values()))
+    assert list(cm.failures) == ["If"]
+    assert cm.opaque_cost(node, graph) == price and list(cm.failures) == ["If"]  # tried once, logged once
     from graphopt.rules import verified_library
 
     result = search(graph, verified_library(), cm, budget=5, time_limit=30)

@@ -53,9 +53,22 @@ class CostModel:
         """Persist anything measured (no-op for models without a cache)."""
 
     def time_models(self, graphs: Sequence[Graph], runs: int = 20) -> ModelTimes | None:
-        """Seconds per end-to-end run of each whole graph, timed with the engine this model prices for;
-        ``None`` when the model measures nothing (analytic), so the caller cannot check its predictions."""
+        """Seconds per end-to-end run of each whole graph (one interleaved block of ``runs`` rounds), timed
+        with the engine this model prices for; ``None`` when the model measures nothing (analytic), so the
+        caller cannot check its predictions."""
         return None
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate
+        instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""
+
+    def recall(self, key: str) -> float | None:
+        """A value :meth:`record` stored for ``key`` in this model's persistent store (e.g. an end-to-end
+        verdict, so a rerun decides the same way), or ``None``."""
+        return None
+
+    def record(self, key: str, value: float) -> None:
+        """Store ``value`` under ``key`` beside the measured costs (no-op for models without a store)."""
 
     # ---- derived -----------------------------------------------------------------------------------------
     def node_cost(self, node: Node, graph: Graph, constants: set[str] | None = None,

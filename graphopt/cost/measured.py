@@ -1,7 +1,11 @@
 """Measured cost: each distinct (operator, parameters, input shapes) timed once on this machine as a tiny
-ONNX model by an injected :class:`~graphopt.cost.runners.GraphRunner`, and cached on disk per target,
-engine and thread count (``~/.cache/optimize-model/cost-<target>-<engine>-t<threads>.json``), as
-TASO/MetaFlow do with cuDNN.
+ONNX model by an injected :class:`~graphopt.cost.runners.GraphRunner`, and cached on disk per target, CPU,
+engine and thread count (``~/.cache/optimize-model/cost-<target>-<cpu>-<engine>-t<threads>.json``;
+:func:`graphopt.cost.cache.cpu_id`), as TASO/MetaFlow do with cuDNN.
+
+Past the stage's deadline (:meth:`MeasuredCost.set_deadline`) nothing new is measured: an operator not in
+the cache is priced by the roofline estimate (:class:`~graphopt.cost.analytic.AnalyticCost`), not cached,
+and counted in ``estimated`` - a TVM compile per new operator must not run the stage past ``--time-limit``.
 
 With the pipeline's TVM runner the search optimizes for the code the pipeline will really run; an operator
 that engine cannot run alone is timed with onnxruntime instead.
@@ -11,8 +15,9 @@ the time of a trivial model (the fixed cost of one call from Python) is subtract
 smaller nodes are not overcharged for Python overhead that the real run does not pay.
 
 :meth:`MeasuredCost.time_models` times whole graphs with the same engine through the project's one
-whole-model timer (:func:`graphopt.timing.time_interleaved`), so the graph stage can check that a graph the
-per-operator sum prefers really runs faster end to end.
+whole-model timer (:func:`graphopt.timing.time_blocks`), so the graph stage can check that a graph the
+per-operator sum prefers really runs faster end to end; each graph is built once per instance (the stage
+times the input against several candidates, block after block).
 """
 from __future__ import annotations
 
@@ -25,10 +30,10 @@ from graphopt import ops
 from graphopt.cost.analysis import numel
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
-from graphopt.cost.cache import CostCache, cache_dir
+from graphopt.cost.cache import CostCache, cache_dir, cpu_id
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.ir import Graph, Node, TensorInfo, attrs_key
-from graphopt.timing import time_interleaved
+from graphopt.timing import time_blocks
 
 SMALL_CONST = 64  # constant inputs up to this many elements are part of the key and embedded (shapes, axes)
 
@@ -46,19 +51,41 @@ class MeasuredCost(CostModel):
         self.name = f"measured-{self.backend}"
         # onnxruntime runs every ONNX operator: the fallback for what the runner's engine cannot build alone
         self._fallback = runner if isinstance(runner, OrtRunner) else OrtRunner(runner.threads)
-        self.cache = CostCache(Path(path) if path else
-                               cache_dir() / f"cost-{target}-{self.backend}-t{self.threads}.json")
+        self.cache = CostCache(Path(path) if path else cache_dir() / cache_file(target, self.backend, self.threads))
         self._baseline: float | None = None
         self.measured = 0  # how many timings this instance ran (0 on a warm cache)
-        # Nodes no engine could run alone (key -> why), priced analytically instead; kept so each is tried once.
-        self.unpriced: dict[str, str] = {}
+        self.estimated = 0  # how many prices were estimated because the deadline had passed
+        self.deadline: float | None = None
+        self._analytic: AnalyticCost | None = None
+        self._prepared: dict[tuple[str, str], Callable[[], object]] = {}  # (engine, graph hash) -> run once
 
     def flush(self) -> None:
         self.cache.flush()
 
-    def _lookup(self, key: str, build: Callable[[], Graph]) -> float:
+    def set_deadline(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def recall(self, key: str) -> float | None:
+        return self.cache.get(key)
+
+    def record(self, key: str, value: float) -> None:
+        self.cache.put(key, value)
+        self.cache.flush()
+
+    def _estimate(self) -> AnalyticCost:
+        if self._analytic is None:
+            self._analytic = AnalyticCost()
+        return self._analytic
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def _lookup(self, key: str, build: Callable[[], Graph], estimate: Callable[[], float]) -> float:
         hit = self.cache.get(key)
         if hit is None:
+            if self._past_deadline():
+                self.estimated += 1
+                return estimate()
             hit = self._time(build())
             self.cache.put(key, hit)
             self.measured += 1
@@ -76,7 +103,7 @@ class MeasuredCost(CostModel):
             g.nodes = ops.to_onnx(op, params, [i.name for i in inputs], [o.name for o in outputs], g)
             return g
 
-        return self._lookup(key, build)
+        return self._lookup(key, build, lambda: self._estimate().op_cost(op, params, in_shapes, dtype))
 
     def opaque_cost(self, node: Node, graph: Graph) -> float:
         const = [t for t in node.inputs if t and graph.is_constant(t)
@@ -118,14 +145,7 @@ class MeasuredCost(CostModel):
                          opset_imports=dict(graph.opset_imports), ir_version=graph.ir_version,
                          functions=list(graph.functions))
 
-        if key in self.unpriced:
-            return AnalyticCost().opaque_cost(node, graph)
-        try:
-            return self._lookup(key, build)
-        except Exception as exc:  # noqa: BLE001 - a price is an estimate: it must never abort the graph stage
-            # e.g. an If/Loop whose body reads tensors of the enclosing graph cannot be cut out as a model alone
-            self.unpriced[key] = f"{node.op_type} {node.name!r}: {type(exc).__name__}: {str(exc)[:200]}"
-            return AnalyticCost().opaque_cost(node, graph)
+        return self._lookup(key, build, lambda: self._estimate().opaque_cost(node, graph))
 
     # ---- timing --------------------------------------------------------------------------------------------
     def _run_time(self, graph: Graph) -> float:
@@ -140,15 +160,22 @@ class MeasuredCost(CostModel):
         """Whole models, timed with this model's engine; if it cannot build one of them, all of them are
         timed in onnxruntime, so the comparison is always between like and like."""
         runner: GraphRunner = self.runner
+        hashes = [g.structural_hash() for g in graphs]
         try:
-            calls = [runner.prepare(g) for g in graphs]
+            calls = [self._prepare(runner, g, h) for g, h in zip(graphs, hashes)]
         except Exception:  # noqa: BLE001 - fall back to the engine that runs every ONNX model
             if runner is self._fallback:
                 raise
             runner = self._fallback
-            calls = [runner.prepare(g) for g in graphs]
-        times = time_interleaved(dict(enumerate(calls)), runs)
+            calls = [self._prepare(runner, g, h) for g, h in zip(graphs, hashes)]
+        times = time_blocks(dict(enumerate(calls)), runs)
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
+
+    def _prepare(self, runner: GraphRunner, graph: Graph, digest: str) -> Callable[[], object]:
+        key = (runner.name, digest)
+        if key not in self._prepared:
+            self._prepared[key] = runner.prepare(graph)
+        return self._prepared[key]
 
     def _time(self, graph: Graph) -> float:
         if self._baseline is None:
@@ -161,9 +188,15 @@ class MeasuredCost(CostModel):
         return max(self._run_time(graph) - self._baseline, 0.0) + LAUNCH_OVERHEAD_S
 
 
+def cache_file(target: str, backend: str, threads: int) -> str:
+    """The cost cache's file name: one per target, CPU (:func:`~graphopt.cost.cache.cpu_id`), engine and thread
+    count - the things a per-operator timing depends on beyond the operator itself."""
+    return f"cost-{target}-{cpu_id()}-{backend}-t{threads}.json"
+
+
 def best_time(run: Callable[[], object]) -> float:
     """Seconds per call of ``run``: warm-up, then the best of 3 batches of about 20 ms each (one operator;
-    whole models go through :func:`graphopt.timing.time_interleaved`)."""
+    whole models go through :func:`graphopt.timing.time_blocks`)."""
     run()
     t = time.perf_counter()
     run()

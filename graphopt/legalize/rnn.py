@@ -428,8 +428,9 @@ def _run_direction(rec: Recurrence, b: Builder, x: str, d: int, steps: Steps, wa
     computed = steps.computed
     if hoist:  # one GEMM over all steps: [S, B, I] @ [I, G*H], biases included
         xw_steps = _per_step(b, b.add(b.matmul(x, wt.w), wt.bias), computed)
-    else:  # one small GEMM per step, for comparison (see the module docstring); Gathers, because TVM 0.27
-        # fails to build a Split of X feeding S MatMuls (FlattenBuffer: "used before its definition")
+    else:  # one small GEMM per step, for comparison (see the module docstring), its step taken by a Gather
+        # (the form measured in the table; the Split form builds too since pipeline/cpu_rules.py stopped
+        # reverse-inlining into a buffer with other readers - FlattenBuffer "used before its definition")
         xw_steps = [b.add(b.matmul(b.gather(x, t), wt.w), wt.bias) for t in range(computed)]
     zeros = b.const(np.zeros((rec.batch, rec.hidden), rec.dtype), hint="zeros")
     ys: dict[int, str] = {}

@@ -96,7 +96,7 @@ class Searcher(ABC):
             taken.add(c)
         if len(out) < n and self.space.size() <= ENUMERATE_LIMIT:
             rest = [c for c in itertools.product(*(k.values for k in self.space.knobs))
-                    if c not in self.sampled and c not in taken]
+                    if c not in self.sampled and c not in taken and self.space.valid(c)]
             self.rng.shuffle(rest)
             out.extend(rest[: n - len(out)])
         return out

@@ -78,7 +78,7 @@ class OpEvo(Searcher):
         for _ in range(n):
             child = self.mutate(self.recombine(parents, weights))
             tries = 0
-            while child in self.sampled or child in taken:
+            while child in self.sampled or child in taken or not self.space.valid(child):  # recombined tiles
                 tries += 1
                 if tries > MAX_REMUTATIONS:
                     fallback = self.random_unsampled(1, exclude=taken)

@@ -56,7 +56,8 @@ def _template(task: Task, t: tvm.target.Target):
 
 def space_for(task: Task, target) -> SearchSpace:
     t = _target(target)
-    return _template(task, t).space(task)
+    template = _template(task, t)
+    return template.space(task, t) if template is cpu_nchwc else template.space(task)
 
 
 def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:

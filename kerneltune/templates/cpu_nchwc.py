@@ -30,7 +30,7 @@ import tvm
 from tvm import tirx
 
 from ..prepack import PREPROC
-from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, SearchSpace
+from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
 from ..targets import vector_lanes
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
@@ -50,7 +50,16 @@ def depthwise(task: Task) -> bool:
     return not any(a.role == "rco" for a in task.axes)
 
 
-def space(task: Task) -> SearchSpace:
+def _vectors_per_block(task: Task, target: tvm.target.Target | None) -> int:
+    """Vector registers one output block of ``d`` lanes takes (1 when the target is unknown)."""
+    d = task.dims["d"]
+    return -(-d // vector_lanes(target, task.dtype)) if target is not None else 1
+
+
+def space(task: Task, target: tvm.target.Target | None = None) -> SearchSpace:
+    """The knobs (module docstring), constrained to register tiles of at most :data:`MAX_ACCUMULATORS`
+    vectors: about half of the unconstrained tiles were beyond it on ResNet-50's convs, and a searcher
+    drawing them wasted a trial each."""
     knobs: list = []
     for role, levels in (("ob", 3), ("y", 3), ("x", 2)):
         if _extent(task, role) > 1:
@@ -64,7 +73,9 @@ def space(task: Task) -> SearchSpace:
     if has_producers(task):
         knobs.append(ChoiceKnob("pad", ("stage", "tile", "inline")))
     knobs.append(DiscreteKnob("unroll", UNROLL))
-    return SearchSpace(knobs)
+    tile = ProductLimit((("tile_ob", 2), ("tile_y", 2), ("tile_x", 1)), MAX_ACCUMULATORS,
+                        _vectors_per_block(task, target))
+    return SearchSpace(knobs, (tile,))
 
 
 def _factors(cfg: dict, role: str, task: Task, levels: int) -> tuple[int, ...]:
@@ -75,7 +86,7 @@ def _factors(cfg: dict, role: str, task: Task, levels: int) -> tuple[int, ...]:
 
 
 def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
-    cfg = check_config(space(task), config)
+    cfg = check_config(space(task, target), config)
     dw = depthwise(task)
     fob, fy, fx = _factors(cfg, "ob", task, 3), _factors(cfg, "y", task, 3), _factors(cfg, "x", task, 2)
     fic = _factors(cfg, "ic", task, 2) if not dw else (1, 1)
@@ -169,7 +180,7 @@ def _weight_buffer(block, task: Task) -> str:
 
 def default_config(task: Task, target: tvm.target.Target):
     """Heuristic config without tuning (see :func:`_default_dict` for the rules and the measurements)."""
-    sp = space(task)
+    sp = space(task, target)
     values = _default_dict(task, target)
     return tuple(values[name] for name in sp.names)
 

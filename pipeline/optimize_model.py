@@ -26,7 +26,8 @@ from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 from graphopt.validate import check_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.records import RecordLog
-from kerneltune.targets import check_name, parse_target
+from kerneltune.targets import check_can_tune, check_name, parse_target
+from pipeline.artifact import deployment, tensor_specs
 from pipeline.frontend import legalize_for_tvm
 
 
@@ -41,9 +42,11 @@ class StageLog:
 
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
-                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True) -> onnx.ModelProto:
-    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM), or the
-    imported graph re-exported."""
+                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
+                runs_here: bool = True, time_limit: float = 60.0) -> onnx.ModelProto:
+    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM on ``target``
+    where this machine can run it, priced analytically otherwise; the stage within ``time_limit`` seconds),
+    or the imported graph re-exported."""
     t0 = time.perf_counter()
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
     graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
@@ -56,12 +59,15 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
         return export_onnx(graph)
     from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
-    cost = make_cost_model("measured", target, TvmRunner(threads))
-    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress))
+    kind = check_name(target).cost_kind if runs_here else "not-here"  # a kind other than llvm: analytic cost
+    cost = make_cost_model("measured", kind, TvmRunner(threads, target))
+    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress, time_limit=time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
              "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
              "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
-             "priced_analytically": sorted(getattr(cost, "unpriced", {}).values())}  # no engine ran them alone
+             "e2e_check": result.check.status, "e2e_decision": result.check.decision,
+             "stop_reason": result.stop_reason, "pricing_failures": result.pricing_failures,
+             "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
     return export_onnx(result.graph)
@@ -94,15 +100,17 @@ class TuneOptions:
 def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
                    input_shapes: InputShapes | None = None, skip_graph: bool = False,
                    seed: int = 0, tuning: TuneOptions | None = None,
-                   inputs: str | None = None) -> OptimizeResult:
+                   inputs: str | None = None, layout: str = "auto",
+                   graph_time_limit: float = 60.0) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
-    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks.
+    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
+    ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
 
     Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
     model (:func:`graphopt.validate.check_model`); the artifacts are written only after the compiled model
     matched onnxruntime, each atomically, report.json last (its presence means a complete run)."""
     tuning = tuning or TuneOptions()
-    check_name(target)
+    request = check_name(target)
     out = check_output_dir(out_dir, "-o")
     records = Path(tuning.records) if tuning.records else out / "records.jsonl"
     if tuning.enabled:  # a records path we cannot write, or one another tuner holds
@@ -112,25 +120,29 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
     # Deferred: these load TVM (seconds), after every cheap check above has passed.
     from pipeline.compile import check_outputs, compile_partition
-    from pipeline.partition import partition, select_tasks
+    from pipeline.layout_search import partition_model
+    from pipeline.partition import select_tasks
     from pipeline.relax_import import import_model
     from pipeline.tuning import pick_build, plot_tuning, tune_model
 
     original = model.proto
     spec = parse_target(target, threads)
-    if tuning.enabled and tuning.rpc:  # fail in seconds, not after the graph stage: no device
-        from kerneltune.runner import check_device  # deferred with TVM (see above)
+    if tuning.enabled:
+        check_can_tune(spec, tuning.rpc)
+    if tuning.enabled and tuning.rpc and not _has_records(records):  # fail in seconds, not after the graph
+        from kerneltune.runner import check_device  # stage; a resume checks when it first needs the device
 
         check_device(tuning.rpc)
     log = StageLog()
-    optimized = graph_stage(original, model.input_shapes, skip_graph, log, spec.kind,
-                            int(threads or 1), tuning.progress)
+    optimized = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
+                            int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
-    part = partition(imported.mod)
+    part = partition_model(imported.mod, spec, layout)
     log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
-            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4))
+            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
+            layout=part.layout)
 
     tuned: dict[str, Any] = {}
     tune_result = None
@@ -186,9 +198,13 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         plot_tuning(tune_result, out / "tuning.png")
         files.update(records="records.jsonl", tuning_plot="tuning.png")
     report = {
-        "model": str(model_path), "target": spec.kind, "target_detail": str(spec.target),
+        "model": str(model_path), "target": spec.kind, "target_request": request.text,
+        "target_detail": str(spec.target),
         "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
         "inputs": str(inputs) if inputs else None,
+        "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
+                                                 if i.name not in imported.graph.initializers]),
+                             tensor_specs(imported.graph.outputs)),
         "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
                                         for t in part.tasks],
         "files": files,
@@ -196,6 +212,14 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     write_text_atomic(out / "report.md", report_markdown(report))
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     return OptimizeResult(out, report)
+
+
+def _has_records(path: Path) -> bool:
+    """A records file with content: this run resumes (or rebuilds from) an earlier one."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def output_bytes(model: onnx.ModelProto) -> int:

@@ -1,0 +1,257 @@
+"""The built directory a user ships, and the loader that runs it without the tuning stack.
+
+``optimize-model -o DIR`` writes ``DIR/model.so`` (the Relax VM executable exported as a shared library),
+``optimized.onnx`` (the graph it was compiled from), ``report.json`` (written last: its presence means a
+complete run) and ``report.md``.  ``report.json`` holds what a loader needs besides the library (:func:`deployment`):
+the TVM device type, the LLVM triple the host code is built for, and the signature: input names in call order,
+their dtypes and the fixed shapes the library was compiled for, and the outputs in return order.
+
+:class:`Model` loads such a directory with the TVM runtime alone (``tvm.runtime.load_module`` +
+``relax.VirtualMachine``, https://tvm.apache.org/docs/how_to/tutorials/export_and_load_executable.html),
+checks the feeds against the signature (a wrong name, shape or dtype is one line naming the expected one, not a
+crash inside a kernel) and returns the outputs by name.  Nothing from kerneltune's measurement, the graph
+search or the templates is imported on this path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from graphopt.errors import UserError
+from graphopt.fileio import check_output_dir, write_bytes_atomic
+from kerneltune.native_log import quiet_native_stderr
+from kerneltune.targets import arch_of, host_arch, missing_cpu_features, use_threads
+
+log = logging.getLogger(__name__)
+
+LIBRARY, GRAPH, REPORT, REPORT_MD = "model.so", "optimized.onnx", "report.json", "report.md"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of the compiled model: its shape is the compiled one (None: not known)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...] | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TensorSpec":
+        shape = d.get("shape")
+        return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
+
+
+def tensor_specs(infos: Sequence[Any]) -> list[TensorSpec]:
+    """graphopt IR ``TensorInfo`` s -> specs (symbolic dims become None)."""
+    return [TensorSpec(t.name, t.dtype, None if t.shape is None else tuple(d if isinstance(d, int) else None
+                                                                             for d in t.shape)) for t in infos]
+
+
+def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> dict[str, Any]:
+    """report.json's ``deploy`` section: what loading ``model.so`` needs (``spec`` a kerneltune TargetSpec)."""
+    return {
+        "library": LIBRARY, "device": spec.device, "triple": spec.triple, "arch": arch_of(spec.triple),
+        "runs_on_build_machine": bool(spec.can_run),
+        "inputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in inputs],
+        "outputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in outputs],
+        "shapes_note": "model.so is compiled for these input shapes only (rebuild with --input-shape for "
+                       "others); optimized.onnx is saved with these shapes too",
+    }
+
+
+def read_report(directory: str | os.PathLike) -> dict[str, Any]:
+    """DIR/report.json of a complete build, with its ``deploy`` section; a UserError otherwise."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise UserError(f"{str(d)!r} is not a folder: give the -o folder of optimize-model")
+    path = d / REPORT
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{str(d)!r} has no {REPORT}: not a complete optimize-model output (rerun optimize-model "
+                        f"-o {d})") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {str(path)!r} ({exc}); rerun optimize-model -o {d}") from None
+    if not isinstance(report, dict) or "deploy" not in report:
+        raise UserError(f"{str(path)!r} has no deploy section: it was written by an older optimize-model; rerun it")
+    if not (d / LIBRARY).is_file():
+        raise UserError(f"{str(d)!r} has no {LIBRARY}; rerun optimize-model -o {d}")
+    return report
+
+
+class Model:
+    """A compiled model ready to run on numpy inputs: ``Model.load(DIR)`` or :func:`pipeline.optimize`.
+
+    The library is loaded at the first run, so a cross-compiled build can still be inspected and saved on
+    the build machine.  ``threads`` sizes TVM's CPU thread pool; TVM starts that pool once per process, so it
+    applies only if no TVM kernel ran in this process before (a warning says so otherwise)."""
+
+    def __init__(self, directory: str | os.PathLike, report: dict[str, Any], threads: int | None = None):
+        self.directory = Path(directory)
+        self.report = report
+        dep = report["deploy"]
+        self.inputs = [TensorSpec.from_json(t) for t in dep["inputs"]]
+        self.outputs = [TensorSpec.from_json(t) for t in dep["outputs"]]
+        self.device_type = str(dep["device"])
+        self.requested_threads = threads
+        self.threads: int | None = None  # the pool's size once loaded
+        self._main = self._dev = None
+
+    def _load(self) -> None:
+        """Load model.so on the device: a UserError when this machine cannot run it."""
+        if self._main is not None:
+            return
+        dep = self.report["deploy"]
+        if dep.get("arch") and dep["arch"] != host_arch():
+            raise UserError(f"{self.directory} is built for {dep['triple']}, this machine is {host_arch()}: copy the "
+                            "folder to such a machine and run it there")
+        self.threads = _size_pool(self.requested_threads)
+        import tvm
+        from tvm import relax
+
+        if self.device_type == "cpu" and self.report.get("target_detail"):
+            missing = missing_cpu_features(tvm.target.Target(json.loads(self.report["target_detail"])))
+            if missing:
+                raise UserError(f"{self.directory} is built for a CPU with {', '.join(missing[:6])}, which this CPU "
+                                "lacks: run it on such a CPU, or rebuild with --target llvm")
+
+        if not tvm.runtime.enabled(self.device_type) or not tvm.device(self.device_type, 0).exist:
+            raise UserError(f"{self.directory} is built for {self.device_type}, which this TVM runtime cannot run "
+                            f"here (no such device, or no {self.device_type} support in this TVM build)")
+        self._dev = tvm.device(self.device_type, 0)
+        try:
+            with quiet_native_stderr():  # one "Scope Loaded" warning per kernel otherwise
+                lib = tvm.runtime.load_module(str(self.directory / LIBRARY))
+        except (RuntimeError, OSError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise UserError(f"cannot load {self.directory / LIBRARY} ({first}); rebuild it with optimize-model for "
+                            "this machine") from None
+        self._main = relax.VirtualMachine(lib, self._dev)["main"]
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, threads: int | None = None) -> "Model":
+        return cls(directory, read_report(directory), threads)
+
+    # ---- running ---------------------------------------------------------------------------------------
+
+    def _arguments(self, feeds: Mapping[str, Any] | Sequence[Any]) -> list:
+        """Feeds (by name, or a sequence in input order) checked against the signature, on the device."""
+        import tvm
+
+        self._load()
+        if not isinstance(feeds, Mapping):
+            feeds = list(feeds)
+            if len(feeds) != len(self.inputs):
+                raise UserError(f"{len(feeds)} inputs given, the model takes {len(self.inputs)}: "
+                                f"{', '.join(t.name for t in self.inputs)}")
+            feeds = {t.name: v for t, v in zip(self.inputs, feeds)}
+        names = [t.name for t in self.inputs]
+        missing, extra = [n for n in names if n not in feeds], sorted(set(feeds) - set(names))
+        if missing or extra:
+            raise UserError(f"inputs {'missing: ' + ', '.join(missing) if missing else ''}"
+                            f"{'; ' if missing and extra else ''}{'unknown: ' + ', '.join(extra) if extra else ''}"
+                            f"; the model takes {', '.join(names)}")
+        args = []
+        for t in self.inputs:
+            value = np.asarray(feeds[t.name])
+            if value.dtype != np.dtype(t.dtype):
+                if not np.can_cast(value.dtype, t.dtype, casting="same_kind"):
+                    raise UserError(f"input {t.name!r} is {value.dtype}, the model takes {t.dtype}")
+                value = value.astype(t.dtype)
+            if t.shape is not None and (value.ndim != len(t.shape) or any(
+                    d is not None and d != v for d, v in zip(t.shape, value.shape))):
+                raise UserError(f"input {t.name!r} has shape {list(value.shape)}, model.so is compiled for "
+                                f"{list(t.shape)}; rebuild with --input-shape {t.name}="
+                                f"{','.join(map(str, value.shape))} for other sizes")
+            args.append(tvm.runtime.tensor(np.ascontiguousarray(value), self._dev))
+        return args
+
+    def run(self, feeds: Mapping[str, Any] | Sequence[Any]) -> dict[str, np.ndarray]:
+        """One inference: inputs by name (or in order), outputs by name in the model's output order."""
+        args = self._arguments(feeds)
+        values = _flatten(self._main(*args))
+        return {t.name: v for t, v in zip(self.outputs, values)}
+
+    def runner(self, feeds: Mapping[str, Any] | Sequence[Any]):
+        """A callable running one inference on ``feeds`` (already on the device) and waiting for it: for
+        :mod:`graphopt.timing`."""
+        args, main, dev = self._arguments(feeds), self._main, self._dev
+
+        def once() -> object:
+            out = main(*args)
+            dev.sync()
+            return out
+
+        return once
+
+    # ---- inputs and the reference ------------------------------------------------------------------------
+
+    def _graph(self):
+        """optimized.onnx in the graph IR, at the compiled input shapes."""
+        from graphopt.onnx_io import import_onnx, load_model
+
+        path = self.directory / GRAPH
+        if not path.is_file():
+            raise UserError(f"{str(self.directory)!r} has no {GRAPH}, which the check inputs and the onnxruntime "
+                            "reference need; copy it along with model.so")
+        shapes = {t.name: tuple(t.shape) for t in self.inputs if t.shape is not None and None not in t.shape}
+        return load_model(path), import_onnx(load_model(path), shapes, require_static=True)
+
+    def random_feeds(self, seed: int = 0) -> dict[str, np.ndarray]:
+        """Seeded inputs of the compiled shapes, integer inputs within the ranges the model indexes with (the
+        same draw as optimize-model's checks, :func:`graphopt.feeds.random_inputs`)."""
+        from graphopt.feeds import random_inputs
+
+        return random_inputs(self._graph()[1], seed)
+
+    def check(self, feeds: Mapping[str, Any]):
+        """This build's outputs against onnxruntime running optimized.onnx on ``feeds``:
+        a :class:`graphopt.compare.Comparison`."""
+        from graphopt.compare import compare_outputs
+        from graphopt.feeds import run_ort
+
+        proto = self._graph()[0]
+        got = self.run(feeds)
+        ordered = {t.name: np.asarray(feeds[t.name]).astype(t.dtype) for t in self.inputs}
+        return compare_outputs(run_ort(proto, ordered), list(got.values()))
+
+    # ---- files -----------------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Copy the built folder (library, optimized.onnx, reports, records) to ``directory``, each file
+        atomically, report.json last; returns the folder."""
+        out = check_output_dir(directory, "save")
+        if out.resolve() == self.directory.resolve():
+            return out
+        files = sorted(p for p in self.directory.iterdir() if p.is_file() and not p.name.startswith(".")
+                       and p.name != REPORT)
+        for p in files + [self.directory / REPORT]:
+            write_bytes_atomic(out / p.name, p.read_bytes())
+        return out
+
+
+def _flatten(result) -> list[np.ndarray]:
+    if hasattr(result, "numpy"):
+        return [result.numpy()]
+    out: list[np.ndarray] = []
+    for r in result:
+        out.extend(_flatten(r))
+    return out
+
+
+def _size_pool(threads: int | None) -> int:
+    """Size TVM's pool (before its first use in this process); returns the threads it runs with."""
+    n = use_threads(threads, "threads")
+    import tvm
+
+    running = int(tvm.get_global_func("runtime.NumThreads")())
+    if running != n:
+        log.warning("TVM's thread pool already runs %d threads in this process; %d threads apply in a new "
+                    "process", running, n)
+    return running

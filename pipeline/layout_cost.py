@@ -1,0 +1,174 @@
+"""Measured prices for the layout search: one convolution in one layout at its template default config, and
+one layout transform of one tensor; cached on disk per CPU and thread count.
+
+Each price comes from the code the pipeline really runs: a one-operator Relax module goes through the same
+lowering (:mod:`pipeline.layout` for blocked convs), fusion (:func:`pipeline.partition.partition`) and
+scheduling (:func:`pipeline.compile.schedule`: the template's default config, or the CPU rules for a
+transform or a kernel no template covers); the scheduled kernel is built in this process (0.1-0.5 s) and
+timed with its weight packed the way the model packs it at build time.  Timing is cold, one call per
+timing after every argument but the activation was flushed from the caches: inside a model a conv's
+weights come from DRAM (see :mod:`kerneltune.measure`).  The price is the median of the timings.
+
+Prices are cached in ``~/.cache/optimize-model/layout-<cpu>-t<threads>.json`` (``$OPTIMIZE_MODEL_CACHE``):
+a decision is taken once per machine and then read back, so the same command makes the same decision
+(:mod:`pipeline.layout_search` also leaves close calls to a fixed preference order).  :data:`VERSION` is
+part of every key: bump it when kernels or timing change what a price means.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from graphopt.cost.cache import CostCache, cache_dir
+from kerneltune import conv_nchwc, prepack
+from kerneltune.native_log import quiet_native_stderr
+from kerneltune.targets import TargetSpec, host_cpu, num_cores, tvm_num_threads
+from kerneltune.task import build_func
+from pipeline import layout
+from pipeline.compile import schedule
+from pipeline.partition import partition
+
+VERSION = 1
+# Timings per price: as many as fit in this many seconds, within these bounds (median taken).
+TIMING_BUDGET_S = 0.25
+MIN_REPEAT, MAX_REPEAT = 5, 25
+
+Block = "int | None"  # a channel block; None is plain NCHW
+
+
+@dataclass(frozen=True)
+class ConvOption:
+    """How one conv can run: input block ``a`` and output block ``d`` (None, None: the NCHW kernel), with
+    its groups merged ``merge`` at a time first (:func:`kerneltune.conv_nchwc.merge_groups`)."""
+
+    a: int | None
+    d: int | None
+    merge: int = 1
+
+    @property
+    def nchw(self) -> bool:
+        return self.a is None
+
+    def label(self) -> str:
+        if self.nchw:
+            return "nchw"
+        return f"{self.a}c>{self.d}c" + (f"/merge{self.merge}" if self.merge > 1 else "")
+
+
+def _conv_key(spec: conv_nchwc.ConvSpec) -> str:
+    return (f"{spec.n}x{spec.c}x{spec.h}x{spec.w}-f{spec.f}-k{spec.kh}x{spec.kw}-s{spec.stride[0]}x{spec.stride[1]}"
+            f"-p{'.'.join(map(str, spec.pad))}-d{spec.dilation[0]}x{spec.dilation[1]}-g{spec.groups}-{spec.dtype}")
+
+
+def _block_name(b: int | None) -> str:
+    return "nchw" if b is None else f"{b}c"
+
+
+class Pricer:
+    """Prices in seconds, measured on first use and cached (see the module docstring)."""
+
+    def __init__(self, spec: TargetSpec, path: str | Path | None = None):
+        self.spec = spec
+        threads = tvm_num_threads(num_cores(spec.target))  # what this process's kernels really run with
+        self.cache = CostCache(Path(path) if path else cache_dir() / f"layout-{host_cpu()}-t{threads}.json")
+        self.measured = 0  # prices measured by this instance (0 on a warm cache)
+        self.looked_up = 0
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+    def _price(self, key: str, make) -> float:
+        key = f"v{VERSION}|{key}"
+        self.looked_up += 1
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self._time(make())
+            self.measured += 1
+            self.cache.put(key, hit)
+        return hit
+
+    def conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> float:
+        """Seconds of one call of the conv (``spec``'s logical shape) run as ``option``."""
+        return self._price(f"conv|{_conv_key(spec)}|{option.label()}", lambda: conv_module(spec, option))
+
+    def transform(self, shape: tuple[int, ...], src: int | None, dst: int | None) -> float:
+        """Seconds of one layout transform of the NCHW tensor ``shape`` from block ``src`` to ``dst``."""
+        if src == dst:
+            return 0.0
+        key = f"transform|{'x'.join(map(str, shape))}|{_block_name(src)}>{_block_name(dst)}"
+        return self._price(key, lambda: transform_module(shape, src, dst))
+
+    def _time(self, mod: tvm.IRModule) -> float:
+        """Schedule the module's one kernel as the pipeline does, build it here and time it cold."""
+        part = partition(mod)
+        scheduled, _ = schedule(part, self.spec)
+        func = scheduled[part.tasks[-1].names[0]] if part.tasks else None
+        if func is None:
+            raise ValueError("nothing to price: the module has no kernel")
+        func, packings = prepack.strip(func)
+        with quiet_native_stderr():
+            lib = build_func(func, self.spec.target)
+        rng = np.random.default_rng(0)
+        params = list(func.params)
+        inputs = [rng.uniform(-1, 1, [int(s) for s in p.shape]).astype(str(p.dtype)) for p in params[:-1]]
+        inputs = prepack.pack_inputs(inputs, packings)
+        dev = tvm.cpu()
+        args = [tvm.runtime.tensor(x, dev) for x in inputs]
+        out = params[-1]
+        args.append(tvm.runtime.empty([int(s) for s in out.shape], str(out.dtype), dev))
+        probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
+        repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
+        timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
+        return float(np.median(timer(*args).results))
+
+
+def _weight(spec: conv_nchwc.ConvSpec) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.uniform(-0.1, 0.1, spec.weight_shape).astype(spec.dtype)
+
+
+def conv_module(spec: conv_nchwc.ConvSpec, option: ConvOption) -> tvm.IRModule:
+    """``main(data) -> conv(data, constant weight)`` with the conv run as ``option``."""
+    w = _weight(spec)
+    if option.nchw:
+        bb = relax.BlockBuilder()
+        x = relax.Var("data", relax.TensorType((spec.n, spec.c, spec.h, spec.w), spec.dtype))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                y = bb.emit_output(relax.op.nn.conv2d(x, relax.const(w), strides=spec.stride, padding=spec.pad,
+                                                      dilation=spec.dilation, groups=spec.groups))
+            bb.emit_func_output(y)
+        return bb.get()
+    groups = spec.groups
+    if option.merge > 1:
+        w = conv_nchwc.merge_groups(w, groups, option.merge)
+        groups //= option.merge
+    blocked = replace(spec, groups=groups, ic_block=option.a, oc_block=option.d)
+    mod = conv_nchwc.make_relax(blocked, "none")
+    mod = relax.transform.BindParams("main", {"weight": w})(mod)
+    return layout._LowerBlockedConvs(mod).transform()
+
+
+def _index_map(src: int | None, dst: int | None):
+    if src is None:
+        return lambda n, c, h, w: (n, c // dst, h, w, c % dst)
+    if dst is None:
+        return lambda n, cb, h, w, ci: (n, cb * src + ci, h, w)
+    return lambda n, cb, h, w, ci: (n, (cb * src + ci) // dst, h, w, (cb * src + ci) % dst)
+
+
+def transform_module(shape: tuple[int, ...], src: int | None, dst: int | None) -> tvm.IRModule:
+    """``main(x) -> layout_transform(x)`` of the NCHW tensor ``shape`` held in block ``src``, to ``dst``."""
+    n, c, h, w = shape
+    held = (n, c, h, w) if src is None else (n, c // src, h, w, src)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(held, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.layout_transform(x, index_map=_index_map(src, dst)))
+        bb.emit_func_output(y)
+    return bb.get()

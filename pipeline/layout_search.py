@@ -1,0 +1,210 @@
+"""The layout stage: which convolutions run in NCHW[x]c with which blocks, decided for the whole graph.
+
+``--layout`` (optimize-model, bench-model, tune-kernels MODEL --list):
+
+* ``auto`` (default): the cost-based search below;
+* ``nchwc``: every conv blocked by :func:`pipeline.layout.heuristic_plans` (no measurement);
+* ``nchw``: the model as imported.
+
+Only ``llvm`` targets have the blocked kernels; other targets and models without convolutions are left alone.
+
+The search is NeoCPU's global layout search (Liu et al., "Optimizing CNN Model Inference on CPUs", USENIX
+ATC'19, section 3.3).  The variables are the model's *layout classes* (:func:`pipeline.layout.analyze`: the
+activations elementwise ops, pools and concats tie together, e.g. a ResNet stage's residual stream), each
+with candidate layouts: NCHW and the blocks that divide its channels (the vector width, half of it, the
+channels' own block, the group width of a grouped conv it feeds).  The costs, all measured
+(:mod:`pipeline.layout_cost`, cached per CPU):
+
+* per conv, between its input and output classes: for each pair of class layouts, the cheapest way to run
+  it - a blocked kernel in those blocks, or another kernel (NCHW, other blocks, merged groups) plus the
+  transforms to and from it;
+* per class: the transforms at its edges (model inputs and outputs, ops that keep NCHW such as a
+  classifier's flatten) when it is blocked.
+
+That is a PBQP (:mod:`pipeline.pbqp`): exact on chains and on series-parallel graphs such as ResNet's
+residual blocks, a greedy step elsewhere.  Close calls are not left to timing noise: each kernel's cost is
+scaled by ``1 + MARGIN * rank`` (rank 0 for the blocks the heuristic would pick, 1 for other blocks, 2 for the
+NCHW kernel and merged groups), so an alternative must win by more than the margin, and ties go to the
+lower rank.  Transforms are priced as measured.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+
+from graphopt.errors import UserError
+from kerneltune.targets import TargetSpec, vector_lanes
+from pipeline import layout, pbqp
+from pipeline.layout_cost import ConvOption, Pricer
+from pipeline.layout_modes import LAYOUTS
+from pipeline.partition import Partition, partition
+
+MARGIN = 0.05
+MAX_MERGE = 4  # merged groups cost ``merge``x the FLOPs: beyond 4x not worth pricing
+
+
+def candidates(cls: layout.TensorClass, lanes: int, touched: bool) -> list[int | None]:
+    """A class's candidate layouts, preferred first: blocks that divide its channels (vector width, half of
+    it, its own :func:`~pipeline.layout.channel_block`, the group widths of grouped convs at it), then NCHW.
+    A class no conv reads or writes stays NCHW (ConvertLayout only starts from convs)."""
+    if not touched or cls.channels <= 0:
+        return [None]
+    out: list[int | None] = []
+    for b in (layout.channel_block(cls.channels, lanes), lanes, lanes // 2, *sorted(cls.group_widths, reverse=True)):
+        if 2 <= b <= lanes and cls.channels % b == 0 and b not in out:
+            out.append(b)
+    return out + [None]
+
+
+def conv_options(site: layout.ConvSite, a_cands, d_cands) -> list[ConvOption]:
+    """Every kernel the conv can run as: NCHW, and each pair of candidate blocks its compute accepts."""
+    opts = [ConvOption(None, None)]
+    spec = site.spec
+    if spec is None:
+        return opts
+    for a in a_cands:
+        for d in d_cands:
+            if a is None or d is None:
+                continue
+            p = layout.plan(spec.c, spec.f, spec.groups, a, d, "merge")
+            if isinstance(p, layout.ConvPlan) and p.merge <= MAX_MERGE:
+                opts.append(ConvOption(a, d, p.merge))
+    return opts
+
+
+@dataclass
+class _Edge:
+    """One conv's cost matrix over (input class layout, output class layout) and the option behind each."""
+
+    site: layout.ConvSite
+    matrix: np.ndarray
+    best: list[list[ConvOption]]
+
+
+def _rank(opt: ConvOption, preferred: tuple) -> int:
+    if opt.nchw or opt.merge > 1:
+        return 2
+    return 0 if (opt.a, opt.d) == preferred else 1
+
+
+def realizable(opt: ConvOption, lp: int | None, lq: int | None) -> bool:
+    """Whether ConvertLayout can run the conv as ``opt`` between classes held in ``lp`` and ``lq``: it
+    transforms between NCHW and a block but not between two blocks (TVM 0.27: "Invalid layout axis 8b"),
+    and the output must be the class's own layout (a class written in two blocks cannot be joined by its
+    residual add).  So a blocked kernel writes exactly ``lq`` and reads ``lp`` (or any block of an NCHW
+    input); the NCHW kernel fits everywhere, with transforms."""
+    if opt.nchw:
+        return True
+    return lq is not None and opt.d == lq and (lp is None or opt.a == lp)
+
+
+def _conv_edge(site: layout.ConvSite, cin, cout, lanes: int, graph: layout.LayoutGraph, pricer: Pricer) -> _Edge:
+    spec = site.spec
+    opts = conv_options(site, cin, cout)
+    preferred = (layout.channel_block(graph.classes[site.inp].channels, lanes),
+                 layout.channel_block(graph.classes[site.out].channels, lanes))
+    kernel = {o: (pricer.conv(spec, o) if spec is not None else 0.0) * (1 + MARGIN * _rank(o, preferred))
+              for o in opts}
+    m = np.zeros((len(cin), len(cout)))
+    best = [[opts[0]] * len(cout) for _ in cin]
+    for i, lp in enumerate(cin):
+        for j, lq in enumerate(cout):
+            priced = [(pricer.transform(site.in_shape, lp, o.a) + kernel[o] + pricer.transform(site.out_shape, o.d, lq),
+                       k, o) for k, o in enumerate(opts) if realizable(o, lp, lq)]
+            cost, _, o = min(priced, key=lambda t: (t[0], t[1]))
+            m[i, j], best[i][j] = cost, o
+    return _Edge(site, m, best)
+
+
+@dataclass
+class Decision:
+    plans: layout._Plans
+    summary: dict
+
+
+def search(graph: layout.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
+    """Each conv's layout (see the module docstring), and a summary for report.json."""
+    t0, looked_up, measured = time.perf_counter(), pricer.looked_up, pricer.measured
+    touched = {s.inp for s in graph.convs} | {s.out for s in graph.convs}
+    cands = [candidates(c, lanes, i in touched) for i, c in enumerate(graph.classes)]
+    problem = pbqp.Problem()
+    for i, cls in enumerate(graph.classes):
+        problem.add_node([sum(pricer.transform(s, None, L) for s in cls.entries)
+                          + sum(pricer.transform(s, L, None) for s in cls.exits) for L in cands[i]])
+    edges = []
+    for site in graph.convs:
+        e = _conv_edge(site, cands[site.inp], cands[site.out], lanes, graph, pricer)
+        problem.add_edge(site.inp, site.out, e.matrix)
+        edges.append(e)
+    pricer.flush()
+    pick = pbqp.solve(problem)
+    plans = layout._Plans()
+    for e in edges:
+        o = e.best[pick[e.site.inp]][pick[e.site.out]]
+        if e.site.spec is None:
+            plans.set(e.site.weight, e.site.why)
+        elif o.nchw:
+            plans.set(e.site.weight, "the NCHW kernel (with its transforms) priced cheaper")
+        else:
+            plans.set(e.site.weight, layout.ConvPlan(o.a, o.d, o.merge))
+
+    def select(layout_of) -> list[int]:
+        return [c.index(layout_of(i)) if layout_of(i) in c else len(c) - 1 for i, c in enumerate(cands)]
+
+    heuristic = select(lambda i: layout.channel_block(graph.classes[i].channels, lanes) if i in touched else None)
+    blocks: dict[str, int] = {}
+    for i in sorted(touched):
+        name = "nchw" if cands[i][pick[i]] is None else f"{cands[i][pick[i]]}c"
+        blocks[name] = blocks.get(name, 0) + 1
+    summary = {
+        "classes": len(touched), "class_layouts": dict(sorted(blocks.items())),
+        "priced": pricer.looked_up - looked_up, "measured_now": pricer.measured - measured,
+        "seconds": round(time.perf_counter() - t0, 2),
+        # the cost model's sum of kernel + transform time (ms per run, margins included) for three plans
+        "model_ms": round(problem.total(pick) * 1e3, 3),
+        "model_ms_heuristic": round(problem.total(heuristic) * 1e3, 3),
+        "model_ms_nchw": round(problem.total(select(lambda i: None)) * 1e3, 3),
+    }
+    return Decision(plans, summary)
+
+
+def has_convs(mod: tvm.IRModule) -> bool:
+    return any(layout._is_op(b.value, layout.CONV) for blk in mod["main"].body.blocks for b in blk.bindings)
+
+
+def convert(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto",
+            pricer: Pricer | None = None) -> tuple[tvm.IRModule, layout.LayoutReport]:
+    """The module in the layouts ``mode`` asks for (see the module docstring), and what was done."""
+    if mode not in LAYOUTS:
+        raise UserError(f"--layout {mode}: use one of {', '.join(LAYOUTS)}")
+    if mode == "nchw" or spec.kind != "llvm" or "main" not in mod or not has_convs(mod):
+        return mod, layout.LayoutReport(mode="nchw")
+    lanes = vector_lanes(spec.target, "float32")
+    if mode == "nchwc" or (pricer is None and not spec.can_run):
+        # a target built here but run elsewhere (a cross build) cannot be priced: the heuristic blocks
+        out, report = layout.to_nchwc(mod, lanes)
+        if mode == "auto":
+            report.search = {"skipped": "the target does not run here: heuristic blocks, no prices"}
+        return out, report
+    pricer = pricer or Pricer(spec)
+    decisions: list[Decision] = []
+
+    def planner(graph: layout.LayoutGraph) -> layout._Plans:
+        decisions.append(search(graph, lanes, pricer))
+        return decisions[-1].plans
+
+    out, report = layout.to_nchwc(mod, lanes, planner=planner)
+    report.mode = "auto"
+    report.search = decisions[0].summary
+    return out, report
+
+
+def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> Partition:
+    """:func:`convert` then :func:`pipeline.partition.partition`; the partition carries the layout report."""
+    converted, report = convert(mod, spec, mode)
+    part = partition(converted)
+    part.layout = report.to_json()
+    return part

@@ -1,0 +1,93 @@
+"""Kernels CNNs spend time in besides the convolutions: the fast sigmoid (SiLU epilogues), spatial means and
+pools of blocked tensors (the lane-reduction CPU rule); and the NCHWc template's constrained search space."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from kerneltune import templates
+from kerneltune.conv_nchwc import ConvSpec, make_task
+from kerneltune.searchers import make_searcher
+from kerneltune.space import SearchSpace
+from kerneltune.targets import parse_target
+from pipeline.compile import compile_partition
+from pipeline.partition import partition
+
+LLVM = parse_target("llvm", 2)
+
+
+def run_relax(build, *inputs):
+    """Fuse, schedule and build ``main`` as the pipeline does; return its output and how it was scheduled."""
+    bb = relax.BlockBuilder()
+    params = [relax.Var(f"x{i}", relax.TensorType(x.shape, str(x.dtype))) for i, x in enumerate(inputs)]
+    with bb.function("main", params):
+        with bb.dataflow():
+            y = bb.emit_output(build(*params))
+        bb.emit_func_output(y)
+    part = partition(bb.get())
+    cm = compile_partition(SimpleNamespace(input_names=[]), part, LLVM)
+    out = cm.vm()["main"](*[tvm.runtime.tensor(x) for x in inputs]).numpy()
+    return out, part, cm.schedules
+
+
+def test_silu_uses_the_fast_sigmoid_and_keeps_its_accuracy_nan_and_inf():
+    x = np.linspace(-100, 100, 4096, dtype=np.float32).reshape(4, 1024)
+    x[0, :4] = [np.nan, np.inf, -np.inf, 88.5]
+    out, part, _ = run_relax(lambda v: relax.op.multiply(v, relax.op.sigmoid(v)), x)
+    assert [t.name for t in part.tasks] == ["fused_fast_sigmoid_multiply1"]
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = x / (1 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    ok = np.isfinite(ref)
+    assert np.all(out[~ok & ~np.isnan(ref)] == ref[~ok & ~np.isnan(ref)])  # +inf stays +inf
+    assert np.max(np.abs(out[ok] - ref[ok]) / np.maximum(1.0, np.abs(ref[ok]))) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 7, 7, 16), (2, 3, 15, 9, 8), (1, 2, 5, 5, 4)])
+def test_spatial_mean_of_a_blocked_tensor_is_vectorized_over_lanes_and_exact(shape):
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    out, part, how = run_relax(lambda v: relax.op.mean(v, axis=[2, 3], keepdims=True), x)
+    np.testing.assert_allclose(out, x.mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+    from pipeline.compile import schedule
+
+    mod, _ = schedule(part, LLVM)
+    assert "T.vectorized" in mod[part.tasks[0].names[0]].script()
+
+
+def test_blocked_max_pool_matches_numpy():
+    x = np.random.default_rng(1).standard_normal((1, 2, 9, 9, 16)).astype(np.float32)
+    out, _, _ = run_relax(lambda v: relax.op.nn.max_pool2d(v, 3, 2, 1, layout="NCHW16c"), x)
+    pad = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-np.inf)
+    ref = np.stack([np.stack([pad[:, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3].max(axis=(2, 3)) for j in range(5)], 2)
+                    for i in range(5)], 2)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_nchwc_space_only_holds_register_tiles_that_fit():
+    task = make_task(ConvSpec(1, 64, 28, 28, 128, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16))
+    space = templates.space_for(task, LLVM.target)
+    free = SearchSpace(space.knobs)
+    rng = random.Random(0)
+    drawn = [free.sample(rng) for _ in range(300)]
+    assert sum(not space.valid(c) for c in drawn) > 30  # the unconstrained space is full of spilling tiles
+    assert all(space.valid(space.sample(rng)) for _ in range(300))
+    default = templates.default_config(task, LLVM.target)
+    assert space.contains(default)
+    for i in range(len(space.knobs)):
+        for v in space.neighbours(default, i):
+            assert space.valid(default[:i] + (v,) + default[i + 1:])
+    bad = next(c for c in drawn if not space.valid(c))
+    assert not space.contains(bad)
+    with pytest.raises(templates.InvalidConfig):
+        templates.apply(task, bad, LLVM.target)
+    searcher = make_searcher("opevo", space, 0)
+    searcher.observe([default], [50.0])
+    for _ in range(4):
+        batch = searcher.propose(8)
+        assert batch and all(space.valid(c) for c in batch)
+        searcher.observe(batch, [rng.uniform(1, 100) for _ in batch])

@@ -1,0 +1,239 @@
+"""What a user ships and how it runs: --target strings and JSON, cross-compiling, the built folder's
+signature, run-model and the Python API (pipeline.optimize / pipeline.load).
+
+Every run is checked against onnxruntime; the cross-compiled library is checked for its ELF machine."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import pipeline
+from graphopt.errors import UserError
+from graphopt.feeds import run_ort
+from pipeline.cli import optimize_model_main, run_model_main
+
+ROOT = Path(__file__).resolve().parents[1]
+BERT_TINY = ROOT / "models" / "bert_tiny.onnx"
+EM_AARCH64 = 183  # ELF e_machine of AArch64
+AARCH64 = "llvm -mtriple=aarch64-linux-gnu -mcpu=cortex-a72"
+
+
+def mlp(batch: int | str = 2) -> onnx.ModelProto:
+    """x[batch, 16] -> MatMul -> Add -> Relu -> MatMul: small enough to compile in a few seconds."""
+    rng = np.random.default_rng(0)
+    w1, b1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((16, 32), (32,), (32, 8)))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 8])],
+                          [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"),
+                           numpy_helper.from_array(w2, "w2")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def one_line_error(capsys) -> str:
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("[")]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+def test_string_json_and_short_forms_parse_to_the_same_target():
+    from kerneltune.targets import check_name, llvm_target, parse_target
+
+    host = parse_target("llvm", 2)
+    assert str(host.target) == str(llvm_target(2))  # the records' target key of the short form is unchanged
+    a = parse_target(AARCH64, 2)
+    b = parse_target('{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"}', 2)
+    assert str(a.target) == str(b.target) and a.target.attrs["mcpu"] == "cortex-a72"
+    assert not a.can_run and "aarch64" in a.note
+    assert check_name("cuda -arch=sm_90").get("arch") == check_name("cuda:sm_90").get("arch") == "sm_90"
+    assert check_name("llvm -mattr=+avx2,+fma").get("mattr") == ["+avx2", "+fma"]
+    assert check_name(AARCH64).is_cross and not check_name("llvm -mcpu=znver3").is_cross
+
+
+def test_an_mcpu_this_cpu_lacks_builds_but_is_not_run_here():
+    from kerneltune.targets import host_arch, parse_target
+
+    if host_arch() != "x86_64":
+        pytest.skip("x86 CPU names")
+    spec = parse_target("llvm -mcpu=sapphirerapids", 1)  # AMX: no CPU of this VM has it
+    assert not spec.can_run and "amx" in spec.note
+    assert parse_target("llvm -mcpu=x86-64", 1).can_run  # baseline x86-64 runs everywhere
+
+
+@pytest.mark.parametrize("target, words", [
+    ("llvm -mcpu=nosuchcpu", ("nosuchcpu", "-mtriple")),
+    ('{"kind": "cuda"', ("json",)),
+    ('{"arch": "sm_80"}', ("kind",)),
+    ("llvm -bogus=1", ("bogus",)),
+    ("llvm mcpu", ("-key=value",)),
+    ("llvm -mtriple=aarch64-apple-darwin", ("linux",)),
+    ("llvm:znver5", ("-mcpu",)),
+    ("cuda -arch=sm_foo", ("sm_foo",)),
+    ("vulkan", ("unknown target",)),
+])
+def test_bad_targets_are_one_line_exit_2(target, words, tmp_path, capsys):
+    rc = optimize_model_main([str(BERT_TINY), "--target", target, "-o", str(tmp_path / "o"), "--skip-graph"])
+    line = one_line_error(capsys)
+    assert rc == 2 and not (tmp_path / "o" / "model.so").exists()
+    for w in words:
+        assert w.lower() in line.lower(), line
+
+
+def test_rocm_says_the_runtime_has_no_rocm_or_builds(tmp_path, capsys):
+    from kerneltune.targets import find_lld, rocm_bitcode_dir
+
+    if find_lld() and rocm_bitcode_dir():
+        pytest.skip("ROCm toolchain installed: test_pipeline builds the code object")
+    rc = optimize_model_main([str(BERT_TINY), "--target", "rocm", "-o", str(tmp_path / "o"), "--skip-graph"])
+    line = one_line_error(capsys)
+    assert rc == 2 and "without rocm" in line.lower() and "apt-get install" in line
+
+
+def test_missing_cross_toolchain_names_the_debian_packages(monkeypatch):
+    from kerneltune import targets
+
+    monkeypatch.setattr(targets.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match="apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross"):
+        targets.parse_target(AARCH64, 1)
+
+
+def test_cross_compile_writes_an_aarch64_library_that_is_not_run_here(tmp_path, capsys):
+    from kerneltune.targets import cross_toolchain
+
+    try:
+        cross_toolchain("aarch64-linux-gnu")
+    except UserError as exc:
+        pytest.skip(str(exc))
+    path = tmp_path / "m.onnx"
+    onnx.save(mlp(), str(path))
+    out = tmp_path / "arm"
+    assert optimize_model_main([str(path), "--target", AARCH64, "--skip-graph", "-o", str(out)]) == 0
+    lib = (out / "model.so").read_bytes()
+    assert lib[:4] == b"\x7fELF" and int.from_bytes(lib[18:20], "little") == EM_AARCH64
+    report = json.loads((out / "report.json").read_text())
+    assert report["deploy"]["arch"] == "aarch64" and not report["deploy"]["runs_on_build_machine"]
+    assert report["stages"]["compile"]["checked"].startswith("graph only")
+    capsys.readouterr()
+    assert run_model_main([str(out)]) == 2
+    assert "aarch64" in one_line_error(capsys)
+    # tuning needs the device: refused before any work, pointing at --rpc
+    assert optimize_model_main([str(path), "--target", AARCH64, "--trials", "4", "-o", str(tmp_path / "t")]) == 2
+    assert "--rpc" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------------ built folder, API
+
+@pytest.fixture(scope="module")
+def bert_built(tmp_path_factory):
+    """bert-tiny built through the Python API (graph stage skipped: the pipeline tests cover it)."""
+    out = tmp_path_factory.mktemp("bert") / "built"
+    model = pipeline.optimize(str(BERT_TINY), target="llvm", output=out, threads=2, skip_graph=True)
+    return out, model
+
+
+def _bert_feeds(seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, 100, (1, 128)).astype(np.int64),
+            "attention_mask": np.ones((1, 128), np.int64), "token_type_ids": np.zeros((1, 128), np.int64)}
+
+
+def test_api_optimizes_runs_saves_and_loads_bert_tiny_like_onnxruntime(bert_built, tmp_path):
+    out, model = bert_built
+    feeds = _bert_feeds()
+    ref = run_ort(onnx.load(str(BERT_TINY)), feeds)
+    got = model.run(feeds)
+    assert list(got) == ["last_hidden_state", "pooler_output"]
+    for r, g in zip(ref, got.values()):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+    saved = model.save(tmp_path / "copy")
+    again = pipeline.load(saved).run(list(feeds.values()))  # a sequence in input order works too
+    for a, b in zip(got.values(), again.values()):
+        np.testing.assert_array_equal(a, b)
+    sig = json.loads((out / "report.json").read_text())["deploy"]
+    assert [t["name"] for t in sig["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert sig["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": [1, 128]}
+    assert sig["outputs"][1]["shape"] == [1, 128] and sig["device"] == "cpu"
+
+
+def test_api_refuses_wrong_feeds_in_one_line(bert_built):
+    _, model = bert_built
+    feeds = _bert_feeds()
+    with pytest.raises(UserError, match=r"compiled for \[1, 128\]"):
+        model.run(feeds | {"input_ids": feeds["input_ids"][:, :64]})
+    with pytest.raises(UserError, match="missing: token_type_ids"):
+        model.run({k: v for k, v in feeds.items() if k != "token_type_ids"})
+    with pytest.raises(UserError, match="float32"):
+        model.run(feeds | {"input_ids": feeds["input_ids"].astype(np.float32)})
+    with pytest.raises(UserError, match="report.json"):
+        pipeline.load(BERT_TINY.parent)
+
+
+def test_run_model_prints_percentiles_checks_and_writes_outputs(bert_built, tmp_path, capsys):
+    out, model = bert_built
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, **_bert_feeds(2))
+    args = [str(out), "--inputs", str(inputs), "--repeat", "5", "--check", "--json", str(tmp_path / "r.json"),
+            "--outputs", str(tmp_path / "out.npz")]
+    assert run_model_main(args) == 0
+    line = capsys.readouterr().out
+    assert "p50" in line and "p99" in line and "vs onnxruntime: ok" in line
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["runs"] == 5 and res["check"]["ok"]
+    assert 0 < res["min_ms"] <= res["p50_ms"] <= res["p90_ms"] <= res["p99_ms"]
+    with np.load(tmp_path / "out.npz") as saved:
+        ref = run_ort(onnx.load(str(out / "optimized.onnx")), _bert_feeds(2))
+        np.testing.assert_allclose(saved["pooler_output"], ref[1], rtol=1e-4, atol=1e-4)
+    assert run_model_main([str(out), "--repeat", "0"]) == 2
+    shutil.copytree(out, tmp_path / "partial")
+    (tmp_path / "partial" / "report.json").unlink()
+    capsys.readouterr()
+    assert run_model_main([str(tmp_path / "partial")]) == 2
+    assert "report.json" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------------------------ rebuilds
+
+def test_rebuild_from_complete_records_starts_no_measurer(tmp_path, monkeypatch):
+    """A rerun whose records hold every trial rebuilds the same build without workers or a device."""
+    from kerneltune import measure
+    from pipeline.optimize_model import TuneOptions, optimize_model
+
+    path = tmp_path / "m.onnx"
+    onnx.save(mlp(), str(path))
+    records = tmp_path / "records.jsonl"
+    tuning = TuneOptions(trials=4, records=str(records), progress=False)
+    first = optimize_model(str(path), "llvm", str(tmp_path / "a"), 1, skip_graph=True, tuning=tuning)
+    assert first.report["stages"]["tune"]["measured_now"] > 0
+
+    def no_measurer(*a, **k):
+        raise AssertionError("a measurer was started for a rebuild from complete records")
+
+    monkeypatch.setattr(measure.Measurer, "__init__", no_measurer)
+    again = optimize_model(str(path), "llvm", str(tmp_path / "b"), 1, skip_graph=True, tuning=tuning)
+    tune = again.report["stages"]["tune"]
+    assert tune["measured_now"] == 0 and tune["trials"] == first.report["stages"]["tune"]["trials"]
+    assert [t["schedule"] for t in again.report["tasks"]] == [t["schedule"] for t in first.report["tasks"]]
+    assert tune["e2e"]["kept"] == first.report["stages"]["tune"]["e2e"]["kept"]
+    assert tune["e2e"]["status"] in ("recorded", first.report["stages"]["tune"]["e2e"]["status"])
+
+
+def test_metaschedule_engine_without_xgboost_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from pipeline import metaschedule
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgboost" else real(name, *a))
+    with pytest.raises(UserError, match=r"optimize-model\[metaschedule\].*--skip-metaschedule"):
+        metaschedule.check_installed()
