@@ -1,6 +1,8 @@
 """Clean-up passes on a whole graph, run around the search (see :func:`graphopt.stage.finish`):
 
 * :func:`fold_constants` - weight-only subgraphs become initializers (evaluated with onnxruntime);
+* :func:`fold_shapes` - ``Shape``/``Size`` of statically shaped tensors become constants, and the shape
+  arithmetic computed from them is folded too;
 * :func:`eliminate_common_subexpressions` - identical nodes on identical inputs computed once;
 * :func:`split_conv_bias` / :func:`fuse_conv_bias` - ``Conv(x,w,b)`` to ``Conv(x,w)`` + bias add (the form the
   rules are written in) before the search, and back afterwards so the export keeps ONNX's usual spelling.
@@ -50,6 +52,62 @@ def fold_constants(graph: Graph) -> int:
     graph.nodes = [n for n in graph.nodes if n.name not in fold_names]
     graph.remove_unused()
     return len(fold)
+
+
+def fold_shapes(graph: Graph, max_rounds: int = 32) -> int:
+    """Replace ``Shape`` and ``Size`` of tensors whose shape is static by constants, fold everything computed
+    only from constants (:func:`fold_constants`), re-infer the shapes, and repeat until nothing changes;
+    returns the number of nodes removed.  ``graph`` is modified in place.
+
+    Why: exporters write shape arithmetic so the model works for any input size (TorchScript: Shape ->
+    Gather -> ConstantOfShape -> Equal/Where -> Expand for a broadcast, Reshape to a computed shape; dynamo:
+    Range over a Shape-derived length for position ids and masks).  Once the input shapes are fixed these
+    compute fixed values, but ONNX shape inference cannot see through them (a Reshape to a computed shape has
+    unknown dimensions, so the next Shape is not static), and a frontend that imports them node by node (TVM's
+    Relax ONNX importer) turns them into symbolic shape expressions, loses the static shape of everything
+    downstream, and a later converter fails (Expand to a symbolic dimension, Reshape(-1) of a tensor whose
+    size it cannot prove).  Each round's folded constants let the next inference resolve more shapes.
+    ``start``/``end`` of Shape (opset 15) slice like Python, clamped, as the ONNX spec defines them.
+    """
+    from graphopt.onnx_io import import_onnx  # the IR's own importer re-infers the shapes
+
+    total = 0
+    for _ in range(max_rounds):
+        removed = _fold_static_shapes(graph)
+        if not removed:
+            break
+        total += removed
+        # Stale symbolic types would be kept by inference: drop them, then infer again from the constants.
+        graph.value_info = {k: v for k, v in graph.value_info.items() if v.is_static}
+        again = import_onnx(export_onnx(graph, check=False), require_static=False)
+        graph.nodes, graph.initializers, graph.value_info = again.nodes, again.initializers, again.value_info
+        graph.inputs, graph.outputs = again.inputs, again.outputs
+    return total
+
+
+def _fold_static_shapes(graph: Graph) -> int:
+    """One round of :func:`fold_shapes`: Shape/Size of static tensors to constants, then constant folding;
+    returns the number of nodes removed."""
+    outputs = set(graph.output_names)
+    replaced = 0
+    kept: list[Node] = []
+    for n in graph.nodes:
+        shape = graph.shape(n.inputs[0]) if n.op_type in ("Shape", "Size") and n.inputs else None
+        static = shape is not None and all(isinstance(d, int) for d in shape)
+        if not static or n.domain not in ("", "ai.onnx") or n.outputs[0] in outputs:
+            kept.append(n)
+            continue
+        dims = list(shape)  # type: ignore[arg-type]
+        if n.op_type == "Shape":
+            value = np.array(dims[slice(n.attr("start", 0), n.attr("end"))], dtype=np.int64)
+        else:
+            value = np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+        graph.initializers[n.outputs[0]] = value
+        replaced += 1
+    graph.nodes = kept
+    # Also when no Shape was replaced: the last inference may have typed a node over constants (a Reshape of
+    # a folded shape) that the previous round could not fold without its output's size.
+    return replaced + fold_constants(graph)
 
 
 # ---- canonical form around the search ---------------------------------------------------------------------

@@ -4,9 +4,13 @@ graphopt knows no backend, so the pipeline tells it which op types to lower (:fu
 missing from the importer's converter table, read from the installed TVM so the list follows TVM releases,
 plus :data:`MISHANDLED`, converters that exist but fail on a case graphopt rewrites.  Whatever is still
 unsupported after :func:`graphopt.legalize.legalize` is a one-line error naming the op types.
+
+Shape arithmetic on static shapes is folded first (:func:`graphopt.cleanup.fold_shapes`): the importer
+converts it into symbolic shape expressions that its Expand and Reshape converters then reject.
 """
 from __future__ import annotations
 
+from graphopt.cleanup import fold_shapes
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.legalize import LOWERINGS, Legalized, legalize
@@ -34,8 +38,14 @@ def frontend_gaps(graph: Graph) -> set[str]:
 
 
 def legalize_for_tvm(graph: Graph) -> Legalized:
-    """Rewrite what TVM's importer cannot take into primitive ops; UserError naming what still cannot."""
+    """Rewrite what TVM's importer cannot take into primitive ops and fold static shape arithmetic (module
+    docstring); UserError naming what still cannot be imported."""
     result = legalize(graph, frontend_gaps(graph))
+    if any(n.op_type in ("Shape", "Size") for n in result.graph.nodes):
+        g = result.graph.copy() if result.graph is graph else result.graph  # the caller's graph is not modified
+        folded = fold_shapes(g)
+        if folded:
+            result = Legalized(g, result.lowered, folded)
     missing = sorted(frontend_gaps(result.graph) - MISHANDLED)
     if missing:
         domains = {n.op_type: n.domain for n in result.graph.nodes if n.op_type in missing}

@@ -51,7 +51,8 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
     graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
     if legal.changed:
-        log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, nodes=len(graph.nodes))
+        log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, shape_nodes_folded=legal.folded,
+                nodes=len(graph.nodes))
         t0 = time.perf_counter()
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))

@@ -251,3 +251,57 @@ def test_torchscript_hf_bert_compiles_and_matches_onnxruntime(llvm):
                and import_onnx(model).shape(n.input[0]) == (0,)]
     assert scalars, "the export no longer has a scalar ConstantOfShape: this test lost its point"
     assert compile_and_check(model, llvm) <= 1e-5
+
+
+def _shape_arithmetic_model() -> onnx.ModelProto:
+    """What exporters write for any input size (dynamo's Range over a Shape-derived length, a Reshape to a
+    shape computed through Equal/Where, which ONNX's shape inference does not evaluate, TorchScript's Expand
+    to the Shape of that result): ``x`` has symbolic axes."""
+    def const(name: str, value) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value), name))
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), const("one", np.int64(1)), const("zero", np.int64(0)),
+             helper.make_node("Gather", ["s", "one"], ["n"], axis=0),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["x", "rf"], ["a"]),
+             helper.make_node("Shape", ["x"], ["s0"], end=1), const("tail", np.array([-1, 2], np.int64)),
+             helper.make_node("Concat", ["s0", "tail"], ["cat"], axis=0),  # TorchScript's guard (no -5 there):
+             const("m5", np.array([-5, -5, -5], np.int64)), helper.make_node("Equal", ["cat", "m5"], ["eq"]),
+             helper.make_node("Where", ["eq", "m5", "cat"], ["shp"]),
+             helper.make_node("Reshape", ["a", "shp"], ["b"]),
+             helper.make_node("Shape", ["b"], ["s2"]), const("half", np.array([0.5], np.float32)),
+             helper.make_node("Expand", ["half", "s2"], ["h"]),
+             helper.make_node("Mul", ["b", "h"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "len"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_fold_shapes_makes_shape_arithmetic_constant_and_keeps_the_values():
+    from graphopt.cleanup import fold_shapes
+    from graphopt.onnx_io import export_onnx
+
+    m = _shape_arithmetic_model()
+    g = import_onnx(m, {"x": (2, 8)})
+    assert g.shape("b") is None or not all(isinstance(d, int) for d in g.shape("b"))  # inference alone: unknown
+    assert fold_shapes(g) > 0
+    assert not {"Shape", "Range", "Concat", "Expand"} & {n.op_type for n in g.nodes}
+    assert g.shape("y") == (2, 4, 2)  # the second Shape needed the first round's constants
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)}
+    np.testing.assert_array_equal(run_ort(export_onnx(g), feeds)[0], run_ort(m, feeds)[0])
+
+
+def test_shape_arithmetic_under_static_input_shapes_compiles(llvm):
+    """Unfolded, TVM's importer gives the Range a symbolic length and the Expand fails on it."""
+    from pipeline.compile import check_outputs, compile_partition
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+
+    m = _shape_arithmetic_model()
+    imported = import_model(m, {"x": (2, 8)})
+    compiled = compile_partition(imported, partition(imported.mod), llvm)
+    check = check_outputs(compiled, imported.graph, imported.onnx_model)
+    assert check.ok and check.max_abs_err == 0.0

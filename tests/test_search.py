@@ -200,3 +200,37 @@ def test_fusion_aware_cost_charges_epilogues_that_lose_their_producer():
     assert sum(v > 0 for v in priced.values()) == 2
     res = search(g, [merge_matmul(2)], cm, alpha=1.0, budget=20)
     assert res.applied == {} and res.cost_after == res.cost_before
+
+
+def test_a_node_no_engine_runs_alone_is_priced_analytically_and_the_search_goes_on(tmp_path):
+    """An If whose branches read a tensor of the enclosing graph (the Silero-VAD's sample-rate switch) cannot
+    be cut out as a one-node model: onnxruntime rejects it.  Its price falls back to the analytic estimate,
+    is recorded once, and the search still runs and keeps the model's outputs."""
+    from onnx import TensorProto, helper
+
+    def branch(name: str, op: str) -> object:
+        return helper.make_graph([helper.make_node(op, ["x"], [name + "_y"])], name, [],
+                                 [helper.make_tensor_value_info(name + "_y", TensorProto.FLOAT, [2, 3])])
+
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=branch("then", "Relu"), else_branch=branch("else", "Neg"))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    graph = import_onnx(proto)
+    from graphopt.cost.guard import GuardedCost
+
+    cm = GuardedCost(MeasuredCost(OrtRunner(1), "llvm", path=tmp_path / "cost.json"))
+    node = next(n for n in graph.nodes if n.op_type == "If")
+    price = cm.opaque_cost(node, graph)
+    assert price == AnalyticCost().opaque_cost(node, graph) and price > 0
+    assert list(cm.failures) == ["If"]
+    assert cm.opaque_cost(node, graph) == price and list(cm.failures) == ["If"]  # tried once, logged once
+    from graphopt.rules import verified_library
+
+    result = search(graph, verified_library(), cm, budget=5, time_limit=30)
+    feeds = random_inputs(graph, 0)
+    assert max_abs_err(run_ort(proto, feeds), run_ort(export_onnx(result.graph), feeds)) == 0.0

@@ -26,14 +26,16 @@ from graphopt.legalize.registry import LOWERINGS, Lowering, register  # noqa: F4
 
 @dataclass
 class Legalized:
-    """The rewritten graph and how many nodes of each op type were lowered (sorted by op type)."""
+    """The rewritten graph, how many nodes of each op type were lowered (sorted by op type), and how many
+    shape-arithmetic nodes a caller folded into constants (:func:`graphopt.cleanup.fold_shapes`)."""
 
     graph: Graph
     lowered: dict[str, int] = field(default_factory=dict)
+    folded: int = 0
 
     @property
     def changed(self) -> bool:
-        return bool(self.lowered)
+        return bool(self.lowered) or self.folded > 0
 
 
 def legalize(graph: Graph, ops: Iterable[str] | None = None) -> Legalized:
