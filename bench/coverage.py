@@ -45,7 +45,7 @@ from graphopt.fileio import write_text_atomic  # noqa: E402
 
 STEPS = ("export", "import", "graph", "relax", "partition", "compile", "check")
 # Function names in a traceback, innermost first wins, and the step they belong to.  Resolved from the frame
-# below pipeline/optimize.py:optimize_model when possible (see _step_from_traceback).
+# below pipeline/optimize_model.py:optimize_model when possible (see _step_from_traceback).
 _STAGE_FUNCS = {"check_model": "import", "load_model": "import", "import_onnx": "import",
                 "legalize_for_tvm": "import", "graph_stage": "graph", "import_model": "relax",
                 "to_relax": "relax", "partition": "partition", "compile_partition": "compile", "build": "compile",
@@ -147,7 +147,7 @@ def _step_from_traceback(text: str, message: str) -> str | None:
     frames = _frames(text)
     # the frame called from optimize_model names the stage; within graph_stage, import_onnx is the import step
     for i, (f, _, fn) in enumerate(frames):
-        if fn == "optimize_model" and f.endswith(os.path.join("pipeline", "optimize.py")) and i + 1 < len(frames):
+        if fn == "optimize_model" and f.endswith(os.path.join("pipeline", "optimize_model.py")) and i + 1 < len(frames):
             callee = frames[i + 1][2]
             if callee == "graph_stage":
                 deeper = {g for _, _, g in frames[i + 2:]}

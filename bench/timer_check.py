@@ -15,7 +15,7 @@ The ratio in-bench / alone is printed per engine; the check passes when it is wi
 MobileNet-v2 when it ran at 5.0 ms alone (see :mod:`graphopt.timing`).
 
     python bench/timer_check.py resnet50.onnx mobilenet_v2.onnx [--threads 2] [--runs 50] \
-        [--json bench/results/timer_check.json]
+        [--input-shape input_ids=1,128 ...] [--json bench/results/timer_check.json]
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def lone_in_fresh_process(engine: str, model: str, feeds_path: str, threads: int
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: Path) -> dict:
+def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: Path, input_shapes=None) -> dict:
     from kerneltune.targets import parse_target
     from graphopt.feeds import sample_feeds
     from pipeline.benchmark import bench
@@ -91,7 +91,7 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
 
-    imported = import_model(path)
+    imported = import_model(path, input_shapes)
     spec = parse_target("llvm", threads)
     compiled = compile_partition(imported, partition(imported.mod), spec)
     lib = workdir / (Path(path).stem + ".so")
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--tolerance", type=float, default=0.05)
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2",
+                   help="static size of a symbolic input (repeatable; applies to every model with that input)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--lone", choices=("ort", "tvm"), help=argparse.SUPPRESS)
     p.add_argument("--feeds", help=argparse.SUPPRESS)
@@ -131,14 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.lone:
         print(lone(args.lone, args.models[0], args.feeds, args.threads, args.runs))
         return 0
+    from graphopt.onnx_io import parse_input_shapes
     from kerneltune.targets import set_num_threads
 
     set_num_threads(args.threads)
+    shapes = parse_input_shapes(args.input_shape)
     report: dict = {"threads": args.threads, "runs": args.runs, "tolerance": args.tolerance, "models": {}}
     with tempfile.TemporaryDirectory(prefix="timer_check_") as tmp:
         for path in args.models:
             r = report["models"][Path(path).name] = check_model(path, args.threads, args.runs, args.tolerance,
-                                                                Path(tmp))
+                                                                Path(tmp), shapes)
             row = "  ".join(f"{e}: bench {v['bench_ms']:.3f} ms / alone {v['alone_ms']:.3f} ms = {v['ratio']:.3f}"
                             for e, v in r["engines"].items())
             print(f"{Path(path).name:28s} {row}  {'ok' if r['ok'] else 'OFF BY > ' + format(args.tolerance, '.0%')}",

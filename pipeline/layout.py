@@ -52,6 +52,7 @@ class LayoutReport:
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
     kept_nchw: list[str] = field(default_factory=list)  # why convs stayed NCHW
     search: dict | None = None  # the cost-based search's summary (mode auto)
+    failed: str | None = None  # TVM could not realize the blocked layout: the model runs as imported
 
     def to_json(self) -> dict:
         reasons: dict[str, int] = {}
@@ -61,6 +62,8 @@ class LayoutReport:
                "merged_groups": self.merged_groups, "kept_nchw": reasons}
         if self.search is not None:
             out["search"] = self.search
+        if self.failed is not None:
+            out["failed"] = self.failed
         return out
 
 

@@ -29,6 +29,7 @@ lower rank.  Transforms are priced as measured.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ from pipeline import layout, pbqp
 from pipeline.layout_cost import ConvOption, Pricer
 from pipeline.layout_modes import LAYOUTS
 from pipeline.partition import Partition, partition
+
+log = logging.getLogger(__name__)
 
 MARGIN = 0.05
 MAX_MERGE = 4  # merged groups cost ``merge``x the FLOPs: beyond 4x not worth pricing
@@ -203,8 +206,17 @@ def convert(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto",
 
 
 def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> Partition:
-    """:func:`convert` then :func:`pipeline.partition.partition`; the partition carries the layout report."""
-    converted, report = convert(mod, spec, mode)
+    """:func:`convert` then :func:`pipeline.partition.partition`; the partition carries the layout report.
+
+    The blocked layout is an optimization: where TVM's ``ConvertLayout`` rejects a graph (an internal check
+    in its layout inference), the model runs as imported, in NCHW, and the report says why, rather than the
+    user getting no model at all."""
+    try:
+        converted, report = convert(mod, spec, mode)
+    except tvm.error.InternalError as exc:
+        first = next((ln for ln in str(exc).splitlines() if "Check failed" in ln), str(exc).splitlines()[0])
+        log.warning("warning: the NCHWc layout pass failed (%s); the model runs in NCHW", first.strip()[:200])
+        converted, report = mod, layout.LayoutReport(mode="nchw", failed=f"{mode}: {first.strip()[:200]}")
     part = partition(converted)
     part.layout = report.to_json()
     return part

@@ -125,7 +125,7 @@ def test_pipeline_default_schedules(corpus, model, exporter, tmp_path):
 
     from kerneltune.native_log import quiet_native_stderr
     from pipeline.compile import outputs_numpy
-    from pipeline.optimize import TuneOptions, optimize_model
+    from pipeline.optimize_model import TuneOptions, optimize_model
 
     entry = corpus(model, exporter)
     m = entry.exported

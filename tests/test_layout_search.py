@@ -216,6 +216,25 @@ def test_modes_and_targets():
         layout_search.convert(imported.mod, LLVM, "nhwc")
 
 
+def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeypatch):
+    """TVM's ConvertLayout has internal checks a real graph can trip (DenseNet's torchscript export did): the
+    model is then compiled as imported, still correct, and the partition's report names the failure."""
+    import tvm
+
+    imported = import_model(cnn())
+
+    def broken(*args, **kwargs):
+        raise tvm.error.InternalError("Traceback\n  Check failed: axis.size() == 1 (3 vs. 1) : Invalid layout axis 16b")
+
+    monkeypatch.setattr(layout_search.layout, "to_nchwc", broken)
+    part = layout_search.partition_model(imported.mod, LLVM, "nchwc")
+    assert part.layout["mode"] == "nchw" and "Invalid layout axis" in part.layout["failed"]
+    compiled = compile_partition(imported, part, LLVM)
+    feeds = random_inputs(imported.graph, 0)
+    got = outputs_numpy(compiled.vm()["main"](*to_device(feeds, compiled.input_names, device_for(LLVM))))
+    assert compare_outputs(run_ort(imported.onnx_model, feeds, 2), got).ok
+
+
 # ------------------------------------------------------------------------------------------------ prices
 
 def test_prices_are_measured_once_then_read_from_the_cache(tmp_path):
