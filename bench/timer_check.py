@@ -5,8 +5,10 @@ tuning), then each engine is timed
 
 * **alone**, in a fresh process that runs nothing else: onnxruntime (its own defaults, ``--threads`` intra-op
   threads, spinning on as in production) and the exported TVM library on the Relax VM (``TVM_NUM_THREADS``
-  = ``--threads``); 10 warm-up runs, median of ``--runs``, best of three sessions, twice (before and after
-  the in-process timing, to see the machine's drift), best of the two;
+  = ``--threads``); 10 warm-up runs, median of ``--runs`` per session, three sessions per process, one
+  process before and one after the in-process timing; the figure is the median of the six session medians
+  (``alone_best_ms``, the best of them, is what the issue that asked for this check called "alone": on a
+  shared machine the best session is a floor, so it is reported beside the median, not compared to one);
 * **in bench-model**: :func:`pipeline.benchmark.bench` - the same code path as ``bench-model``, which times
   every engine with :func:`graphopt.timing.time_blocks`.
 
@@ -37,10 +39,10 @@ WARMUP = 10
 SESSIONS = 3
 
 
-def lone(engine: str, model: str, feeds_path: str, threads: int, runs: int) -> float:
-    """Best-of-sessions median ms of one engine in THIS process (called in a fresh subprocess)."""
+def lone(engine: str, model: str, feeds_path: str, threads: int, runs: int) -> list[float]:
+    """Each session's median ms of one engine in THIS process (called in a fresh subprocess)."""
     feeds = dict(np.load(feeds_path))
-    best = float("inf")
+    medians = []
     for _ in range(SESSIONS):
         if engine == "ort":
             from graphopt.feeds import ort_session
@@ -71,16 +73,16 @@ def lone(engine: str, model: str, feeds_path: str, threads: int, runs: int) -> f
             t0 = time.perf_counter()
             run()
             times.append((time.perf_counter() - t0) * 1e3)
-        best = min(best, statistics.median(times))
-    return best
+        medians.append(statistics.median(times))
+    return medians
 
 
-def lone_in_fresh_process(engine: str, model: str, feeds_path: str, threads: int, runs: int) -> float:
+def lone_in_fresh_process(engine: str, model: str, feeds_path: str, threads: int, runs: int) -> list[float]:
     env = dict(os.environ, TVM_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, __file__, "--lone", engine, model, "--feeds", feeds_path,
                           "--threads", str(threads), "--runs", str(runs)],
                          env=env, check=True, capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: Path, input_shapes=None) -> dict:
@@ -101,7 +103,7 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
     feeds_path = str(workdir / (Path(path).stem + ".npz"))
     np.savez(feeds_path, **feeds)
 
-    def alone() -> dict[str, float]:
+    def alone() -> dict[str, list[float]]:
         return {"ort": lone_in_fresh_process("ort", path, feeds_path, threads, runs),
                 "tvm": lone_in_fresh_process("tvm", str(lib), feeds_path, threads, runs)}
 
@@ -110,10 +112,12 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
     after = alone()
     out: dict = {"load": os.getloadavg(), "alone_before_ms": before, "alone_after_ms": after, "engines": {}}
     for eng in ("ort", "tvm"):
-        a = min(before[eng], after[eng])
+        sessions = before[eng] + after[eng]
+        a, best = statistics.median(sessions), min(sessions)
         b = res.timings[eng].median_ms
-        out["engines"][eng] = {"alone_ms": round(a, 4), "bench_ms": round(b, 4), "bench_min_ms": round(res.timings[eng].min_ms, 4),
-                               "ratio": round(b / a, 4), "ok": abs(b / a - 1) <= tolerance}
+        out["engines"][eng] = {"alone_ms": round(a, 4), "alone_best_ms": round(best, 4), "bench_ms": round(b, 4),
+                               "bench_min_ms": round(res.timings[eng].min_ms, 4), "ratio": round(b / a, 4),
+                               "ratio_vs_best": round(b / best, 4), "ok": abs(b / a - 1) <= tolerance}
     out["ok"] = all(e["ok"] for e in out["engines"].values())
     return out
 
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--feeds", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.lone:
-        print(lone(args.lone, args.models[0], args.feeds, args.threads, args.runs))
+        print(json.dumps(lone(args.lone, args.models[0], args.feeds, args.threads, args.runs)))
         return 0
     from graphopt.onnx_io import parse_input_shapes
     from kerneltune.targets import set_num_threads

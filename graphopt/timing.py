@@ -38,7 +38,10 @@ K = TypeVar("K", bound=Hashable)
 
 WARMUP = 3  # untimed calls at the start of every block
 ROUNDS = 5  # blocks per runner
-GAP_S = 0.1  # idle time before every block: longer than either engine's workers spin after a run
+# Idle time before every block: longer than either engine's workers spin after a run.  Measured on 2 cores
+# (SqueezeNet, TVM timed right after a block of onnxruntime runs): 11.3 ms with no gap, 9.5 ms after 0.1 s,
+# 7.3 ms after 0.5 s, 7.1 ms after 1 s, against 7.5 ms with no onnxruntime session in the process.
+GAP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,9 @@ def time_blocks(runners: Mapping[K, Callable[[], object]], runs: int, warmup: in
                 sleep: Callable[[float], object] = time.sleep) -> dict[K, Timing]:
     """Median and minimum milliseconds per call of each runner, timed in alternating blocks (see the module
     docstring).  ``runs`` timed calls per runner in all (at least one per block), split over ``rounds``
-    blocks; each block also makes ``warmup`` untimed calls.  ``sleep`` is replaced in tests."""
+    blocks; each block also makes ``warmup`` untimed calls.  The idle gap is for runners of different engines
+    (each engine's workers spin after its block); runners of one engine pass ``gap_s=0``.  ``sleep`` is
+    replaced in tests."""
     rounds = max(1, min(rounds, runs))
     per_block = max(1, math.ceil(runs / rounds))
     order = list(runners)
@@ -94,12 +99,13 @@ class Comparison:
 
 def compare(baseline: Callable[[], object], candidate: Callable[[], object], margin: float,
             runs: int = 10, warmup: int = WARMUP, timer: Callable[..., Mapping[str, Timing]] | None = None,
-            deadline: float | None = None) -> "Decision":
+            deadline: float | None = None, gap_s: float = GAP_S) -> "Decision":
     """Is ``candidate`` faster than ``baseline`` (two runners) by ``margin``?  :func:`decide` over blocks of
     :func:`time_blocks` with one round (``runs`` timed calls per build), the order of the two swapped from
-    block to block so that neither always runs first.  ``timer`` replaces the one-round :func:`time_blocks`
-    (tests)."""
-    timer = timer or partial(time_blocks, rounds=1)
+    block to block so that neither always runs first.  ``gap_s`` as in :func:`time_blocks` (0 for two builds
+    of one engine: no other engine's workers to wait out).  ``timer`` replaces the one-round
+    :func:`time_blocks` (tests)."""
+    timer = timer or partial(time_blocks, rounds=1, gap_s=gap_s)
 
     def block(b: int) -> tuple[float, float]:
         order = (("baseline", baseline), ("candidate", candidate))

@@ -168,7 +168,7 @@ class MeasuredCost(CostModel):
                 raise
             runner = self._fallback
             calls = [self._prepare(runner, g, h) for g, h in zip(graphs, hashes)]
-        times = time_blocks(dict(enumerate(calls)), runs)
+        times = time_blocks(dict(enumerate(calls)), runs, gap_s=0.0)  # one engine: no other's workers to wait out
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
 
     def _prepare(self, runner: GraphRunner, graph: Graph, digest: str) -> Callable[[], object]:
