@@ -175,7 +175,7 @@ class Model:
     def run(self, feeds: Mapping[str, Any] | Sequence[Any]) -> dict[str, np.ndarray]:
         """One inference: inputs by name (or in order), outputs by name in the model's output order."""
         args = self._arguments(feeds)
-        values = _flatten(self._main(*args))
+        values = outputs_numpy(self._main(*args))
         return {t.name: v for t, v in zip(self.outputs, values)}
 
     def runner(self, feeds: Mapping[str, Any] | Sequence[Any]):
@@ -236,12 +236,14 @@ class Model:
         return out
 
 
-def _flatten(result) -> list[np.ndarray]:
+def outputs_numpy(result) -> list[np.ndarray]:
+    """VM results are a tensor or a (nested) tuple of tensors; flatten in output order.  Here, not in
+    :mod:`pipeline.compile`, so that loading a built model needs none of the compiler."""
     if hasattr(result, "numpy"):
         return [result.numpy()]
     out: list[np.ndarray] = []
     for r in result:
-        out.extend(_flatten(r))
+        out.extend(outputs_numpy(r))
     return out
 
 

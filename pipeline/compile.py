@@ -35,6 +35,7 @@ from graphopt.ir import Graph
 from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
+from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
 from kerneltune.targets import TargetSpec, device_for
 from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback
 from pipeline.partition import FusedTask, Partition
@@ -199,15 +200,6 @@ def model_runner(compiled: CompiledModel, feeds: dict[str, np.ndarray]) -> Calla
 
     return run
 
-
-def outputs_numpy(result) -> list[np.ndarray]:
-    """VM results are a tensor or a (nested) tuple of tensors; flatten in output order."""
-    if hasattr(result, "numpy"):
-        return [result.numpy()]
-    out: list[np.ndarray] = []
-    for r in result:
-        out.extend(outputs_numpy(r))
-    return out
 
 
 def run(vm: relax.VirtualMachine, args: list) -> list[np.ndarray]:
