@@ -101,11 +101,13 @@ def sample_feeds(graph: Graph, samples: dict[str, np.ndarray] | None, seed: int 
 def ort_session(model: onnx.ModelProto | str, threads: int = 0, optimize: bool = True, spin: bool = True):
     """An onnxruntime CPU session; ``threads`` 0 lets ORT choose.
 
-    ``spin=False`` is for timing sessions interleaved with other engines: ORT's intra-op threads keep
-    spinning after a run and steal the cores the next engine needs (TVM's run after ORT measured 90 ms
-    instead of 1.3 ms on bert-tiny, 2 cores).  Spinning is stopped when ``run`` returns
-    (``session.force_spinning_stop``) but kept during it: turning it off altogether (``allow_spinning=0``)
-    made ORT itself 2.7x slower on NASRNN's 230 small ops (6.1 vs 2.2 ms; 3.8 ms with the stop)."""
+    ``spin=False`` is for sessions called between other work in one process (the graph stage's per-operator
+    pricing): ORT's intra-op threads keep spinning after a run and steal the cores the next step needs
+    (TVM's run right after ORT measured 90 ms instead of 1.3 ms on bert-tiny, 2 cores).  Spinning is
+    stopped when ``run`` returns (``session.force_spinning_stop``) but kept during it: turning it off
+    altogether (``allow_spinning=0``) made ORT itself 2.7x slower on NASRNN's 230 small ops (6.1 vs 2.2 ms;
+    3.8 ms with the stop).  Whole-model timings leave spinning on, as ORT runs alone, and give the next
+    engine an idle gap instead (:mod:`graphopt.timing`)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
