@@ -91,11 +91,6 @@ class Comparison:
     ratios: tuple[float, ...]  # candidate / baseline median, per block
     margin: float
 
-    @property
-    def ratio(self) -> float:
-        """The median of the per-block ratios (for reports; the verdict is :func:`decide`'s)."""
-        return statistics.median(self.ratios)
-
 
 def compare(baseline: Callable[[], object], candidate: Callable[[], object], margin: float,
             runs: int = 10, warmup: int = WARMUP, timer: Callable[..., Mapping[str, Timing]] | None = None,
