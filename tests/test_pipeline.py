@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
+from fake_measurer import FakeMeasurer as BaseFake  # noqa: E402
 from graphopt.errors import UserError  # noqa: E402
 from graphopt.feeds import random_inputs, run_ort  # noqa: E402
 
@@ -366,32 +366,13 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
 
 # ------------------------------------------------------------------------------------------------ tuning stage
 
-class FakeMeasurer:
+class FakeMeasurer(BaseFake):
     """Deterministic latencies (a function of the config) so the stage's bookkeeping can be checked exactly."""
 
     calls: list = []
 
-    def __init__(self, target, rpc):
-        self.target = target
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def measure(self, task, configs):
-        from types import SimpleNamespace
-
-        from kerneltune import templates
-
-        default = templates.default_config(task, self.target)
-        out = []
-        for c in configs:
-            FakeMeasurer.calls.append((task.key, c))
-            lat = 1e-3 if c == default else (0.4 + (zlib.crc32(repr(c).encode()) % 1000) / 1000) * 1e-3
-            out.append(SimpleNamespace(gflops=task.flops / lat / 1e9, latency_s=lat, error=None))
-        return out
+    def seen(self, task, configs):
+        FakeMeasurer.calls.extend((task.key, c) for c in configs)
 
 
 @pytest.mark.parametrize("scheduler", ["gradient", "round-robin"])

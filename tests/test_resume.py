@@ -9,12 +9,10 @@ import multiprocessing as mp
 import os
 import signal
 import time
-import zlib
-from types import SimpleNamespace
 
 import pytest
 
-from kerneltune import templates
+from fake_measurer import FakeMeasurer as BaseFake
 from kerneltune.records import RecordLog
 from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import parse_target
@@ -30,37 +28,22 @@ class Interrupted(BaseException):
     """Stands for a kill: not an Exception, so the tuning loop's crash handling does not swallow it."""
 
 
-def fake_latency(task, config, target) -> float:
+class FakeMeasurer(BaseFake):
     """Default config 1 ms; other configs 0.5-1.5 ms, a fixed function of (task, config)."""
-    if config == templates.default_config(task, target):
-        return 1e-3
-    return (0.5 + zlib.crc32(repr((task.key, config)).encode()) % 1000 / 1000) * 1e-3
 
-
-class FakeMeasurer:
+    lo = 0.5
     delay = 0.0          # seconds per measure call (gives a killer time to strike mid-run)
     interrupt_after = None   # raise Interrupted on this measure call (in-process "kill")
     calls = 0
 
-    def __init__(self, target, rpc):
-        self.target = target
+    def key(self, task, config) -> str:
+        return repr((task.key, config))
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def measure(self, task, configs):
+    def seen(self, task, configs):
         FakeMeasurer.calls += 1
         if FakeMeasurer.interrupt_after is not None and FakeMeasurer.calls >= FakeMeasurer.interrupt_after:
             raise Interrupted()
         time.sleep(FakeMeasurer.delay)
-        out = []
-        for c in configs:
-            lat = fake_latency(task, c, self.target)
-            out.append(SimpleNamespace(gflops=task.flops / lat / 1e9, latency_s=lat, error=None))
-        return out
 
 
 def run(records, searcher="opevo", trials=80):
