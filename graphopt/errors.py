@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Callable
 
+from graphopt import console
+
 
 class UserError(Exception):
     """A problem with the user's input or environment; the message says what to do."""
@@ -43,10 +45,34 @@ def seconds(text: str) -> float:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one-line :class:`UserError` s (exit 2) like every other bad input,
-    instead of a multi-line usage block; sub-command parsers inherit the class."""
+    instead of a multi-line usage block, and which carries the options every console script shares
+    (``--version``, ``-v``, ``-q``: :mod:`graphopt.console`), applied as soon as the command line is parsed;
+    sub-command parsers are :class:`SubcommandParser` s."""
+
+    top_level = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        console.add_common_options(self, self.top_level)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(f"{message} (see {self.prog} --help)")
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", SubcommandParser)
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):  # parse_args calls it too
+        namespace, rest = super().parse_known_args(args, namespace)
+        if self.top_level:
+            console.configure(namespace.verbose - namespace.quiet)
+        return namespace, rest
+
+
+class SubcommandParser(ArgumentParser):
+    """A sub-command's parser (``graphopt rules show``): the shared options without defaults of its own."""
+
+    top_level = False
 
 
 def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:

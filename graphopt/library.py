@@ -12,17 +12,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from graphopt import ops
+from graphopt.console import progress_bar
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
 from graphopt.rules import LIBRARY_PATH, Rule, load_meta, load_rules, save_rules
+
+log = logging.getLogger(__name__)
 
 CACHE_DIR = Path(os.environ.get("GRAPHOPT_CACHE", Path.home() / ".cache" / "graphopt"))
 STATS_KEYS = ("enumerated_graphs", "candidate_pairs", "verified", "rejected", "unverified", "after_pruning",
@@ -57,8 +60,6 @@ def _enumerate(args: tuple[Any, int]) -> tuple[str, dict[str, int], list[Rule]]:
 def generate(max_ops: int = 3, jobs: int = 2, timeout_ms: int = 1500, progress: bool = True,
              ) -> tuple[list[Rule], dict[str, Any]]:
     """Build the library from scratch; returns (verified rules, meta with statistics)."""
-    from tqdm import tqdm
-
     from graphopt import generator, prune
     from graphopt.properties import PROPERTIES
     from graphopt.verifier import verify_rules
@@ -81,7 +82,7 @@ def generate(max_ops: int = 3, jobs: int = 2, timeout_ms: int = 1500, progress: 
 
     verdicts: dict[int, str] = {}
     times: list[float] = []
-    bar = tqdm(total=len(unique), desc="verifying rules", unit="rule", disable=not progress, file=sys.stderr)
+    bar = progress_bar(progress, total=len(unique), desc="verifying rules", unit="rule")
     for i, v in verify_rules(unique, jobs=jobs, timeout_ms=timeout_ms):
         verdicts[i] = v.status
         times.append(v.seconds)
@@ -198,7 +199,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_output_file(args.output, "-o")
     meta, hit = generate_cached(Path(args.output), args.max_ops, args.jobs, args.timeout_ms, args.force)
     if hit:
-        print(f"{args.output} is up to date (cache key {meta['cache_key']})", file=sys.stderr)
+        log.warning("note: %s is up to date (cache key %s)", args.output, meta["cache_key"])
     print(json.dumps(meta["stats"]))
     return 0
 

@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from graphopt.console import progress_bar, show_progress
 from graphopt.cost.analysis import constant_tensors, foldable
 from graphopt.cost.base import CostModel
 from graphopt.ir import Graph
@@ -151,10 +152,8 @@ class Searcher:
         trace: list[float] = []
         stopped_by = "queue empty"
         bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.budget, desc="graph search", unit="graph", leave=False)
+        if show_progress(self.progress):
+            bar = progress_bar(total=self.budget, desc="graph search", unit="graph", leave=False)
 
         # Matches that failed to apply (a cycle through the rest of the graph) fail again in every
         # descendant that inherits them: remember them instead of rebuilding and re-sorting each time.

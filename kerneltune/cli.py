@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,6 +34,9 @@ from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
 from kerneltune.targets import TARGET_HELP, check_name, gflops_ceiling, parse_target
 from kerneltune.tune import tune
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ModelMode:
@@ -133,8 +137,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     if args.searcher in FACTOR_ONLY and not space.factor_only:
         fixed = default
         others = [k.name for k in space.knobs if type(k).__name__ != "FactorKnob"]
-        print(f"note: {args.searcher} searches factor knobs only; {others} stay at the default config",
-              file=sys.stderr)
+        log.warning("note: %s searches factor knobs only; %s stay at the default config", args.searcher, others)
     searcher = make_searcher(args.searcher, space, args.seed, fixed=fixed)
     np_gflops = numpy_gflops(task.dims["M"], task.dims["K"], task.dims["N"]) if task.kind == "matmul" else None
     target_key = str(spec.target)

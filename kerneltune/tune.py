@@ -23,13 +23,11 @@ its budget on nothing.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from tqdm import tqdm
-
+from graphopt.console import progress_bar
 from graphopt.errors import UserError
 from kerneltune.failures import ENVIRONMENT, classify_batch
 from kerneltune.records import Record, RecordLog
@@ -286,7 +284,7 @@ def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, 
     batch_size = batch_size or searcher.batch_size
     tuner = TaskTuner(space, searcher, measure, task_key=task_key, target=target, records=records, timing=timing,
                       flops=flops, ceiling=ceiling)
-    bar = tqdm(total=trials, desc=desc, file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(progress, total=trials, desc=desc, dynamic_ncols=True)
     try:
         if warm_start is not None and trials > 0:
             tuner.warm_start(warm_start)

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tqdm import tqdm
-
+from graphopt.console import progress_bar
 from graphopt.errors import UserError
 from kerneltune import templates
 from kerneltune.records import Record, RecordLog
@@ -199,7 +198,7 @@ def _run_rounds(states: list[_State], trials: int, scheduler: str, progress: boo
     """Round 0 (every task's default, in task order), then the scheduler's rounds until the budget is spent
     or every search space is exhausted.  Returns (trials spent, objective after each round)."""
     spent = 0
-    bar = tqdm(total=trials, desc="tuning", disable=not progress, unit="trial")
+    bar = progress_bar(progress, total=trials, desc="tuning", unit="trial")
     try:
         for s in states:
             if spent >= trials:

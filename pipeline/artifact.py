@@ -254,6 +254,6 @@ def _size_pool(threads: int | None) -> int:
 
     running = int(tvm.get_global_func("runtime.NumThreads")())
     if running != n:
-        log.warning("TVM's thread pool already runs %d threads in this process; %d threads apply in a new "
+        log.warning("warning: TVM's thread pool already runs %d threads in this process; %d threads apply in a new "
                     "process", running, n)
     return running

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import io
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use
 from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
 from pipeline.optimize_model import TuneOptions, optimize_model
+
+log = logging.getLogger(__name__)
 
 
 def console_script(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -121,7 +124,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json ({len(res.report['tasks'])} kernels; {check})")
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
-        print(f"note: {note}", file=sys.stderr)
+        log.warning("note: %s", note)
     return 0
 
 
@@ -232,7 +235,7 @@ def run_model_main(argv: list[str] | None = None) -> int:
     print(line)
     bad = [k for k, v in outputs.items() if v.dtype.kind in "fc" and not np.isfinite(v).all()]
     if bad:
-        print(f"warning: outputs {', '.join(bad)} hold NaN or Inf", file=sys.stderr)
+        log.warning("warning: outputs %s hold NaN or Inf", ", ".join(bad))
     if args.outputs:
         buf = io.BytesIO()
         np.savez(buf, **outputs)

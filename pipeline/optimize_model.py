@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from kerneltune.targets import check_can_tune, check_name, parse_target
 from pipeline.artifact import deployment, tensor_specs
 from pipeline.frontend import legalize_for_tvm
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class StageLog:
@@ -39,6 +42,8 @@ class StageLog:
 
     def add(self, name: str, seconds: float, **facts: Any) -> None:
         self.stages[name] = {"time_s": round(seconds, 3), **facts}
+        brief = ", ".join(f"{k}={v}" for k, v in facts.items() if not isinstance(v, (list, dict)))
+        log.info("%s stage: %.1f s (%s)", name, seconds, brief)  # shown with -v
 
 
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
