@@ -7,12 +7,13 @@ fusion, the template / dlight default schedules, the Relax VM.
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
-from kerneltune.targets import TargetSpec, device_for, parse_target, set_num_threads, tvm_num_threads
+from kerneltune.targets import TargetSpec, check_name, device_for, parse_target, set_num_threads, tvm_num_threads
 from pipeline.compile import compile_partition, to_device
 from pipeline.partition import partition
 from pipeline.relax_import import import_model
@@ -27,6 +28,14 @@ class TvmRunner(GraphRunner):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
         self.target = target
         self._spec: TargetSpec | None = None
+
+    @property
+    def cache_tag(self) -> str:
+        """``tvm``, plus the CPU options of ``--target`` (``-mcpu``, ``-mattr``): code built for another CPU
+        model runs at another speed on this one, so its timings are cached apart."""
+        options = [f"{k}-{v}" for k, v in check_name(self.target).attrs if k in ("mcpu", "mattr")]
+        tag = "-".join([self.name, *options])
+        return re.sub(r"[^A-Za-z0-9.=_-]+", "_", tag)[:80]
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
         set_num_threads(self.threads)

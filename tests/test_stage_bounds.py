@@ -13,6 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.console import version
 from graphopt.cost import measured as measured_mod
 from graphopt.cost.cache import cpu_id
 from graphopt.cost.measured import MeasuredCost
@@ -204,13 +205,30 @@ def test_time_limit_covers_the_end_to_end_check():
     assert res.kept == "optimized" and res.stop_reason == "complete" and len(unbounded.timed) == 3
 
 
-def test_cost_cache_is_keyed_by_cpu_target_engine_and_threads(tmp_path, monkeypatch):
+def test_cost_cache_is_keyed_by_cpu_target_engine_threads_and_version(tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMIZE_MODEL_CACHE", str(tmp_path))
+    v = version()
     names = {MeasuredCost(OrtRunner(t)).cache.path.name for t in (1, 2)}
-    assert names == {f"cost-llvm-{cpu_id()}-ort-t1.json", f"cost-llvm-{cpu_id()}-ort-t2.json"}
+    assert names == {f"cost-llvm-{cpu_id()}-ort-t1-v{v}.json", f"cost-llvm-{cpu_id()}-ort-t2-v{v}.json"}
     monkeypatch.setattr(measured_mod, "cpu_id", lambda: "other-cpu-0000")
-    assert MeasuredCost(OrtRunner(1)).cache.path.name == "cost-llvm-other-cpu-0000-ort-t1.json"
+    assert MeasuredCost(OrtRunner(1)).cache.path.name == f"cost-llvm-other-cpu-0000-ort-t1-v{v}.json"
     assert cpu_id() and "/" not in cpu_id() and " " not in cpu_id()
+    # Another release of the tool: a fresh cache, whose costs never come from the old one.
+    MeasuredCost(OrtRunner(1)).record("op|Relu|x", 1.0)
+    assert MeasuredCost(OrtRunner(1)).recall("op|Relu|x") == 1.0  # on disk for this version
+    monkeypatch.setattr(measured_mod, "version", lambda: "99.0.0")
+    new = MeasuredCost(OrtRunner(1))
+    assert new.cache.path.name.endswith("-v99.0.0.json") and new.recall("op|Relu|x") is None
+
+
+def test_cost_cache_of_tvm_is_keyed_by_the_cpu_the_code_is_built_for():
+    """TVM code built with -mcpu=X runs at X's speed on this CPU: its costs are cached apart."""
+    from pipeline.graph_runner import TvmRunner
+
+    assert TvmRunner(1, "llvm").cache_tag == "tvm"
+    assert TvmRunner(1, "llvm -mcpu=skylake-avx512").cache_tag == "tvm-mcpu-skylake-avx512"
+    assert TvmRunner(1, '{"kind": "llvm", "mcpu": "znver4"}').cache_tag == "tvm-mcpu-znver4"
+    assert OrtRunner(1).cache_tag == "ort"
 
 
 def test_two_runs_with_the_same_cache_give_the_same_graph(tmp_path):

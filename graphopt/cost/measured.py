@@ -1,7 +1,10 @@
 """Measured cost: each distinct (operator, parameters, input shapes) timed once on this machine as a tiny
 ONNX model by an injected :class:`~graphopt.cost.runners.GraphRunner`, and cached on disk per target, CPU,
-engine and thread count (``~/.cache/optimize-model/cost-<target>-<cpu>-<engine>-t<threads>.json``;
-:func:`graphopt.cost.cache.cpu_id`), as TASO/MetaFlow do with cuDNN.
+engine (with the CPU its code is generated for), thread count and tool version
+(``~/.cache/optimize-model/cost-<target>-<cpu>-<engine>-t<threads>-v<version>.json``;
+:func:`graphopt.cost.cache.cpu_id`), as TASO/MetaFlow do with cuDNN.  The version is in the key because a new
+release compiles operators differently (schedules, legalizations, pinned engines): its costs start afresh
+instead of trusting timings of code it no longer generates.
 
 Past the stage's deadline (:meth:`MeasuredCost.set_deadline`) nothing new is measured: an operator not in
 the cache is priced by the roofline estimate (:class:`~graphopt.cost.analytic.AnalyticCost`), not cached,
@@ -30,6 +33,7 @@ from graphopt import ops
 from graphopt.cost.analysis import numel
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
+from graphopt.console import version
 from graphopt.cost.cache import CostCache, cache_dir, cpu_id
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.ir import Graph, Node, TensorInfo, attrs_key
@@ -51,7 +55,8 @@ class MeasuredCost(CostModel):
         self.name = f"measured-{self.backend}"
         # onnxruntime runs every ONNX operator: the fallback for what the runner's engine cannot build alone
         self._fallback = runner if isinstance(runner, OrtRunner) else OrtRunner(runner.threads)
-        self.cache = CostCache(Path(path) if path else cache_dir() / cache_file(target, self.backend, self.threads))
+        self.cache = CostCache(Path(path) if path else cache_dir() / cache_file(target, runner.cache_tag,
+                                                                                   self.threads))
         self._baseline: float | None = None
         self.measured = 0  # how many timings this instance ran (0 on a warm cache)
         self.estimated = 0  # how many prices were estimated because the deadline had passed
@@ -189,9 +194,10 @@ class MeasuredCost(CostModel):
 
 
 def cache_file(target: str, backend: str, threads: int) -> str:
-    """The cost cache's file name: one per target, CPU (:func:`~graphopt.cost.cache.cpu_id`), engine and thread
-    count - the things a per-operator timing depends on beyond the operator itself."""
-    return f"cost-{target}-{cpu_id()}-{backend}-t{threads}.json"
+    """The cost cache's file name: one per target, CPU (:func:`~graphopt.cost.cache.cpu_id`), engine (with the
+    CPU its code is built for, :attr:`~graphopt.cost.runners.GraphRunner.cache_tag`), thread count and tool
+    version - the things a per-operator timing depends on beyond the operator itself."""
+    return f"cost-{target}-{cpu_id()}-{backend}-t{threads}-v{version()}.json"
 
 
 def best_time(run: Callable[[], object]) -> float:

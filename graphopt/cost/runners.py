@@ -26,6 +26,12 @@ class GraphRunner(ABC):
     def __init__(self, threads: int = 1):
         self.threads = threads
 
+    @property
+    def cache_tag(self) -> str:
+        """The engine in the cost cache's file name, with whatever else of its set-up changes its timings
+        (a compiler's CPU options); by default the engine's name."""
+        return self.name
+
     @abstractmethod
     def prepare(self, graph: Graph) -> Callable[[], object]:
         """A callable that runs ``graph`` once on fixed inputs; raises when the engine cannot run it."""
