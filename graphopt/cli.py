@@ -15,9 +15,9 @@ from typing import Callable, Mapping, Sequence
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.cost.runners import GraphRunner
 from graphopt.errors import ArgumentParser, UserError, seed
-from graphopt.fileio import check_output_file, write_bytes_atomic, write_text_atomic
+from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.library import add_rules_parser
-from graphopt.onnx_io import parse_input_shapes
+from graphopt.onnx_io import parse_input_shapes, save_model
 from graphopt.roundtrip import roundtrip
 from graphopt.stage import E2E_MARGIN, E2E_RUNS, GraphStageOptions, optimize_onnx
 from graphopt.validate import ModelInput, check_model, check_threads
@@ -114,7 +114,7 @@ def _run_optimize(args: argparse.Namespace, components: Components) -> int:
     if not report["outputs_equal"]:
         raise UserError(f"the optimized graph differs from the input model in onnxruntime ({report['check_failure']}); "
                         f"nothing was written to {args.output} - keep using the input model, and report this")
-    write_bytes_atomic(args.output, optimized.SerializeToString())
+    save_model(optimized, args.output)
     text = json.dumps(report)
     print(text)
     if args.json:

@@ -142,6 +142,28 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def staging_dir(folder: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder inside ``folder`` (same filesystem: its files can be ``os.replace`` d into
+    ``folder`` atomically) for a writer that writes several files at once (a model and its weights file);
+    removed afterwards with whatever is left in it.  Write failures become the one-line errors of
+    :func:`atomic_path`."""
+    d = Path(folder)
+    _mkdir(d)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=d, prefix=".staging."))
+    except OSError as exc:
+        raise _write_error(exc, d / ".staging") from None
+    try:
+        yield tmp
+    except OSError as exc:
+        if exc.errno is not None:
+            raise _write_error(exc, d / (Path(exc.filename).name if exc.filename else ".")) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (parents created); returns the path."""
     p = Path(path)
@@ -163,10 +185,11 @@ FIGURE_FORMATS = ("png", "pdf", "svg")
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
     """Render a matplotlib figure in memory (format from the suffix, :data:`FIGURE_FORMATS`) and write it
-    atomically: ``savefig`` to the final name would leave half a PNG on a full disk."""
+    atomically: ``savefig`` to the final name would leave half a PNG on a full disk.  The canvas is fitted
+    to what is drawn (``bbox_inches="tight"``), so long tick labels and legends are never cut off."""
     fmt = Path(path).suffix.lstrip(".").lower() or "png"
     buf = io.BytesIO()
-    fig.savefig(buf, format=fmt, dpi=dpi)
+    fig.savefig(buf, format=fmt, dpi=dpi, bbox_inches="tight")
     return write_bytes_atomic(path, buf.getvalue())
 
 

@@ -11,6 +11,8 @@ it never assumes names are unique or present, and reports unknown dimensions wit
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from graphopt.errors import UserError
+from graphopt.fileio import staging_dir, write_bytes_atomic
 from graphopt.ir import Graph, Node, TensorInfo
 
 SUPPORTED_DTYPES = {
@@ -353,7 +356,7 @@ def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
         g, opset_imports=[helper.make_opsetid(d, v) for d, v in graph.opset_imports.items()],
         producer_name=graph.producer_name,
     )
-    model.ir_version = graph.ir_version
+    model.ir_version = min(graph.ir_version, ort_max_ir_version())  # readable by the pinned onnxruntime
     model.functions.extend(graph.functions)
     if check:
         try:
@@ -365,3 +368,64 @@ def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
             if not (unknown_rank and "Field 'shape' of 'type' is required" in str(exc)):
                 raise RuntimeError(f"exported model fails onnx.checker: {str(exc).splitlines()[0]}") from exc
     return model
+
+
+@functools.lru_cache(maxsize=1)
+def ort_max_ir_version() -> int:
+    """The newest ONNX IR version the installed onnxruntime loads.  onnxruntime exposes no constant for it and
+    the pinned onnx writes a newer one by default (onnx.IR_VERSION 14, onnxruntime 1.31 reads 13), so it is
+    probed once with a one-node model, newest version first."""
+    import onnxruntime as ort
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    for version in range(onnx.IR_VERSION, 7, -1):
+        model.ir_version = version
+        try:
+            ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            return version
+        except Exception:  # noqa: BLE001 - "Unsupported model IR version": try the next older one
+            continue
+    return 7
+
+
+# protobuf cannot serialize a message of 2 GiB or more (https://protobuf.dev/programming-guides/proto-limits/):
+# a model larger than this is saved with its weights in a data file beside it, the layout torch.onnx.export
+# and onnx.save use for large models (https://onnx.ai/onnx/repo-docs/ExternalData.html).
+EXTERNAL_DATA_ABOVE = 2**31 - 1
+EXTERNAL_DATA_MIN_TENSOR = 1024  # bytes: smaller tensors (shapes, scalars) stay inside the model file
+
+
+def external_data_name(path: str | os.PathLike) -> str:
+    """The weights file written beside ``path`` for a model too large for one file: ``NAME.onnx.data``."""
+    return Path(path).name + ".data"
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> list[Path]:
+    """Write ``model`` to ``path`` atomically; returns the files written.
+
+    Above :data:`EXTERNAL_DATA_ABOVE` serialized bytes the weights go to ``NAME.onnx.data`` beside it
+    (:func:`onnx.load` and onnxruntime read it from there).  Both files are written in a staging folder
+    next to them and renamed into place, the weights first, so a killed run leaves the old pair or a
+    complete new weights file, never a truncated one; a stale weights file of an earlier, larger model is
+    removed.  The caller's proto is not changed (onnx's external-data writer rewrites the tensors it moves).
+    """
+    p = Path(path)
+    data = p.with_name(external_data_name(p))
+    if model.ByteSize() <= EXTERNAL_DATA_ABOVE:
+        write_bytes_atomic(p, model.SerializeToString())
+        with contextlib.suppress(FileNotFoundError):
+            data.unlink()
+        return [p]
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    with staging_dir(p.parent) as tmp:
+        onnx.save_model(copy, str(tmp / p.name), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=EXTERNAL_DATA_MIN_TENSOR)
+        os.replace(tmp / data.name, data)
+        os.replace(tmp / p.name, p)
+    return [p, data]

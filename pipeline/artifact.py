@@ -192,14 +192,18 @@ class Model:
 
     # ---- inputs and the reference ------------------------------------------------------------------------
 
-    def _graph(self):
-        """optimized.onnx in the graph IR, at the compiled input shapes."""
-        from graphopt.onnx_io import import_onnx, load_model
-
+    def _graph_path(self) -> Path:
         path = self.directory / GRAPH
         if not path.is_file():
             raise UserError(f"{str(self.directory)!r} has no {GRAPH}, which the check inputs and the onnxruntime "
                             "reference need; copy it along with model.so")
+        return path
+
+    def _graph(self):
+        """optimized.onnx in the graph IR, at the compiled input shapes."""
+        from graphopt.onnx_io import import_onnx, load_model
+
+        path = self._graph_path()
         shapes = {t.name: tuple(t.shape) for t in self.inputs if t.shape is not None and None not in t.shape}
         return load_model(path), import_onnx(load_model(path), shapes, require_static=True)
 
@@ -216,10 +220,10 @@ class Model:
         from graphopt.compare import compare_outputs
         from graphopt.feeds import run_ort
 
-        proto = self._graph()[0]
+        path = self._graph_path()  # by path: onnxruntime reads a weights file beside it (models over 2 GB)
         got = self.run(feeds)
         ordered = {t.name: np.asarray(feeds[t.name]).astype(t.dtype) for t in self.inputs}
-        return compare_outputs(run_ort(proto, ordered), list(got.values()))
+        return compare_outputs(run_ort(str(path), ordered), list(got.values()))
 
     # ---- files -----------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import check_output_dir, check_output_file, write_bytes_atomic, write_text_atomic
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
+from graphopt.onnx_io import InputShapes, export_onnx, external_data_name, import_onnx, save_model
 from graphopt.validate import check_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.records import RecordLog
@@ -189,18 +189,28 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
             raise UserError(f"the optimized graph differs from the input model in onnxruntime: {check.reason()}; "
                             "nothing was written - rerun with --skip-graph")
     log.add("compile", compiled.build_s, **facts)
+    t0 = time.perf_counter()
+    pool = int(threads or spec.target.attrs.get("num-cores", 0) or 1)
+    latency = (end_to_end_latency(compiled, imported.graph, original, pool, seed, model.samples)
+               if spec.can_run else {"measured": False, "reason": spec.note})
+    if spec.can_run:
+        log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
+                onnxruntime_ms=latency["onnxruntime_ms"])
 
     files = {"optimized": "optimized.onnx", "library": "model.so", "report_md": "report.md"}
     with contextlib.suppress(FileNotFoundError):  # report.json is written last: its presence means complete
         (out / "report.json").unlink()
-    write_bytes_atomic(out / "optimized.onnx", optimized.SerializeToString())
+    if len(save_model(optimized, out / "optimized.onnx")) > 1:  # over 2 GB: its weights in a file beside it
+        files["weights"] = external_data_name("optimized.onnx")
     lib = compiled.export(out / "model.so")
     if lib.with_suffix(".hsaco").exists():
         files["code_object"] = lib.with_suffix(".hsaco").name
     if tune_result is not None:
         if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
             write_bytes_atomic(out / "records.jsonl", records.read_bytes())
-        plot_tuning(tune_result, out / "tuning.png")
+        tuned_ids = {t.index for t in tune_result.tasks}
+        plot_tuning(tune_result, out / "tuning.png",
+                    [(t.index, t.name) for t in part.tasks if t.index not in tuned_ids])
         files.update(records="records.jsonl", tuning_plot="tuning.png")
     report = {
         "model": str(model_path), "target": spec.kind, "target_request": request.text,
@@ -210,6 +220,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
                                                  if i.name not in imported.graph.initializers]),
                              tensor_specs(imported.graph.outputs)),
+        "latency": latency,
         "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
                                         for t in part.tasks],
         "files": files,
@@ -248,27 +259,85 @@ def mismatch_hint(check: Comparison) -> str:
     return "rerun with --skip-graph / --skip-tune to isolate the stage, and report it"
 
 
+LATENCY_RUNS = 15  # timed calls per engine for report.json's end-to-end latency (3 blocks of 5)
+LATENCY_ROUNDS = 3
+
+
+def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, threads: int, seed: int,
+                       samples: dict | None) -> dict[str, Any]:
+    """Milliseconds per inference of the shipped build and of onnxruntime on the input model, same inputs
+    and threads, timed together by the project's whole-model timer (:func:`graphopt.timing.time_blocks`:
+    alternating blocks with idle gaps, the median); fewer runs than bench-model, which is for comparisons."""
+    from graphopt.feeds import ort_session, sample_feeds
+    from graphopt.timing import time_blocks
+    from pipeline.compile import model_runner
+
+    feeds = sample_feeds(graph, samples, seed)
+    sess = ort_session(original, threads)
+    names = {i.name for i in sess.get_inputs()}
+    ort_feeds = {k: v for k, v in feeds.items() if k in names}
+    runners = {"compiled": model_runner(compiled, feeds), "onnxruntime": lambda: sess.run(None, ort_feeds)}
+    times = time_blocks(runners, LATENCY_RUNS, rounds=LATENCY_ROUNDS)
+    c, o = times["compiled"], times["onnxruntime"]
+    return {"measured": True, "compiled_ms": round(c.median_ms, 4), "onnxruntime_ms": round(o.median_ms, 4),
+            "compiled_min_ms": round(c.min_ms, 4), "onnxruntime_min_ms": round(o.min_ms, 4),
+            "speedup": round(o.median_ms / c.median_ms, 3) if c.median_ms > 0 else None, "runs": LATENCY_RUNS,
+            "threads": threads, "timer": "median of alternating blocks (graphopt.timing.time_blocks)"}
+
+
+# report.json facts that are times, by name: the unit report.md prints them in.
+_SECONDS_FACTS = ("cost_before", "cost_after")  # the graph stage's cost model prices in seconds
+
+
+def _fact(key: str, value: Any) -> str:
+    """``key=value`` with the unit of a time: milliseconds for latencies, seconds for durations."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        words = key.split("_")
+        if "ms" in words:  # kernel_ms_after, e2e_ms_before, onnxruntime_ms
+            return f"{key}={_ms(value)}"
+        if key in _SECONDS_FACTS:
+            return f"{key}={_ms(value * 1e3)}"
+        if "s" in words or "seconds" in words:
+            return f"{key}={value:.2f} s"
+    return f"{key}={value}"
+
+
+def _ms(value: float | None) -> str:
+    """Milliseconds to 4 significant digits (a 2 us kernel and a 120 ms model alike)."""
+    return "-" if value is None else f"{value:.4g} ms"
+
+
 def report_markdown(report: dict[str, Any]) -> str:
-    """A human-readable summary of report.json."""
-    lines = [f"# optimize-model: {report['model']} on {report['target']}", "", "| stage | time s | facts |",
-             "|---|---|---|"]
+    """A human-readable summary of report.json: every time with its unit, the end-to-end latency first."""
+    lines = [f"# optimize-model: {report['model']} on {report['target']}", ""]
+    lat = report.get("latency") or {}
+    if lat.get("measured"):
+        speedup = f"{lat['speedup']:.2f}x" if lat.get("speedup") else "-"
+        lines += ["## End-to-end latency", "",
+                  f"- compiled model (model.so): **{_ms(lat['compiled_ms'])}** per inference "
+                  f"(best {_ms(lat['compiled_min_ms'])})",
+                  f"- onnxruntime on the input model: {_ms(lat['onnxruntime_ms'])} (best {_ms(lat['onnxruntime_min_ms'])})",
+                  f"- speed-up over onnxruntime: {speedup} ({lat['threads']} thread{'s' * (lat['threads'] != 1)}; {lat['runs']} runs each, "
+                  f"{lat['timer']}; `bench-model` for a longer comparison)", ""]
+    elif lat:
+        lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
+    lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
     for name, st in report["stages"].items():
-        facts = ", ".join(f"{k}={v}" for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
-        lines.append(f"| {name} | {st['time_s']} | {facts} |")
+        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
+        lines.append(f"| {name} | {st['time_s']:.2f} s | {facts} |")
     tune = report["stages"].get("tune", {})
     if tune.get("e2e"):
         e2e = tune["e2e"]
-        ms = (f"; default build {e2e['default_ms']} ms, tuned build {e2e['tuned_ms']} ms"
+        ms = (f"; default build {_ms(e2e['default_ms'])}, tuned build {_ms(e2e['tuned_ms'])}"
               if e2e.get("tuned_ms") is not None else "")
         lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
     if tune.get("tasks"):
-        lines += ["", "## tuned tasks", "", "| idx | task | weight | trials | default ms | best ms |",
+        lines += ["", "## Tuned tasks", "", "| idx | task | weight | trials | default | best |",
                   "|---|---|---|---|---|---|"]
         for t in tune["tasks"]:
-            fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-            lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {fmt(t['default_ms'])} "
-                         f"| {fmt(t['best_ms'])} |")
-    lines += ["", "## kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
+            lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {_ms(t['default_ms'])} "
+                         f"| {_ms(t['best_ms'])} |")
+    lines += ["", "## Kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
     for t in report["tasks"]:
         lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {t['flops'] / 1e9:.4f} | {t['schedule']} "
                      f"| {t['name']} |")

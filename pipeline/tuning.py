@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from graphopt.errors import UserError
 from graphopt.feeds import random_inputs
@@ -128,30 +128,82 @@ def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partit
     return (tuned_build if choice.kept == "tuned" else default_build), choice
 
 
-def plot_tuning(result: TuningResult, path: str | Path) -> None:
-    """Each task's best latency (weighted share of the objective) and the objective over global trials."""
+LABEL_CHARS = 48  # task names longer than this are shortened in the plot (report.json has them whole)
+
+
+def task_label(index: int, name: str) -> str:
+    """A task's axis label: its index and name, shortened to :data:`LABEL_CHARS`."""
+    short = name if len(name) <= LABEL_CHARS else name[:LABEL_CHARS - 3] + "..."
+    return f"{index}: {short}"
+
+
+def tuning_figure(result: TuningResult, untuned: Sequence[tuple[int, str]] = ()):
+    """The tuning plot as a matplotlib figure (tests inspect it before it is saved).
+
+    Left, one row per task, named on the axis: its share of a model run (weight x latency per call) with
+    the default schedule and after tuning; a task that got no trial beyond its default is a marker at its
+    default latency, and the model's other tasks (``untuned``: (index, name) of tasks without a template
+    or not selected by --kernels) are listed as not tuned, so every kernel of the model appears.  Right,
+    the objective (sum of weight x best latency) over the trials spent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for t in result.tasks:
-        if t.curve:
-            xs = [0] + [x for x, _ in t.curve]
-            ys = [t.default_ms if t.default_ms is not None else t.curve[0][1]] + [y for _, y in t.curve]
-            xs.append(result.trials)  # flat until the end: the task got no more rounds
-            ys.append(ys[-1])
-            ax1.step(xs, ys, where="post", label=f"{t.index}: {t.name[:28]}")
-    ax1.set_xlabel("trials (all tasks)")
-    ax1.set_ylabel("best latency per call, ms")
-    ax1.set_yscale("log")
-    ax1.set_title("task latency over trials")
-    ax1.legend(fontsize=6)
+    entries = [(t.index, t.name, t) for t in result.tasks] + [(i, n, None) for i, n in untuned]
+    rows: list[tuple[str, Any]] = [(task_label(i, n), t) for i, n, t in sorted(entries, key=lambda e: e[0])]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, max(4.0, 1.5 + 0.34 * len(rows))),
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    share = [t.weight * t.default_ms for _, t in rows if t is not None and t.default_ms]
+    note_x = min(share) if share else 1e-3  # where the text of rows without a bar starts (log axis)
+    labelled: set[str] = set()
+
+    def once(label: str) -> str | None:
+        """The legend label the first time, None after (one legend entry per kind of mark)."""
+        if label in labelled:
+            return None
+        labelled.add(label)
+        return label
+
+    for y, (_, t) in enumerate(rows):
+        if t is None:
+            ax1.text(note_x, y, "not tuned (no template, or not selected)", va="center", fontsize=9, color="0.4")
+            continue
+        if t.default_ms is None and t.best_ms is None:
+            ax1.text(note_x, y, "not measured (budget spent before it)", va="center", fontsize=9, color="0.4")
+            continue
+        default, final = t.default_ms, t.final_ms
+        if t.trials <= 1 or final is None or default is None or final >= default:
+            value = t.weight * (default if default is not None else final)
+            kept = t.trials > 1  # tuned, but no config beat the default; else only the default was measured
+            ax1.plot([value], [y], marker="D" if kept else "o", color="tab:gray", linestyle="none",
+                     markerfacecolor="tab:gray" if kept else "none",
+                     label=once("default kept (no faster config)" if kept else "default only (no trial beyond it)"))
+            continue
+        ax1.barh(y, t.weight * default, height=0.7, color="tab:gray", alpha=0.45, label=once("default schedule"))
+        ax1.barh(y, t.weight * final, height=0.4, color="tab:blue", label=once("tuned"))
+    ax1.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=9)
+    ax1.set_ylim(len(rows) - 0.5, -0.5)  # the first task on top
+    ax1.set_xscale("log")
+    ax1.set_xlabel("ms per model run (calls x latency per call)", fontsize=10)
+    ax1.set_title("tasks: default schedule vs tuned", fontsize=11)
+    ax1.tick_params(axis="x", labelsize=9)
+    if labelled:
+        ax1.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / fig.get_figheight() / 4),
+                   ncol=2, frameon=False)
     ax2.plot([x for x, _ in result.objective], [y for _, y in result.objective], marker=".")
-    ax2.set_xlabel("trials (all tasks)")
-    ax2.set_ylabel("sum weight x latency, ms")
-    ax2.set_title(f"objective ({result.scheduler}, {result.searcher})")
+    ax2.set_xlabel("trials (all tasks)", fontsize=10)
+    ax2.set_ylabel("sum of calls x best latency, ms", fontsize=10)
+    ax2.set_title(f"objective ({result.scheduler}, {result.searcher})", fontsize=11)
+    ax2.tick_params(labelsize=9)
     fig.tight_layout()
+    return fig
+
+
+def plot_tuning(result: TuningResult, path: str | Path, untuned: Sequence[tuple[int, str]] = ()) -> None:
+    """Write :func:`tuning_figure` to ``path`` (atomically, labels never cut: :func:`save_figure`)."""
+    import matplotlib.pyplot as plt
+
+    fig = tuning_figure(result, untuned)
     save_figure(fig, path, dpi=110)
     plt.close(fig)

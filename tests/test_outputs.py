@@ -1,0 +1,170 @@
+"""What optimize-model leaves in DIR besides model.so: report.md with units and the end-to-end latency,
+optimized.onnx written with external data past protobuf's 2 GB (tested with the threshold lowered) and with
+an IR version the pinned onnxruntime reads, and the tuning plot with every task on its axis.
+
+Every model written is loaded back and run in onnxruntime against the input model or numpy."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt import onnx_io
+from graphopt.feeds import run_ort
+from graphopt.onnx_io import export_onnx, import_onnx, ort_max_ir_version, save_model
+from pipeline.cli import run_model_main
+
+
+def mlp() -> onnx.ModelProto:
+    """x[2, 16] -> MatMul -> Add -> Relu -> MatMul, weights of 2 KB, 128 B and 1 KB."""
+    rng = np.random.default_rng(0)
+    w1, b1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((16, 32), (32,), (32, 8)))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+                          [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"),
+                           numpy_helper.from_array(w2, "w2")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """mlp through optimize-model (graph stage skipped) with the external-data threshold at 1 KB: the
+    path a model over 2 GB takes, on a model of 4 KB."""
+    from pipeline.optimize_model import optimize_model
+
+    d = tmp_path_factory.mktemp("built")
+    onnx.save(mlp(), str(d / "m.onnx"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(onnx_io, "EXTERNAL_DATA_ABOVE", 1000)
+        res = optimize_model(str(d / "m.onnx"), "llvm", str(d / "out"), 1, skip_graph=True)
+    return d, res
+
+
+def test_optimized_onnx_over_the_limit_keeps_its_weights_beside_it(built, tmp_path, capsys):
+    d, res = built
+    out = res.out_dir
+    data = out / "optimized.onnx.data"
+    assert res.report["files"]["weights"] == "optimized.onnx.data" and data.is_file()
+    assert (out / "optimized.onnx").stat().st_size < 1000 < data.stat().st_size
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+    external = onnx.load(str(out / "optimized.onnx"), load_external_data=False)
+    assert {t.name for t in external.graph.initializer if t.data_location == TensorProto.EXTERNAL} >= {"w1", "w2"}
+    x = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
+    want = run_ort(onnx.load(str(d / "m.onnx")), {"x": x})[0]
+    np.testing.assert_allclose(_session(out / "optimized.onnx").run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+    # The built folder runs and checks from there (onnxruntime reads optimized.onnx with its weights file).
+    np.savez(tmp_path / "in.npz", x=x)
+    assert run_model_main([str(out), "--inputs", str(tmp_path / "in.npz"), "--repeat", "2", "--check"]) == 0
+    assert "vs onnxruntime: ok" in capsys.readouterr().out
+
+
+def test_save_model_switches_between_one_file_and_external_data(tmp_path, monkeypatch):
+    model = mlp()
+    before = model.SerializeToString()
+    monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_ABOVE", 1000)
+    assert save_model(model, tmp_path / "m.onnx") == [tmp_path / "m.onnx", tmp_path / "m.onnx.data"]
+    assert model.SerializeToString() == before  # the caller's proto still holds its weights
+    monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_ABOVE", 2**31 - 1)
+    assert save_model(model, tmp_path / "m.onnx") == [tmp_path / "m.onnx"]
+    assert not (tmp_path / "m.onnx.data").exists()  # the earlier weights file is not left to mislead
+    assert onnx.load(str(tmp_path / "m.onnx")).SerializeToString() == before
+
+
+def test_a_model_of_the_newest_ir_version_is_exported_for_onnxruntime(tmp_path):
+    """onnx writes IR 14 by default, onnxruntime 1.31 reads up to 13: what we export, it loads."""
+    model = mlp()
+    model.ir_version = onnx.IR_VERSION
+    with pytest.raises(Exception, match="IR version"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert ort_max_ir_version() < onnx.IR_VERSION
+    exported = export_onnx(import_onnx(model))
+    assert exported.ir_version == ort_max_ir_version()
+    save_model(exported, tmp_path / "o.onnx")
+    x = np.random.default_rng(2).standard_normal((2, 16)).astype(np.float32)
+    w = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    want = np.maximum(x @ w["w1"] + w["b1"], 0) @ w["w2"]
+    np.testing.assert_allclose(_session(tmp_path / "o.onnx").run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_report_md_gives_units_and_the_end_to_end_latency(built):
+    _, res = built
+    lat = res.report["latency"]
+    assert lat["measured"] and lat["compiled_ms"] > 0 and lat["onnxruntime_ms"] > 0
+    assert lat["speedup"] == pytest.approx(lat["onnxruntime_ms"] / lat["compiled_ms"], rel=0.01)
+    md = (res.out_dir / "report.md").read_text()
+    assert f"**{lat['compiled_ms']:.4g} ms** per inference" in md and f"{lat['onnxruntime_ms']:.4g} ms" in md
+    stage_rows = [ln for ln in md.splitlines() if re.match(r"\| (graph|partition|tune|compile|latency) \|", ln)]
+    assert len(stage_rows) == 5
+    for row in stage_rows:
+        assert re.match(r"\| \w+ \| \d+\.\d\d s \|", row), row
+    # Every time-valued fact carries its unit: no bare number after a *_ms*= or a cost (seconds).
+    number = r"[-\d.e+]+(?![-\d.e+])"  # a whole number: no backing off to a prefix of it
+    assert not re.search(rf"\b(\w+_)?(ms|cost)(_\w+)?={number}(?! ms)", md)
+
+
+def test_report_md_converts_the_graph_stage_costs_and_tuned_tasks():
+    from pipeline.optimize_model import report_markdown
+
+    report = {"model": "m.onnx", "target": "llvm", "latency": {"measured": False, "reason": "cross target"},
+              "stages": {"graph": {"time_s": 12.3456, "cost_before": 0.0123, "cost_after": 0.0101,
+                                   "e2e_ms_before": 13.0, "e2e_ms_after": None},
+                         "tune": {"time_s": 60.0, "kernel_ms_before": 9.5, "kernel_ms_after": 7.25,
+                                  "tasks": [{"index": 0, "name": "mm", "weight": 12, "trials": 8,
+                                             "default_ms": 0.5, "best_ms": 0.25}],
+                                  "e2e": {"kept": "tuned", "status": "measured", "default_ms": 13.0,
+                                          "tuned_ms": 11.0}}},
+              "tasks": [{"index": 0, "kind": "matmul", "weight": 12, "flops": 1e9, "schedule": "tuned",
+                         "name": "mm"}]}
+    md = report_markdown(report)
+    assert "Not measured: cross target." in md
+    assert "| graph | 12.35 s | cost_before=12.3 ms, cost_after=10.1 ms, e2e_ms_before=13 ms, e2e_ms_after=None |" in md
+    assert not re.search(r"(ms|cost)\w*=[\d.]+(?![\d.])(?! ms)", md)  # the check the built report gets
+    assert "kernel_ms_before=9.5 ms, kernel_ms_after=7.25 ms" in md
+    assert "| 0 | mm | 12 | 8 | 0.5 ms | 0.25 ms |" in md
+    assert "default build 13 ms, tuned build 11 ms" in md
+
+
+def test_tuning_plot_names_every_task_and_marks_the_untuned():
+    import matplotlib.pyplot as plt
+
+    from kerneltune.tune_tasks import TaskTuning, TuningResult
+    from pipeline.tuning import task_label, tuning_figure
+
+    long = "fused_matmul_add_gelu_" + "x" * 60
+    tasks = [TaskTuning(0, long, "k0", "matmul", 12, 1e9, 1.2, 0.6, 30, [(10, 0.9), (40, 0.6)]),
+             TaskTuning(2, "fused_batch_matmul", "k2", "batch_matmul", 24, 1e8, 0.3, 0.3, 1, []),
+             TaskTuning(3, "matmul11", "k3", "matmul", 1, 1e8, 0.05, 0.06, 5, []),
+             TaskTuning(5, "fused_conv2d", "k5", "conv2d", 2, 1e8, None, None, 0, [])]
+    result = TuningResult({}, tasks, 64, [(4, 30.0), (64, 20.0)], "gradient", "opevo", 10.0)
+    fig = tuning_figure(result, [(1, "fused_softmax"), (4, "fused_layer_norm")])
+    try:
+        ax = fig.axes[0]
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels == ["0: " + long[:45] + "...", "1: fused_softmax", "2: fused_batch_matmul", "3: matmul11",
+                          "4: fused_layer_norm", "5: fused_conv2d"]
+        assert task_label(0, long) == labels[0]
+        notes = [t.get_text() for t in ax.texts]
+        assert notes.count("not tuned (no template, or not selected)") == 2
+        assert notes.count("not measured (budget spent before it)") == 1
+        # the two tasks whose default stayed are drawn as markers at calls x default latency
+        points = sorted(float(line.get_xdata()[0]) for line in ax.get_lines())
+        assert points == pytest.approx([1 * 0.05, 24 * 0.3])
+        assert min(t.get_fontsize() for t in ax.get_yticklabels() + ax.texts) >= 9
+        assert all(t.get_fontsize() >= 9 for t in ax.get_legend().get_texts())
+    finally:
+        plt.close(fig)
+
