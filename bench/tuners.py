@@ -272,14 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     set_num_threads(tvm_num_threads(int(target.attrs["num-cores"])))
     from peak import fma_peak_gflops
 
-    from kerneltune.baseline import numpy_gflops
+    from kerneltune.baseline import numpy_baseline
     from kerneltune.measure import Measurer
 
     # The baselines are measured before the Measurer starts: its worker processes import TVM at start-up,
     # and OpenBLAS sharing the two cores with them measured 27 instead of ~180 GFLOP/s.
     peak = fma_peak_gflops(int(target.attrs["num-cores"]))
     tasks = {op: make_op_task(op, vector_lanes(target, "float32")) for op in ops}
-    numpy = {op: numpy_gflops(t.dims["M"], t.dims["K"], t.dims["N"]) for op, t in tasks.items() if t.kind == "matmul"}
+    numpy = {op: numpy_baseline(t.dims["M"], t.dims["K"], t.dims["N"], int(target.attrs["num-cores"])).gflops
+             for op, t in tasks.items() if t.kind == "matmul"}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-tuners-"))
     results: dict[str, Any] = {}
     t_start = time.time()

@@ -6,7 +6,8 @@
 SHAPE is ``M,K,N`` for matmul (A is MxK, B is KxN), ``B,M,K,N`` for batch_matmul and ``N,C,H,W,F,KH,KW`` for
 conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--json``) is
 ``{"best_gflops", "best_ms", "best_config", "trials", "numpy_gflops", ...}``; ``numpy_gflops`` is numpy's
-(OpenBLAS) matmul on the same shape timed in the same run, for matmul only (null otherwise).  The first
+(OpenBLAS) matmul on the same shape with the same threads (``numpy_threads``), timed in the same run before
+the tuner's workers start, for matmul measured here only (null otherwise: :mod:`kerneltune.baseline`).  The first
 trial is the template's default config (the warm start every searcher gets, :func:`kerneltune.tune.tune`).
 Rerunning the same command with the same ``--records`` resumes: the search runs again, finds what the
 interrupted run measured in the records and measures only the rest (:mod:`kerneltune.tune`).
@@ -28,11 +29,11 @@ from typing import Any, Callable
 from graphopt.errors import ArgumentParser, UserError, seed
 from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.validate import TensorSize, check_memory, check_threads
-from kerneltune.baseline import numpy_gflops
+from kerneltune.baseline import numpy_baseline
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
-from kerneltune.targets import TARGET_HELP, check_name, gflops_ceiling, parse_target
+from kerneltune.targets import TARGET_HELP, check_name, default_threads, gflops_ceiling, parse_target
 from kerneltune.tune import tune
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,12 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         others = [k.name for k in space.knobs if type(k).__name__ != "FactorKnob"]
         log.warning("note: %s searches factor knobs only; %s stay at the default config", args.searcher, others)
     searcher = make_searcher(args.searcher, space, args.seed, fixed=fixed)
-    np_gflops = numpy_gflops(task.dims["M"], task.dims["K"], task.dims["N"]) if task.kind == "matmul" else None
+    # numpy's matmul with the kernel's threads, timed now: no tuner worker runs yet (the measurer starts at
+    # the first batch).  Not with --rpc: the kernels run on another machine than numpy would.
+    threads = int(spec.target.attrs.get("num-cores", 0)) or default_threads()
+    baseline = (numpy_baseline(task.dims["M"], task.dims["K"], task.dims["N"], threads)
+                if task.kind == "matmul" and not args.rpc else None)
+    np_gflops = baseline.gflops if baseline else None
     target_key = str(spec.target)
     cache_flush = args.cache_flush and spec.target.kind.name == "llvm"  # a CPU-cache flush; GPUs ignore it
     records = RecordLog(args.records) if args.records else None
@@ -165,6 +171,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         "best_config": space.as_dict(res.best_config) if res.best_config is not None else None,
         "trials": res.trials,
         "numpy_gflops": np_gflops,
+        "numpy_threads": baseline.threads if baseline else None,
         "speedup_vs_numpy": res.best_gflops / np_gflops if np_gflops else None,
         "task": task.key,
         "target": target_key,

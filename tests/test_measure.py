@@ -11,7 +11,7 @@ import tvm
 
 from kerneltune import templates
 from kerneltune.targets import llvm_target
-from kerneltune.baseline import numpy_gflops
+from kerneltune.baseline import numpy_baseline
 from kerneltune.measure import Measurer
 from kerneltune.runner import RunConfig, run
 from kerneltune.task import build_func, make_task
@@ -82,9 +82,15 @@ def test_wrong_kernel_is_caught(tmp_path):
     assert run(task, path, RunConfig("cpu", 1, 1), float("inf"))[1] is None
 
 
-def test_numpy_gflops_positive():
-    g = numpy_gflops(64, 64, 64, min_seconds=0.05, repeat=3)
-    assert np.isfinite(g) and g > 0
+def test_numpy_baseline_runs_blas_with_the_threads_asked_for():
+    """OpenBLAS starts one thread per core unless told otherwise before it loads: the measuring process
+    runs with exactly the threads given (its OS thread count), whatever this process's environment says."""
+    one = numpy_baseline(64, 64, 64, threads=1, min_seconds=0.05, repeat=3)
+    assert np.isfinite(one.gflops) and one.gflops > 0 and one.threads == 1
+    assert one.process_threads == 1
+    if len(os.sched_getaffinity(0)) >= 2:  # OpenBLAS starts no more threads than cores
+        two = numpy_baseline(64, 64, 64, threads=2, min_seconds=0.05, repeat=3)
+        assert two.process_threads == 2
 
 
 def test_bad_target_kind_is_user_error():

@@ -72,3 +72,31 @@ def test_config_failing_to_build_does_not_stop_tuning():
                    progress=False, batch_size=3)
     assert res.trials == 6 and res.failures >= 1 and res.best_gflops > 0
     assert len(calls) == 2
+
+
+def test_numpy_baseline_gets_the_threads_and_the_cores_before_any_worker(monkeypatch, capsys):
+    """The baseline is timed with --threads BLAS threads, before the measurer (its worker processes) starts."""
+    from fake_measurer import FakeMeasurer
+
+    from kerneltune import baseline, cli, measure
+
+    events: list = []
+
+    class Recording(FakeMeasurer):
+        def __init__(self, target, rpc=None, **kw):
+            super().__init__(target, rpc)
+            events.append("measurer")
+
+        def close(self):
+            pass
+
+    def recorded(m, k, n, threads, **kw):
+        events.append(("baseline", threads))
+        return baseline.numpy_baseline(m, k, n, threads, min_seconds=0.05, repeat=3)
+
+    monkeypatch.setattr(measure, "Measurer", Recording)
+    monkeypatch.setattr(cli, "numpy_baseline", recorded)
+    assert main(TINY + ["--trials", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert events[:2] == [("baseline", 1), "measurer"] and events.count("measurer") == 1
+    assert res["numpy_threads"] == 1 and res["numpy_gflops"] > 0
