@@ -195,5 +195,10 @@ def latency(run: Callable[[], object], runs: int, warmup: int = WARMUP) -> Laten
         t0 = time.perf_counter()
         run()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return Latency(percentile(samples, 50), percentile(samples, 90), percentile(samples, 99),
-                   statistics.fmean(samples), min(samples), len(samples))
+    return latency_of(samples)
+
+
+def latency_of(samples_ms: list[float]) -> Latency:
+    """The distribution of per-call milliseconds taken elsewhere (a remote device's own timer)."""
+    return Latency(percentile(samples_ms, 50), percentile(samples_ms, 90), percentile(samples_ms, 99),
+                   statistics.fmean(samples_ms), min(samples_ms), len(samples_ms))

@@ -26,9 +26,10 @@ from kerneltune.targets import use_threads
 from pipeline.artifact import Model, read_report
 
 
-def load(directory: str | os.PathLike, threads: int | None = None) -> Model:
-    """The model built into ``directory`` by optimize-model (or :func:`optimize`), ready to run."""
-    return Model.load(directory, threads)
+def load(directory: str | os.PathLike, threads: int | None = None, rpc: str | None = None) -> Model:
+    """The model built into ``directory`` by optimize-model (or :func:`optimize`), ready to run here, or on
+    the device of a TVM RPC tracker with ``rpc="HOST:PORT:KEY"``."""
+    return Model.load(directory, threads, rpc)
 
 
 def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", trials: int = 0,

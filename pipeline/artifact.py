@@ -11,6 +11,14 @@ their dtypes and the fixed shapes the library was compiled for, and the outputs 
 checks the feeds against the signature (a wrong name, shape or dtype is one line naming the expected one, not a
 crash inside a kernel) and returns the outputs by name.  Nothing from kerneltune's measurement, the graph
 search or the templates is imported on this path.
+
+With ``rpc="HOST:PORT:KEY"`` (a TVM RPC tracker, ``python -m tvm.exec.rpc_tracker``, and a device server
+registered under KEY, ``python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY``; or ``HOST:PORT`` of a
+server) the library is uploaded to that device and run there, as TVM's own cross-compilation tutorial does
+(https://tvm.apache.org/docs/how_to/tutorials/cross_compilation_and_rpc.html): a build for another CPU
+architecture runs on a device of that architecture without copying the folder by hand.  The inputs and
+outputs travel over the connection; latencies are taken by the device's own timer (``time_evaluator``), so
+they do not include the network.
 """
 from __future__ import annotations
 
@@ -92,20 +100,25 @@ class Model:
     the build machine.  ``threads`` sizes TVM's CPU thread pool; TVM starts that pool once per process, so it
     applies only if no TVM kernel ran in this process before (a warning says so otherwise)."""
 
-    def __init__(self, directory: str | os.PathLike, report: dict[str, Any], threads: int | None = None):
+    def __init__(self, directory: str | os.PathLike, report: dict[str, Any], threads: int | None = None,
+                 rpc: str | None = None):
         self.directory = Path(directory)
         self.report = report
+        self.rpc = rpc  # None: this machine; else the --rpc device the library is uploaded to
         dep = report["deploy"]
         self.inputs = [TensorSpec.from_json(t) for t in dep["inputs"]]
         self.outputs = [TensorSpec.from_json(t) for t in dep["outputs"]]
         self.device_type = str(dep["device"])
         self.requested_threads = threads
         self.threads: int | None = None  # the pool's size once loaded
-        self._main = self._dev = None
+        self._main = self._dev = self._vm = self._session = None
 
     def _load(self) -> None:
         """Load model.so on the device: a UserError when this machine cannot run it."""
         if self._main is not None:
+            return
+        if self.rpc:
+            self._load_remote()
             return
         dep = self.report["deploy"]
         if dep.get("arch") and dep["arch"] != host_arch():
@@ -134,9 +147,36 @@ class Model:
                             "this machine") from None
         self._main = relax.VirtualMachine(lib, self._dev)["main"]
 
+    def _load_remote(self) -> None:
+        """Upload model.so (and a GPU code object beside it) to the --rpc device and load it there."""
+        from tvm import relax
+
+        from kerneltune.runner import check_device, open_session
+
+        check_device(self.rpc)  # unreachable tracker, no server under the key: one line naming --rpc
+        try:
+            sess = open_session(self.rpc, 0)  # 0: the session lives as long as the run needs
+            for name in (LIBRARY, self.report.get("files", {}).get("code_object")):
+                if name:
+                    sess.upload(str(self.directory / name))
+            with quiet_native_stderr():
+                lib = sess.load_module(LIBRARY)
+            dev = sess.device(self.device_type, 0)
+            if self.requested_threads:  # the server's pool, as TVM's RPC tutorials size it (1: big cores)
+                sess.get_function("runtime.config_threadpool")(1, int(self.requested_threads))
+            self.threads = int(sess.get_function("runtime.NumThreads")())
+            vm = relax.VirtualMachine(lib, dev)
+        except Exception as exc:  # noqa: BLE001 - the device's failure, reported as one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise UserError(f"cannot run {self.directory / LIBRARY} on the --rpc device {self.rpc} ({first}); is it "
+                            f"a {self.report['deploy'].get('arch') or self.device_type} device with a TVM runtime "
+                            "of this version?") from None
+        self._session, self._dev, self._vm = sess, dev, vm
+        self._main = vm["main"]
+
     @classmethod
-    def load(cls, directory: str | os.PathLike, threads: int | None = None) -> "Model":
-        return cls(directory, read_report(directory), threads)
+    def load(cls, directory: str | os.PathLike, threads: int | None = None, rpc: str | None = None) -> "Model":
+        return cls(directory, read_report(directory), threads, rpc)
 
     # ---- running ---------------------------------------------------------------------------------------
 
@@ -175,12 +215,33 @@ class Model:
     def run(self, feeds: Mapping[str, Any] | Sequence[Any]) -> dict[str, np.ndarray]:
         """One inference: inputs by name (or in order), outputs by name in the model's output order."""
         args = self._arguments(feeds)
-        values = outputs_numpy(self._main(*args))
+        if self._vm is not None:  # over RPC: the stateful calls (a tuple result cannot come back directly)
+            self._vm.set_input("main", *args)
+            self._vm.invoke_stateful("main")
+            values = outputs_numpy(self._vm.get_outputs("main"))
+        else:
+            values = outputs_numpy(self._main(*args))
         return {t.name: v for t, v in zip(self.outputs, values)}
+
+    def latency(self, feeds: Mapping[str, Any] | Sequence[Any], runs: int):
+        """The latency distribution of ``runs`` back-to-back inferences on ``feeds`` after a warm-up
+        (:func:`graphopt.timing.latency`); on an --rpc device each call timed by the device itself."""
+        from graphopt.timing import WARMUP, latency, latency_of
+
+        if self.rpc is None:
+            return latency(self.runner(feeds), runs)
+        args = self._arguments(feeds)
+        self._vm.set_input("main", *args)
+        for _ in range(WARMUP - 1):  # time_evaluator makes one more untimed call itself
+            self._vm.invoke_stateful("main")
+        timer = self._vm.time_evaluator("invoke_stateful", self._dev, number=1, repeat=runs)
+        return latency_of([s * 1e3 for s in timer("main").results])
 
     def runner(self, feeds: Mapping[str, Any] | Sequence[Any]):
         """A callable running one inference on ``feeds`` (already on the device) and waiting for it: for
-        :mod:`graphopt.timing`."""
+        :mod:`graphopt.timing` (this machine only: over RPC each call would include the network)."""
+        if self.rpc is not None:
+            raise UserError("a per-call runner times the network too on an --rpc device: use Model.latency")
         args, main, dev = self._arguments(feeds), self._main, self._dev
 
         def once() -> object:

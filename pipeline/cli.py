@@ -205,7 +205,9 @@ def run_model_main(argv: list[str] | None = None) -> int:
                                                         "seeded random inputs of the compiled shapes")
     p.add_argument("--repeat", type=int, default=50, help="timed runs (default 50)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for TVM (default: the cores this process "
-                                                             "may use)")
+                                                             "may use; with --rpc: the device server's own)")
+    p.add_argument("--rpc", metavar="HOST:PORT:KEY", help="run on the device a TVM RPC tracker hands out under KEY "
+                                                          "(or HOST:PORT of an RPC server): model.so is uploaded there")
     p.add_argument("--check", action="store_true", help="compare the outputs with onnxruntime on optimized.onnx")
     p.add_argument("--outputs", metavar="FILE.npz", help="write the outputs of one run")
     p.add_argument("--json", metavar="FILE", help="write p50_ms, p90_ms, p99_ms, mean_ms, min_ms, runs, threads "
@@ -217,17 +219,21 @@ def run_model_main(argv: list[str] | None = None) -> int:
     for option, path in (("--json", args.json), ("--outputs", args.outputs)):
         if path:
             check_output_file(path, option)
-    threads = set_threads(args.threads)
-    from graphopt.timing import latency  # noqa: I001 - deferred with TVM: --help and the checks above stay fast
-    from pipeline.artifact import Model, read_report
+    if args.rpc:
+        from kerneltune.runner import check_rpc
 
-    model = Model(args.dir, read_report(args.dir), threads)
+        check_rpc(args.rpc)
+    threads = set_threads(args.threads)
+    from pipeline.artifact import Model, read_report  # deferred with TVM: --help and the checks above stay fast
+
+    model = Model(args.dir, read_report(args.dir), args.threads if args.rpc else threads, args.rpc)
     feeds = model.random_feeds(args.seed) if not args.inputs else _npz(args.inputs)
     outputs = model.run(feeds)
-    stats = latency(model.runner(feeds), args.repeat)
-    result = {"dir": str(args.dir), "threads": model.threads, **dataclasses.asdict(stats)}
+    stats = model.latency(feeds, args.repeat)
+    result = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc, **dataclasses.asdict(stats)}
+    where = f" on {args.rpc}" if args.rpc else ""
     line = (f"{args.dir}: p50 {stats.p50_ms:.3f} ms, p90 {stats.p90_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms, "
-            f"mean {stats.mean_ms:.3f} ms ({stats.runs} runs, {model.threads} threads)")
+            f"mean {stats.mean_ms:.3f} ms ({stats.runs} runs, {model.threads} threads{where})")
     if args.check:
         comp = model.check(feeds)
         result["check"] = comp.to_dict()

@@ -202,6 +202,32 @@ def test_run_model_prints_percentiles_checks_and_writes_outputs(bert_built, tmp_
     assert "report.json" in one_line_error(capsys)
 
 
+def test_run_model_on_an_rpc_device_prints_percentiles_and_checks(bert_built, tmp_path, capsys):
+    """run-model --rpc: model.so uploaded to the device a tracker hands out (here a server on localhost),
+    run and timed there, outputs checked against onnxruntime here."""
+    import rpc_device
+
+    out, _ = bert_built
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, **_bert_feeds(3))
+    with rpc_device.tracker("remotecpu") as rpc:
+        assert run_model_main([str(out), "--rpc", rpc, "--inputs", str(inputs), "--repeat", "5", "--check",
+                               "--json", str(tmp_path / "r.json"), "--outputs", str(tmp_path / "o.npz")]) == 0
+        line = capsys.readouterr().out
+        # a key no server registered: one line naming it, before anything is uploaded
+        assert run_model_main([str(out), "--rpc", rpc.rsplit(":", 1)[0] + ":gpu0"]) == 2
+        assert "no device registered under key 'gpu0'" in one_line_error(capsys)
+    assert f"on {rpc}" in line and "vs onnxruntime: ok" in line
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["rpc"] == rpc and res["runs"] == 5 and res["check"]["ok"] and res["threads"] >= 1
+    assert 0 < res["min_ms"] <= res["p50_ms"] <= res["p90_ms"] <= res["p99_ms"] and res["mean_ms"] > 0
+    ref = run_ort(onnx.load(str(out / "optimized.onnx")), _bert_feeds(3))
+    with np.load(tmp_path / "o.npz") as got:
+        assert list(got.files) == ["last_hidden_state", "pooler_output"]
+        for name, r in zip(got.files, ref):
+            np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------------ rebuilds
 
 def test_rebuild_from_complete_records_starts_no_measurer(tmp_path, monkeypatch):

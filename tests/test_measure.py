@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
+import rpc_device
 from kerneltune import templates
 from kerneltune.targets import llvm_target
 from kerneltune.baseline import numpy_baseline
@@ -100,33 +101,6 @@ def test_bad_target_kind_is_user_error():
         Measurer(tvm.target.Target({"kind": "c"}))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(args: list[str], port: int):
-    """Start a TVM RPC process (``python -m tvm.exec.*``) and wait until ``port`` accepts connections."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, "TVM_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"{args[0]} did not listen on {port}")
-
-
 def _measure_default(rpc: str):
     task = make_task("matmul", "16,32,16")
     with Measurer(LLVM, number=2, repeat=2, workers=1, rpc=rpc) as m:
@@ -135,48 +109,23 @@ def _measure_default(rpc: str):
 
 def test_rpc_server_uses_same_path():
     """A TVM RPC server (here on localhost) measures through the same upload/load/time_evaluator path."""
-    port = _free_port()
-    server = _start(["tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(port),
-                     "--port-end", str(port + 1)], port)
-    try:
-        result = _measure_default(f"127.0.0.1:{port}")
-        assert result.error is None and result.gflops > 0
-    finally:
-        server.kill()
-        server.wait()
+    with rpc_device.server() as address:
+        result = _measure_default(address)
+    assert result.error is None and result.gflops > 0
 
 
 def test_rpc_tracker_hands_out_the_keyed_device():
     """Scale-out as deployed: a tracker, a device server registered under a key, and ``host:port:key``."""
-    import time
+    from graphopt.errors import UserError
+    from kerneltune.runner import check_device
 
-    from tvm import rpc as tvm_rpc
-
-    tracker_port, server_port = _free_port(), _free_port()
-    procs = [_start(["tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(tracker_port),
-                     "--port-end", str(tracker_port + 1)], tracker_port)]
-    try:
-        procs.append(_start(["tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(server_port),
-                             "--port-end", str(server_port + 1), "--tracker", f"127.0.0.1:{tracker_port}",
-                             "--key", "testcpu"], server_port))
-        deadline = time.time() + 60  # the server registers with the tracker after it starts listening
-        tracker = tvm_rpc.connect_tracker("127.0.0.1", tracker_port)
-        while "testcpu" not in tracker.text_summary():
-            assert time.time() < deadline, "the RPC server never registered with the tracker"
-            time.sleep(0.5)
-        result = _measure_default(f"127.0.0.1:{tracker_port}:testcpu")
+    with rpc_device.tracker("testcpu") as rpc:
+        result = _measure_default(rpc)
         assert result.error is None and result.gflops > 0
         # The up-front check: a key no server registered is refused at once, naming the keys there are.
-        from graphopt.errors import UserError
-        from kerneltune.runner import check_device
-
-        check_device(f"127.0.0.1:{tracker_port}:testcpu")
+        check_device(rpc)
         with pytest.raises(UserError, match=r"no device registered under key 'gpu0' \(registered: testcpu\)"):
-            check_device(f"127.0.0.1:{tracker_port}:gpu0")
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+            check_device(rpc.rsplit(":", 1)[0] + ":gpu0")
 
 
 @pytest.mark.slow
