@@ -35,7 +35,7 @@ import onnx
 
 from graphopt.compare import Comparison, compare_runs
 from graphopt.errors import UserError
-from graphopt.feeds import feed_sets, run_ort_sets
+from graphopt.feeds import feed_sets, ort_session
 from graphopt.ir import Graph, Node, subgraph_inputs
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 
@@ -247,23 +247,45 @@ def dynamic_model(original: onnx.ModelProto, optimized: Graph, source: Graph, se
         return _fallback(original, info, f"the optimized graph's sizes could not be made symbolic ({exc})")
     try:
         at_probe = import_onnx(original, probe, require_static=True)
-        sets = feed_sets(source, seed, samples)
-        fixed = {k: v for k, v in (samples or {}).items() if k not in probe}  # e.g. a sample rate
-        probe_sets = [s | {k: v for k, v in fixed.items() if k in s} for s in feed_sets(at_probe, seed)]
-        reference = run_ort_sets(original, sets + probe_sets)
     except UserError as exc:
-        return _fallback(original, info, f"the input model does not run at {_sizes(probe)} in onnxruntime, so "
-                                         f"the symbolic sizes cannot be checked ({exc})")
-    try:
-        got = run_ort_sets(candidate, sets + probe_sets)
-    except UserError as exc:
-        return _fallback(original, info, f"the optimized graph fails at {_sizes(probe)}: {exc}")
+        return _fallback(original, info, f"the input model cannot be shaped to {_sizes(probe)} ({exc})")
+    fixed = {k: v for k, v in (samples or {}).items() if k not in probe}  # e.g. a sample rate
+    runs = [("the built sizes", s) for s in feed_sets(source, seed, samples)]
+    runs += [(_sizes(probe), s | {k: v for k, v in fixed.items() if k in s}) for s in feed_sets(at_probe, seed)]
+    reference, error = _run(original, runs)
+    if error:
+        return _fallback(original, info, f"the input model does not run in onnxruntime at {error}, so the symbolic "
+                                         "sizes cannot be checked")
+    got, error = _run(candidate, runs)
+    if error:
+        return _fallback(original, info, f"the optimized graph fails in onnxruntime at {error}")
     check: Comparison = compare_runs(list(zip(reference, got)))
     info.check = check.to_dict()
     if not check.ok:
         return _fallback(original, info, f"the optimized graph differs from the input model at {_sizes(probe)}: "
                                          f"{check.reason()}")
     return candidate, info
+
+
+def _run(model: onnx.ModelProto, runs: list[tuple[str, dict[str, np.ndarray]]]) -> tuple[list, str]:
+    """onnxruntime's outputs for each (label, feeds), or ([], "LABEL (its error's first line)")."""
+    try:
+        session = ort_session(model)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's loading errors have several types
+        return [], f"every size ({_first_line(exc)})"
+    names = {i.name for i in session.get_inputs()}
+    out = []
+    for label, feeds in runs:
+        try:
+            out.append(session.run(None, {k: v for k, v in feeds.items() if k in names}))
+        except Exception as exc:  # noqa: BLE001 - Fail / InvalidArgument / RuntimeException
+            return [], f"{label} ({_first_line(exc)})"
+    return out, ""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:200]
 
 
 def _fallback(original: onnx.ModelProto, info: DynamicShapes, reason: str) -> tuple[onnx.ModelProto, DynamicShapes]:

@@ -122,6 +122,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
         print(f"note: {note}", file=sys.stderr)
+    dynamic = res.report["dynamic_shapes"]
+    if dynamic["reason"]:  # the input had symbolic sizes the optimized graph could not keep
+        print(f"note: {dynamic['reason']}", file=sys.stderr)
     return 0
 
 

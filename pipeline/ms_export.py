@@ -163,7 +163,8 @@ def export_metaschedule(imported: ImportedModel, part: Partition, spec: TargetSp
             continue
         config, rec = fitting
         if best is not None and best[0] != config:  # the best does not fit TVM's kernel
-            why = PREPACK_NOTE if best[1].config.get("pack") == "prepack" else "its best config does not fit TVM's kernel"
+            prepacked = best[1].config.get("pack") == "prepack"
+            why = PREPACK_NOTE if prepacked else "its best config does not fit TVM's kernel"
             outcome.note = f"{why} ({best[1].latency_s * 1e3:.4f} ms): exported the best config that fits"
         sch = templates.schedule(task, config, target)
         chosen[tvm_name] = (workload, sch.trace, rec.latency_s)

@@ -49,7 +49,8 @@ def flatten_by_shape(batch: int | str = "N") -> onnx.ModelProto:
              helper.make_node("MatMul", ["flat", "w"], ["y"])]
     g = helper.make_graph(nodes, "flatten", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 3])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])],
-                          [numpy_helper.from_array(np.array([-1], np.int64), "minus1"), numpy_helper.from_array(w, "w")])
+                          [numpy_helper.from_array(np.array([-1], np.int64), "minus1"),
+                           numpy_helper.from_array(w, "w")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m
@@ -121,7 +122,8 @@ def test_batch_concatenation_splits_follow_the_batch():
     shipped, info = dynamic_model(original, merged, source)
     assert info.form == OPTIMIZED and info.scaled_splits == 2, info
     assert "Concat" in {n.op_type for n in shipped.graph.node}  # the merged form is what ships
-    assert same_outputs_at(original, shipped, shapes3) and same_outputs_at(original, shipped, {n: (4, 4) for n in "abc"})
+    assert same_outputs_at(original, shipped, shapes3)
+    assert same_outputs_at(original, shipped, {n: (4, 4) for n in "abc"})
 
 
 def test_a_size_constant_nothing_can_trace_ships_the_input_model_and_says_why():
@@ -137,17 +139,24 @@ def test_a_size_constant_nothing_can_trace_ships_the_input_model_and_says_why():
     assert "x=3,2,3" in info.reason and "optimized.onnx is the input model" in info.reason, info.reason
 
 
-def test_an_input_model_that_fails_at_the_second_size_is_shipped_unchanged():
-    """x[N, 6] reshaped to a fixed [1, 2, 3]: only batch 1 runs, so nothing at another size can be checked."""
-    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"])]
+def batch_one_only() -> onnx.ModelProto:
+    """x[N, 6] reshaped to a fixed [1, 2, 3] (+ 1): only batch 1 runs."""
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Add", ["r", "one"], ["y"])]
     g = helper.make_graph(nodes, "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3])],
-                          [numpy_helper.from_array(np.array([1, 2, 3], np.int64), "shape")])
+                          [numpy_helper.from_array(np.array([1, 2, 3], np.int64), "shape"),
+                           numpy_helper.from_array(np.ones(3, np.float32), "one")])
     original = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     original.ir_version = 8
+    return original
+
+
+def test_an_input_model_that_fails_at_the_second_size_is_shipped_unchanged():
+    """Nothing at another size can be checked when the input model itself runs at batch 1 only."""
+    original = batch_one_only()
     source = import_onnx(original, {"x": (1, 6)})
     shipped, info = dynamic_model(original, source.copy(), source)
-    assert info.form == INPUT_MODEL and "input model does not run at x=3,6" in info.reason, info.reason
+    assert info.form == INPUT_MODEL and "input model does not run in onnxruntime at x=3,6" in info.reason, info.reason
     assert shipped is original
 
 
@@ -170,7 +179,8 @@ def test_graphopt_optimize_keeps_the_symbolic_batch():
     out, rep = optimize_onnx(proto, LaunchCost(1.0, 1.5, 2.0), GraphStageOptions(rules=HAND, budget=60),
                              input_shapes={"x": (2, 16)})
     assert rep["applied"] and rep["outputs_equal"], rep
-    assert rep["dynamic_shapes"]["optimized_onnx"] == OPTIMIZED and rep["dynamic_shapes"]["checked_at"] == {"x": [3, 16]}
+    dyn = rep["dynamic_shapes"]
+    assert dyn["optimized_onnx"] == OPTIMIZED and dyn["checked_at"] == {"x": [3, 16]}
     assert dims(out.graph.input[0]) == ["batch", 16] and dims(out.graph.output[0]) == ["batch", 16]
     assert sum(n.op_type == "MatMul" for n in out.graph.node) == 1  # the merged graph is what ships
     assert same_outputs_at(proto, out, {"x": (5, 16)})
@@ -254,3 +264,12 @@ def test_optimize_model_keeps_symbolic_batch_and_sequence_of_a_transformer(tmp_p
     assert report["dynamic_shapes"]["optimized_onnx"] == OPTIMIZED, report["dynamic_shapes"]["reason"]
     assert report["dynamic_shapes"]["built_for"] == {n: [1, 16] for n in names}
     assert same_outputs_at(exported.model, shipped, {n: (3, 12) for n in names})
+
+
+def test_optimize_model_ships_the_input_model_and_says_so_when_other_sizes_cannot_be_checked(tmp_path, capsys):
+    original = batch_one_only()
+    shipped, report = optimize_dir(original, tmp_path, "--input-shape", "x=1,6", "--skip-graph")
+    assert shipped.SerializeToString() == original.SerializeToString()
+    assert report["dynamic_shapes"]["optimized_onnx"] == INPUT_MODEL
+    note = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: ")]
+    assert len(note) == 1 and "x=3,6" in note[0] and "optimized.onnx is the input model" in note[0], note
