@@ -191,7 +191,7 @@ class Graph:
             if any(o in needed for o in n.outputs if o):
                 keep.append(n)
                 needed.update(t for t in n.inputs if t)
-                needed.update(_subgraph_inputs(n))
+                needed.update(subgraph_inputs(n))
         removed = len(self.nodes) - len(keep)
         self.nodes = list(reversed(keep))
         for w in [w for w in self.initializers if w not in needed and w not in self.input_names]:
@@ -266,7 +266,7 @@ class Graph:
         return h.hexdigest()
 
 
-def _subgraph_inputs(node: Node) -> Iterable[str]:
+def subgraph_inputs(node: Node) -> Iterable[str]:
     """Outer-scope tensors referenced by a control-flow body (If/Loop/Scan), which keep them alive."""
     for v in node.attrs.values():
         if hasattr(v, "node") and hasattr(v, "initializer"):  # onnx.GraphProto

@@ -56,9 +56,10 @@ from graphopt.cost.guard import GuardedCost
 from graphopt.cost.kernel_count import KernelCountCost
 from graphopt.errors import UserError
 from graphopt.compare import compare_runs
+from graphopt.dynamic import INPUT_MODEL, DynamicShapes, dynamic_model, symbolic_inputs
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, export_onnx, import_onnx, load_model
+from graphopt.onnx_io import InputShapes, import_onnx, load_model
 from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, search
@@ -333,7 +334,10 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
     graph = import_onnx(proto, input_shapes)
     res = optimize_graph(graph, cost, options)
-    optimized = proto if res.kept == "original" else export_onnx(res.graph)
+    if res.kept == "original":
+        optimized, dynamic = proto, DynamicShapes(symbolic_inputs(proto), {}, INPUT_MODEL, reason="nothing applied")
+    else:  # at the input's symbolic sizes where it has them, checked at a second size (graphopt.dynamic)
+        optimized, dynamic = dynamic_model(proto, res.graph, graph, seed, samples)
     sets = feed_sets(graph, seed, samples)
     check = compare_runs(list(zip(run_ort_sets(proto, sets), run_ort_sets(optimized, sets))))
     report = {
@@ -363,5 +367,6 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "pricing_failures": res.pricing_failures,
         "estimated_prices": res.estimated_prices,
         "frozen_weights": res.frozen_weights,
+        "dynamic_shapes": dynamic.to_json(),
     }
     return optimized, report

@@ -126,6 +126,16 @@ class ResultCache:
     def get(self, config: Config) -> Record | None:
         return self._by_config.get(config)
 
+    def best(self, accept: Callable[[Config], bool] | None = None) -> tuple[Config, Record] | None:
+        """The fastest config that ran (among those ``accept`` takes) and its record; None when none did.
+        Ties go to the earlier record."""
+        ran = [(rec.latency_s, i, c) for i, (c, rec) in enumerate(self._by_config.items())
+               if rec.error is None and rec.latency_s and (accept is None or accept(c))]
+        if not ran:
+            return None
+        config = min(ran)[2]
+        return config, self._by_config[config]
+
     def __len__(self) -> int:
         return len(self._by_config)
 

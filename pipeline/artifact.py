@@ -69,7 +69,8 @@ def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tensor
         "inputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in inputs],
         "outputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in outputs],
         "shapes_note": "model.so is compiled for these input shapes only (rebuild with --input-shape for "
-                       "others); optimized.onnx is saved with these shapes too",
+                       "others); optimized.onnx keeps the input model's symbolic dimensions where it can "
+                       "(report.json's dynamic_shapes says which, and how that was checked)",
     }
 
 

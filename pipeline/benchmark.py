@@ -235,7 +235,7 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
     choice = None
     if not opts.skip_graph:
         optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
-                                opts.progress)
+                                opts.progress).model
         graph_imported, graph_proto = import_model(optimized), optimized
         graph_part = partition_model(graph_imported.mod, spec, opts.layout)
         engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)

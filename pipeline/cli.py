@@ -125,6 +125,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
         log.warning("note: %s", note)
+    dynamic = res.report["dynamic_shapes"]
+    if dynamic["reason"]:  # the input had symbolic sizes the optimized graph could not keep
+        log.warning("note: %s", dynamic["reason"])
     return 0
 
 

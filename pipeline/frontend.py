@@ -42,10 +42,10 @@ def legalize_for_tvm(graph: Graph) -> Legalized:
     docstring); UserError naming what still cannot be imported."""
     result = legalize(graph, frontend_gaps(graph))
     if any(n.op_type in ("Shape", "Size") for n in result.graph.nodes):
-        g = result.graph.copy() if result.graph is graph else result.graph  # the caller's graph is not modified
+        g = result.graph.copy()  # neither the caller's graph nor the unfolded one is modified
         folded = fold_shapes(g)
         if folded:
-            result = Legalized(g, result.lowered, folded)
+            result = Legalized(g, result.lowered, folded, unfolded=result.graph)
     missing = sorted(frontend_gaps(result.graph) - MISHANDLED)
     if missing:
         domains = {n.op_type: n.domain for n in result.graph.nodes if n.op_type in missing}

@@ -1,11 +1,15 @@
 """``tune-kernels MODEL --list``: the model's fused kernels as tuning tasks, with the indices ``--kernels``
-takes.  Plugged into kerneltune's CLI (which owns the single-operator mode) as :data:`MODEL_MODE`.
+takes; ``tune-kernels MODEL --records FILE --export-metaschedule DIR``: their best tuned schedules as a
+MetaSchedule database (:mod:`pipeline.ms_export`).  Plugged into kerneltune's CLI (which owns the
+single-operator mode) as :data:`MODEL_MODE`.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from graphopt.errors import UserError
+from graphopt.fileio import check_output_dir
 from graphopt.onnx_io import parse_input_shapes
 from graphopt.validate import check_model, check_threads
 from kerneltune.cli import ModelMode
@@ -22,15 +26,35 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="with MODEL: fix a dynamic input's shape (repeatable)")
     g.add_argument("--layout", default="auto", choices=LAYOUTS, help=f"with MODEL: {LAYOUT_HELP}")
+    g.add_argument("--export-metaschedule", metavar="DIR",
+                   help="with MODEL and --records FILE (optimize-model's DIR/records.jsonl; the MODEL, --input-shape, "
+                        "--target and --threads of that run): write the best schedule of every tuned task as a "
+                        "MetaSchedule JSON database (DIR/database_workload.json, database_tuning_record.json) and "
+                        "DIR/model.onnx, the static graph it applies to; TVM's own MetaScheduleApplyDatabase "
+                        "(meta_schedule.relax_integration.compile_relax) builds it.  Prints which tasks were "
+                        "exported and why any were not")
 
 
 def run_model(args: argparse.Namespace) -> int:
     """The model mode of ``tune-kernels``; returns the exit code."""
-    if not args.list:
-        raise UserError("with a MODEL, tune-kernels lists its tasks: add --list (tune them with "
-                        "`optimize-model MODEL --trials N --kernels SEL -o DIR`)")
+    export = args.export_metaschedule
+    if export and not args.model:
+        raise UserError("--export-metaschedule exports a model's tuned tasks: tune-kernels MODEL --records FILE "
+                        "--export-metaschedule DIR")
+    if not args.list and not export:
+        raise UserError("with a MODEL, tune-kernels lists its tasks (--list) or exports their tuned schedules "
+                        "(--records FILE --export-metaschedule DIR); tune them with "
+                        "`optimize-model MODEL --trials N --kernels SEL -o DIR`")
     if args.op:
         raise UserError("give either a MODEL or --op, not both")
+    if export:
+        if not args.records:
+            raise UserError("--export-metaschedule reads tuning records: add --records FILE (optimize-model writes "
+                            "DIR/records.jsonl)")
+        if not Path(args.records).is_file():
+            raise UserError(f"--records {args.records!r} is not a file: give the records of the tuning run "
+                            "(optimize-model's DIR/records.jsonl)")
+        check_output_dir(export, "--export-metaschedule")
     check_name(args.target)
     model = check_model(args.model, parse_input_shapes(args.input_shape))  # a model we would refuse is not listed
     threads = check_threads(args.threads) or default_threads()
@@ -41,7 +65,16 @@ def run_model(args: argparse.Namespace) -> int:
     from pipeline.relax_import import import_model
 
     imported = import_model(model.proto, model.input_shapes)
-    part = partition_model(imported.mod, parse_target(args.target, threads), args.layout)
+    spec = parse_target(args.target, threads)
+    part = partition_model(imported.mod, spec, args.layout)
+    if export:
+        from pipeline.ms_export import export_metaschedule
+
+        result = export_metaschedule(imported, part, spec, args.records, export)
+        for outcome in result.outcomes:
+            print(outcome.line())
+        print(result.summary())
+        return 0
     print(format_tasks(part.tasks))
     tunable = [t for t in part.tasks if t.task is not None]
     print(f"{len(part.tasks)} tasks, {len(tunable)} tunable ({' / '.join(OP_KINDS)}), "
@@ -49,4 +82,4 @@ def run_model(args: argparse.Namespace) -> int:
     return 0
 
 
-MODEL_MODE = ModelMode(add_model_arguments, lambda args: bool(args.model), run_model)
+MODEL_MODE = ModelMode(add_model_arguments, lambda args: bool(args.model or args.export_metaschedule), run_model)

@@ -2,8 +2,9 @@
 
 Each stage is timed into report.json.  The graph stage is :func:`graphopt.stage.optimize_graph`
 (TASO-style substitutions, measured cost timed with TVM); with ``--skip-graph`` the model is imported and
-exported through
-the graph IR unchanged, so DIR/optimized.onnx is always the graph the library was compiled from.
+exported through the graph IR unchanged, so DIR/optimized.onnx is the graph the library was compiled from - at the input's
+symbolic sizes where the input has them (the stage's folded shape arithmetic computed again, and checked at
+a second size in onnxruntime; :mod:`graphopt.dynamic`), while model.so is built for the fixed sizes.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 import onnx
 
 from graphopt.compare import Comparison, compare_runs
+from graphopt.dynamic import dynamic_model
 from graphopt.cost.factory import make_cost_model
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
@@ -46,22 +48,33 @@ class StageLog:
         log.info("%s stage: %.1f s (%s)", name, seconds, brief)  # shown with -v
 
 
+@dataclass
+class StagedGraph:
+    """The graph stage's result: what the compiler sees (fixed sizes), and the graph its shape constants were
+    folded from (for :func:`graphopt.dynamic.dynamic_model`)."""
+
+    model: onnx.ModelProto
+    graph: Graph
+    unfolded: Graph
+
+
 def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
                 log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
-                runs_here: bool = True, time_limit: float = 60.0) -> onnx.ModelProto:
+                runs_here: bool = True, time_limit: float = 60.0) -> StagedGraph:
     """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM on ``target``
     where this machine can run it, priced analytically otherwise; the stage within ``time_limit`` seconds),
     or the imported graph re-exported."""
     t0 = time.perf_counter()
     legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
     graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
+    unfolded = legal.unfolded or graph
     if legal.changed:
         log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, shape_nodes_folded=legal.folded,
                 nodes=len(graph.nodes))
         t0 = time.perf_counter()
     if skip:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
-        return export_onnx(graph)
+        return StagedGraph(export_onnx(graph), graph, unfolded)
     from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
 
     kind = check_name(target).cost_kind if runs_here else "not-here"  # a kind other than llvm: analytic cost
@@ -75,7 +88,7 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
              "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
-    return export_onnx(result.graph)
+    return StagedGraph(export_onnx(result.graph), result.graph, unfolded)
 
 
 @dataclass
@@ -139,8 +152,9 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
         check_device(tuning.rpc)
     log = StageLog()
-    optimized = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
-                            int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
+    staged = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
+                         int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
+    optimized = staged.model
 
     t0 = time.perf_counter()
     imported = import_model(optimized)
@@ -196,11 +210,15 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     if latency["measured"]:
         log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
                 onnxruntime_ms=latency["onnxruntime_ms"])
+    t0 = time.perf_counter()
+    shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, seed, model.samples)
+    log.add("dynamic_shapes", time.perf_counter() - t0, optimized_onnx=dynamic.form,
+            restored_nodes=dynamic.restored_nodes)
 
     files = {"optimized": "optimized.onnx", "library": "model.so", "report_md": "report.md"}
     with contextlib.suppress(FileNotFoundError):  # report.json is written last: its presence means complete
         (out / "report.json").unlink()
-    if len(save_model(optimized, out / "optimized.onnx")) > 1:  # over 2 GB: its weights in a file beside it
+    if len(save_model(shipped, out / "optimized.onnx")) > 1:  # over 2 GB: its weights in a file beside it
         files["weights"] = external_data_name("optimized.onnx")
     lib = compiled.export(out / "model.so")
     if lib.with_suffix(".hsaco").exists():
@@ -221,6 +239,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                                                  if i.name not in imported.graph.initializers]),
                              tensor_specs(imported.graph.outputs)),
         "latency": latency,
+        "dynamic_shapes": dynamic.to_json(),
         "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
                                         for t in part.tasks],
         "files": files,

@@ -93,7 +93,7 @@ def _shape(ty) -> tuple[int, ...]:
                         "dynamic input") from None
 
 
-def _call_sites(mod: tvm.IRModule):
+def call_sites(mod: tvm.IRModule):
     """(global var, argument shapes + output shape, dtype) of every call_tir in ``main``, in order."""
     call_tir = tvm.ir.Op.get("relax.call_tir")
     main = mod["main"]
@@ -120,7 +120,7 @@ def list_tasks(fused: tvm.IRModule) -> list[FusedTask]:
     """Distinct fused kernels with weights; structurally equal PrimFuncs are merged into one task."""
     by_hash: dict[int, FusedTask] = {}
     tasks: list[FusedTask] = []
-    for gv, shapes, dtype in _call_sites(fused):
+    for gv, shapes, dtype in call_sites(fused):
         func = fused[gv]
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue

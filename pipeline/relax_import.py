@@ -42,6 +42,7 @@ class ImportedModel:
     onnx_model: onnx.ModelProto
     graph: Graph
     mod: tvm.IRModule
+    converted: onnx.ModelProto | None = None  # what TVM's importer converted into ``mod`` (static, legalized)
 
     @property
     def input_names(self) -> list[str]:
@@ -83,4 +84,4 @@ def import_model(source: str | os.PathLike | onnx.ModelProto,
     # onnxruntime keeps running the model as given (its own LSTM kernel is the reference and the baseline);
     # TVM converts the legalized graph.
     frontend_model = export_onnx(legal.graph) if legal.changed else model
-    return ImportedModel(model, legal.graph, to_relax(frontend_model, legal.graph))
+    return ImportedModel(model, legal.graph, to_relax(frontend_model, legal.graph), frontend_model)

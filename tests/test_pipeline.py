@@ -116,14 +116,14 @@ def test_rocm_builds_an_amdgpu_code_object_or_names_what_to_install(tmp_path):
 # ------------------------------------------------------------------------------------------------ partition
 
 def test_bert_tasks_are_fused_merged_and_classified(bert):
-    from pipeline.partition import _call_sites
+    from pipeline.partition import call_sites
 
     _, part, _ = bert
     tasks = part.tasks
     kinds = {t.kind for t in tasks}
     assert {"matmul", "batch_matmul", "other"} <= kinds
     # Every kernel call is accounted to exactly one task, and identical kernels are merged.
-    assert sum(t.weight for t in tasks) == sum(1 for _ in _call_sites(part.mod))
+    assert sum(t.weight for t in tasks) == sum(1 for _ in call_sites(part.mod))
     assert len({t.name for t in tasks}) == len(tasks)
     qkv = [t for t in tasks if t.kind == "matmul" and t.shapes[0] == (1, 128, 128) and t.shapes[1] == (128, 128)
            and len(t.shapes) == 4]

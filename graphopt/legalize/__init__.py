@@ -32,6 +32,9 @@ class Legalized:
     graph: Graph
     lowered: dict[str, int] = field(default_factory=dict)
     folded: int = 0
+    # The graph before its shape arithmetic was folded: what computes the folded constants from the inputs
+    # (graphopt.dynamic restores them from it so the exported model runs at other sizes).
+    unfolded: Graph | None = None
 
     @property
     def changed(self) -> bool:

@@ -6,7 +6,8 @@ API used by the searchers, the measurer and the pipeline:
 * ``apply(task, config, target) -> PrimFunc``: the task's fused PrimFunc scheduled by ``config``, marked
   with the ``tirx.is_scheduled`` attribute (so Relax's default pipeline leaves it alone).  Raises
   :class:`InvalidConfig` for configs rejected before building (not in the space, too many threads, too much
-  shared memory).
+  shared memory).  ``schedule(task, config, target)`` is the same as the ``s_tir.Schedule``, whose trace
+  records the primitives (the MetaSchedule export, :mod:`pipeline.ms_export`, stores it).
 * ``default_config(task, target) -> config``: a heuristic config used without tuning (the pipeline's
   default for every matmul/conv task).
 * ``task_for(name, func) -> Task | None``: a fused PrimFunc as a tuning task, when it has a matmul/conv
@@ -21,6 +22,7 @@ Which family a target kind uses is the ``template`` of its entry in :mod:`kernel
 from __future__ import annotations
 
 import tvm
+from tvm import s_tir
 
 from ..space import SearchSpace
 from .. import conv_nchwc
@@ -29,7 +31,7 @@ from ..targets import kind_of
 from . import cpu, cpu_nchwc, gpu
 from .common import InvalidConfig
 
-__all__ = ["space_for", "apply", "default_config", "InvalidConfig", "template_for", "task_for"]
+__all__ = ["space_for", "apply", "schedule", "default_config", "InvalidConfig", "template_for", "task_for"]
 
 FAMILIES = {"cpu": cpu, "gpu": gpu}  # TargetKind.template -> module
 
@@ -60,9 +62,15 @@ def space_for(task: Task, target) -> SearchSpace:
     return template.space(task, t) if template is cpu_nchwc else template.space(task)
 
 
-def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
+def schedule(task: Task, config, target) -> s_tir.Schedule:
+    """``task.func`` scheduled by ``config``, as the schedule itself: its ``trace`` is the list of primitives
+    that made it, which replays on the same PrimFunc (what a MetaSchedule tuning record stores)."""
     t = _target(target)
-    return _template(task, t).apply(task, config, t)
+    return _template(task, t).schedule(task, config, t)
+
+
+def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
+    return schedule(task, config, target).mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def default_config(task: Task, target):
@@ -79,7 +87,7 @@ def task_for(name: str, func: tvm.tirx.PrimFunc) -> Task | None:
     target = tvm.target.Target({"kind": "llvm"})
     template = _template(task, target)
     try:
-        template.apply(task, template.default_config(task, target), target)
+        template.schedule(task, template.default_config(task, target), target)
     except (RuntimeError, ValueError, IndexError):  # ScheduleError and TVM internal errors are RuntimeErrors
         return None
     return task

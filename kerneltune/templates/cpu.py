@@ -23,7 +23,7 @@ build time, see :mod:`kerneltune.prepack`); for convs ``pad`` (stage/inline).
 from __future__ import annotations
 
 import tvm
-from tvm import tirx
+from tvm import s_tir
 
 from ..space import ChoiceKnob, SearchSpace, divisors
 from ..targets import num_cores, vector_lanes
@@ -80,7 +80,7 @@ def _operand_along(block, task: Task) -> str:
     raise ValueError(f"no operand of {task.anchor} is indexed by {var}")
 
 
-def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
+def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     cfg = check_config(space(task), config)
     factors = tiles(task, cfg, 4, 2)
     p = prepare(task, inline_producers=cfg.get("pad", "inline") == "inline")
@@ -135,7 +135,7 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
     if nb > 1:
         sch.vectorize(sch.get_loops(p.writeback)[-1])
     sch.decompose_reduction(p.anchor, r[0][0])
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return sch
 
 
 def _panel_width(task: Task, factors) -> int:
@@ -260,4 +260,4 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int) -> None:
                 cfg[r][0] *= p
 
 
-__all__ = ["space", "apply", "default_config", "InvalidConfig"]
+__all__ = ["space", "schedule", "default_config", "InvalidConfig"]

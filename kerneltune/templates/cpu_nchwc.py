@@ -27,7 +27,7 @@ is reused by the ``y2 x reg_n`` outputs of the register tile.
 from __future__ import annotations
 
 import tvm
-from tvm import tirx
+from tvm import s_tir
 
 from ..prepack import PREPROC
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
@@ -85,7 +85,7 @@ def _factors(cfg: dict, role: str, task: Task, levels: int) -> tuple[int, ...]:
     return (_extent(task, role),) + (1,) * (levels - 1)
 
 
-def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
+def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     cfg = check_config(space(task, target), config)
     dw = depthwise(task)
     fob, fy, fx = _factors(cfg, "ob", task, 3), _factors(cfg, "y", task, 3), _factors(cfg, "x", task, 2)
@@ -141,7 +141,7 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
     iloops = sch.get_loops(init)
     if d > 1:
         sch.vectorize(iloops[-1])
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return sch
 
 
 def _pack_weight(sch, anchor, task: Task, ocb: int, icb: int, dw: bool) -> None:
@@ -224,4 +224,4 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     }
 
 
-__all__ = ["space", "apply", "default_config", "InvalidConfig"]
+__all__ = ["space", "schedule", "default_config", "InvalidConfig"]

@@ -19,7 +19,7 @@ from :func:`apply`, before anything is built.
 from __future__ import annotations
 
 import tvm
-from tvm import tirx
+from tvm import s_tir
 
 from ..space import ChoiceKnob, DiscreteKnob, SearchSpace
 from ..task import Task
@@ -52,7 +52,7 @@ def _prod(xs) -> int:
     return out
 
 
-def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
+def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     cfg = check_config(space(task), config)
     levels_r = _reduce_levels(task)
     factors = tiles(task, cfg, 4, levels_r)
@@ -106,7 +106,7 @@ def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
     if shared_bytes > max_shared:
         raise InvalidConfig(f"{shared_bytes} bytes of shared memory per block > {max_shared}")
     sch.decompose_reduction(p.anchor, r[0][0])
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return sch
 
 
 def _div(n: int, cap: int) -> int:
@@ -150,7 +150,7 @@ def default_config(task: Task, target: tvm.target.Target):
         values["unroll_explicit"] = 1
         config = tuple(values[n] for n in sp.names)
         try:
-            apply(task, config, target)
+            schedule(task, config, target)
             return config
         except InvalidConfig:
             continue
