@@ -115,6 +115,13 @@ def _mkdir(d: Path) -> None:
         raise _write_error(exc, d / ".") from None
 
 
+def _new_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file under this process's umask (0644 usually)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` (same suffix, so tools that look at it behave) for a writer that
@@ -130,6 +137,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise _write_error(exc, p) from None
     try:
         yield Path(tmp)
+        os.chmod(tmp, _new_file_mode())  # mkstemp makes 0600: give the artifact the mode open() would have
         os.replace(tmp, p)
     except BaseException as exc:
         with contextlib.suppress(OSError):

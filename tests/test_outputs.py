@@ -168,3 +168,25 @@ def test_tuning_plot_names_every_task_and_marks_the_untuned():
     finally:
         plt.close(fig)
 
+
+
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
+    """Artifacts are staged with mkstemp (mode 0600); the renamed file must be readable as any new file is."""
+    import os
+    import stat
+
+    from graphopt.fileio import atomic_path, write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_text_atomic(tmp_path / "report.json", "{}")
+        with atomic_path(tmp_path / "model.so") as tmp:
+            tmp.write_bytes(b"x")
+        with open(tmp_path / "plain.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    plain = stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode)
+    assert plain == 0o644
+    for name in ("report.json", "model.so"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == plain
