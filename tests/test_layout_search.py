@@ -100,6 +100,33 @@ def cnn(hw: int = 12) -> onnx.ModelProto:
     return m
 
 
+def bn_after_concat() -> onnx.ModelProto:
+    """DenseNet's pattern at its smallest: a 16-channel stem concatenated with an 8-channel branch (the
+    features' class has 8-channel blocks at most), and a BatchNormalization of the stem (not after a conv, so
+    no exporter folds it) feeding a conv of its own."""
+    rng = np.random.default_rng(0)
+    inits = []
+
+    def w(name, *shape):
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, shape).astype(np.float32), name))
+        return name
+
+    def conv(x, y, cin, cout, k=1):
+        return helper.make_node("Conv", [x, w(y + "_w", cout, cin, k, k), w(y + "_b", cout)], [y], pads=[k // 2] * 4)
+
+    nodes = [
+        conv("x", "a", 3, 16, k=3),
+        helper.make_node("BatchNormalization", ["a", w("s", 16), w("b", 16), w("m", 16), w("v", 16)], ["n"]),
+        helper.make_node("Relu", ["n"], ["r"]), conv("r", "y", 16, 16, k=3),
+        conv("a", "e", 16, 8), helper.make_node("Concat", ["a", "e"], ["c"], axis=1), conv("c", "z", 24, 8),
+    ]
+    g = helper.make_graph(nodes, "bn_after_concat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "z")], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
 class FakePricer:
     """Prices from a function of the option (kernels) and a per-element transform cost; counts lookups."""
 
@@ -193,6 +220,30 @@ def test_any_priced_decision_compiles_and_equals_onnxruntime(seed):
     assert report.convs == 7
 
 
+def test_every_assignment_of_class_layouts_is_realizable_with_a_bn_outside_a_conv():
+    """The search may give each class any of its candidate layouts; ConvertLayout must realise all of them.  The
+    BN's output is the features' class (its multiply/add carry the layout), not a class of its own: when it
+    was, the heuristic gave it 16c against the features' 8c and ConvertLayout failed ("Invalid layout axis
+    16b"), as it did on DenseNet."""
+    mod = layout.prepare(import_model(bn_after_concat()).mod, layout.LayoutReport())
+    graph = layout.analyze(mod)
+    bn_conv = graph.convs[1]
+    assert graph.classes[bn_conv.inp].channels == 8 and bn_conv.inp == graph.convs[0].out
+    touched = {s.inp for s in graph.convs} | {s.out for s in graph.convs}
+    cands = [layout_search.candidates(c, 16, i in touched) for i, c in enumerate(graph.classes)]
+    picks = list(itertools.product(*cands))
+    assert len(picks) >= 12
+    for pick in picks:
+        plans = layout._Plans()
+        for site in graph.convs:
+            a, d = pick[site.inp], pick[site.out]
+            plans.set(site.weight, layout.ConvPlan(a, d) if a is not None and d is not None else "NCHW here")
+        _, report = layout.realize(mod, plans, layout.LayoutReport())
+        assert report.convs == 4 and report.blocked == sum(pick[s.inp] is not None and pick[s.out] is not None for s in graph.convs)
+    report, _ = compile_and_compare(bn_after_concat(), "nchwc")
+    assert report.blocked == 4 and report.transforms == 3  # the input, the two outputs
+
+
 def test_decisions_are_deterministic_and_margins_break_close_calls():
     # the 16c kernel is 2% dearer than 8c: within the margin, so the heuristic's 16c blocks stay
     close = FakePricer(lambda spec, o: 1e-4 if o.nchw else (1.02e-5 if (o.a, o.d) == (16, 16) else 1e-5))
@@ -217,8 +268,9 @@ def test_modes_and_targets():
 
 
 def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeypatch):
-    """TVM's ConvertLayout has internal checks a real graph can trip (DenseNet's torchscript export did): the
-    model is then compiled as imported, still correct, and the partition's report names the failure."""
+    """TVM's ConvertLayout has internal checks a real graph can trip (DenseNet's torchscript export did until
+    the BN's tuple was resolved): the model is then compiled as imported, still correct, and the partition's
+    report names the failure."""
     import tvm
 
     imported = import_model(cnn())
