@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.compare import compare_outputs
 from graphopt.feeds import random_inputs, run_ort
-from kerneltune.targets import device_for, parse_target
+from kerneltune.targets import device_for, parse_target, vector_lanes
 from pipeline import layout, layout_search, pbqp
 from pipeline.compile import compile_partition, outputs_numpy, to_device
 from pipeline.layout_cost import ConvOption, Pricer
@@ -313,6 +313,22 @@ def test_tune_kernels_lists_nchwc_tasks_and_kernels_conv2d_selects_them(tmp_path
     assert main([str(path), "--list", "--layout", "nchwc", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert " conv2d_nchwc " in out
+    # each conv in its own terms: logical NCHW data * OIHW weights, stride/pad/groups, output, the blocked
+    # layouts it reads -> writes (blocks per the heuristic for this CPU's vector width), and the kernel's name
+    b = layout.channel_block(16, vector_lanes(LLVM.target, "float32"))
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln[:3].strip().isdigit()}
+    stem = next(r for r in rows.values() if "* 16x3x3x3 " in r)
+    assert stem.split()[1:5] == ["conv2d_nchwc", "1", f"{124416 / 1e6:.3f}", "yes"]  # calls, MFLOP per call
+    assert (f"conv 1x3x12x12 * 16x3x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 1 -> 1x16x12x12, NCHW3c -> NCHW{b}c  "
+            "[fused_conv2d_nchwc_add_relu") in stem
+    assert any(f"* 16x1x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 1 depthwise -> 1x16x12x12, NCHW{b}c -> NCHW{b}c"
+               in r for r in rows.values())
+    assert any("conv 1x32x12x12 * 16x32x1x1 (N,C,H,W * O,I,KH,KW) stride 2 pad 0 -> 1x16x6x6, NCHW" in r
+               for r in rows.values())
+    # the grouped conv with 4-channel groups stays NCHW (narrower than a block)
+    assert any(" conv2d " in r and "* 32x4x3x3 (N,C,H,W * O,I,KH,KW) groups 8 -> 1x32x6x6, NCHW -> NCHW" in r
+               for r in rows.values())
+    assert "calls: times one inference runs the kernel" in out and "NCHW16c: blocks of 16 channels" in out
     assert main([str(path), "--list", "--layout", "nchw", "--threads", "2"]) == 0
     assert " conv2d_nchwc " not in capsys.readouterr().out
     part = layout_search.partition_model(import_model(path).mod, LLVM, "nchwc")
