@@ -14,6 +14,8 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
    see through, and Relax's ``clip`` (HardSwish, HardSigmoid) has no layout inference: both become Relax
    ``maximum``/``minimum``; :class:`_ConstantRanks`: constant operands of elementwise ops get the rank the
    blocked layout needs (:func:`constant_rank`: a (C,1,1) scale becomes (1,C,1,1));
+   :class:`_ConvertLayoutWorkarounds`: channel ``split`` and ``squeeze`` with negative axes, whose layout
+   inference is broken in TVM 0.27, rewritten into equivalents whose inference works;
 3. every conv's input and output block: :func:`heuristic_plans` (``--layout nchwc``) or the measured search of
    :mod:`pipeline.layout_search` (``--layout auto``), over the layout classes :func:`analyze` finds;
    :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
@@ -507,6 +509,62 @@ class _ConstantRanks(PyExprMutator):
         return call
 
 
+def split_bounds(channels: int, indices_or_sections) -> list[tuple[int, int]] | None:
+    """``[begin, end)`` of each part of a split of ``channels`` (Relax's ``split``: a section count or the
+    indices to split at), or None when it is not a static split."""
+    try:
+        if isinstance(indices_or_sections, (int, tirx.IntImm)):
+            n = int(indices_or_sections)
+            if n <= 0:
+                return None
+            step = -(-channels // n)
+            cuts = [min(i * step, channels) for i in range(1, n)]
+        else:
+            cuts = [min(max(int(i), 0), channels) for i in indices_or_sections]
+    except (TypeError, ValueError):
+        return None
+    edges = [0, *cuts, channels]
+    return [(edges[i], max(edges[i], edges[i + 1])) for i in range(len(edges) - 1)]
+
+
+@mutator
+class _ConvertLayoutWorkarounds(PyExprMutator):
+    """Rewrites, exact, of two ops whose layout inference in TVM 0.27's ConvertLayout is broken:
+
+    * a channel ``split`` of a 4-d tensor -> one ``strided_slice`` per part: ``split``'s inference mishandles a
+      blocked input (a 32-channel NCHW16c tensor split at 16 gave a part of 32 channels, and the conv reading
+      it failed to type-check), ``strided_slice``'s does not (YOLO's C2f, ShuffleNet's channel split, GLU);
+    * ``squeeze`` with negative axes -> the same axes counted from the front: its inference dies with
+      ``std::bad_alloc`` on them, whatever the layouts (ViT from torch's dynamo exporter).
+    """
+
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.mod = mod
+
+    def transform(self) -> tvm.IRModule:
+        return _rewrite_functions(self)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
+        call = super().visit_call_(call)
+        if _is_op(call, "relax.squeeze") and call.attrs.axis is not None:
+            rank = getattr(call.args[0].ty, "ndim", -1)
+            axes = [int(a) for a in call.attrs.axis]
+            if rank > 0 and any(a < 0 for a in axes):
+                return relax.op.squeeze(call.args[0], [a % rank for a in axes])
+            return call
+        if not _is_op(call, "relax.split"):
+            return call
+        shape = _shape(call.args[0])
+        if shape is None or len(shape) != 4 or int(call.attrs.axis) not in (1, -3):
+            return call
+        bounds = split_bounds(shape[1], call.attrs.indices_or_sections)
+        if bounds is None:
+            return call
+        return relax.Tuple([self.builder_.emit(relax.op.strided_slice(call.args[0], [1], [b], [e]))
+                            for b, e in bounds])
+
+
 @mutator
 class _MergeGroups(PyExprMutator):
     """Grouped convs whose groups are narrower than their blocks get block-diagonally merged groups."""
@@ -587,7 +645,8 @@ def prepare(mod: tvm.IRModule, report: LayoutReport) -> tvm.IRModule:
     folded), Clip lifted to maximum/minimum, constant operands of elementwise ops given the rank the blocked
     layout needs."""
     T = relax.transform
-    mod = tvm.transform.Sequential([T.DecomposeOpsForInference(), T.CanonicalizeBindings(), T.FoldConstant()])(mod)
+    mod = _ConvertLayoutWorkarounds(T.DecomposeOpsForInference()(mod)).transform()
+    mod = tvm.transform.Sequential([T.CanonicalizeBindings(), T.FoldConstant()])(mod)
     mod = _Lift(mod, report).transform()
     mod = _ConstantRanks(mod, report).transform()
     return T.DeadCodeElimination()(mod)

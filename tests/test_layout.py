@@ -97,6 +97,21 @@ class ScaledCNN(nn.Module):
         return self.c(x) * self.one
 
 
+class SplitCNN(nn.Module):
+    """YOLOv8's C2f pattern: a conv's channels split in two (ONNX Split: ``torch.split`` from either exporter,
+    ``chunk`` from dynamo), one half through more convs, everything concatenated again."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, 1, 1)
+        self.m = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1), nn.SiLU())
+        self.out = nn.Conv2d(48, 16, 1)
+
+    def forward(self, x):
+        a, b = torch.relu(self.stem(x)).split([16, 16], 1)
+        return self.out(torch.cat([a, b, self.m(b)], 1))
+
+
 def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False) -> onnx.ModelProto:
     torch.manual_seed(0)
     model.eval()
@@ -211,3 +226,18 @@ def test_constants_of_any_rank_keep_the_blocked_layout_or_leave_it_cleanly():
     report, _ = compile_and_compare(export(ScaledCNN()))
     assert report.convs == report.blocked == 3
     assert report.reshaped_constants == 3 and report.transforms == 4
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_channel_split_is_correct(dynamo):
+    """ConvertLayout's own ``split`` inference broke on a blocked input (a 32-channel NCHW16c tensor split at 16
+    gave a 32-channel part: "error: internal ValueError" from optimize-model); the split is now two slices."""
+    report, _ = compile_and_compare(export(SplitCNN(), dynamo=dynamo))
+    assert report.convs == report.blocked == 3
+
+
+def test_split_bounds():
+    assert layout.split_bounds(32, [16]) == [(0, 16), (16, 32)]
+    assert layout.split_bounds(32, 2) == [(0, 16), (16, 32)]
+    assert layout.split_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]  # Relax/ONNX: the last part is smaller
+    assert layout.split_bounds(24, [8, 16]) == [(0, 8), (8, 16), (16, 24)]

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import onnx
 import pytest
+import tvm
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.compare import compare_outputs
@@ -244,6 +245,24 @@ def test_every_assignment_of_class_layouts_is_realizable_with_a_bn_outside_a_con
     assert report.blocked == 4 and report.transforms == 3  # the input, the two outputs
 
 
+def test_squeeze_with_a_negative_axis_is_converted():
+    """ConvertLayout died with std::bad_alloc on ``squeeze`` with a negative axis anywhere in the model (ViT from
+    torch's dynamo exporter squeezes axis -2), and the model fell back to NCHW."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(-1, 1, s).astype(np.float32), n)
+             for n, s in (("w1", (16, 3, 3, 3)), ("w2", (8, 16, 1, 1)))]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("at2", [2]), ("at_m3", [-3]))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1] * 4), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Unsqueeze", ["r", "at2"], ["u"]), helper.make_node("Squeeze", ["u", "at_m3"], ["s"]),
+             helper.make_node("Conv", ["s", "w2"], ["y"])]
+    g = helper.make_graph(nodes, "squeeze", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    report, _ = compile_and_compare(m, "nchwc")
+    assert report.convs == report.blocked == 2 and report.failed is None
+
+
 def test_decisions_are_deterministic_and_margins_break_close_calls():
     # the 16c kernel is 2% dearer than 8c: within the margin, so the heuristic's 16c blocks stay
     close = FakePricer(lambda spec, o: 1e-4 if o.nchw else (1.02e-5 if (o.a, o.d) == (16, 16) else 1e-5))
@@ -267,20 +286,25 @@ def test_modes_and_targets():
         layout_search.convert(imported.mod, LLVM, "nhwc")
 
 
-def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeypatch):
+@pytest.mark.parametrize("error,said", [
+    (tvm.error.InternalError("Traceback\n  Check failed: axis.size() == 1 (3 vs. 1) : Invalid layout axis 16b"),
+     "Invalid layout axis 16b"),
+    (ValueError("The channel size of the data should equal to the product of input channel size of the weight "
+                "and the number of groups."), "The channel size of the data"),
+], ids=["internal", "type-check"])
+def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeypatch, error, said):
     """TVM's ConvertLayout has internal checks a real graph can trip (DenseNet's torchscript export did until
     the BN's tuple was resolved): the model is then compiled as imported, still correct, and the partition's
     report names the failure."""
-    import tvm
-
     imported = import_model(cnn())
 
     def broken(*args, **kwargs):
-        raise tvm.error.InternalError("Traceback\n  Check failed: axis.size() == 1 (3 vs. 1) : Invalid layout axis 16b")
+        raise error
 
     monkeypatch.setattr(layout_search.layout, "to_nchwc", broken)
     part = layout_search.partition_model(imported.mod, LLVM, "nchwc")
-    assert part.layout["mode"] == "nchw" and "Invalid layout axis" in part.layout["failed"]
+    assert part.layout["mode"] == "nchw" and part.layout["failed"].startswith("nchwc: ")
+    assert said in part.layout["failed"]
     compiled = compile_partition(imported, part, LLVM)
     feeds = random_inputs(imported.graph, 0)
     got = outputs_numpy(compiled.vm()["main"](*to_device(feeds, compiled.input_names, device_for(LLVM))))
