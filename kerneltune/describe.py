@@ -28,7 +28,7 @@ def describe_conv_nchwc(spec: conv_nchwc.ConvSpec) -> str:
     the logical convolution, then the blocked layouts of its data and output (``a``/``d`` channels a block;
     the weight stays logical OIHW in the graph and is packed at build time)."""
     pad = spec.pad
-    params = [f"stride {_pair(spec.stride)}", "pad " + (str(pad[0]) if len(set(pad)) == 1 else ",".join(map(str, pad)))]
+    params = [f"stride {_pair(spec.stride)}", f"pad {pad[0] if len(set(pad)) == 1 else ','.join(map(str, pad))}"]
     if spec.dilation != (1, 1):
         params.append(f"dilation {_pair(spec.dilation)}")
     if spec.depthwise:
@@ -48,7 +48,7 @@ def describe(task: Task) -> str:
     if task.kind == "conv2d":
         data = next((t.shape for t in task.inputs if len(t.shape) == 4 and t.shape[1] == d["C"]), None)
         weight = (d["F"], d["C"] // d["G"], d["KH"], d["KW"])
-        groups = " depthwise" if d["G"] > 1 and d["G"] == d["C"] == d["F"] else f" groups {d['G']}" if d["G"] > 1 else ""
+        groups = "" if d["G"] == 1 else " depthwise" if d["G"] == d["C"] == d["F"] else f" groups {d['G']}"
         src = _x(data) if data is not None else f"{d['N']}x{d['C']}xHxW"
         return (f"conv {src} * {_x(weight)} (N,C,H,W * O,I,KH,KW){groups} -> {_x((d['N'], d['F'], d['OH'], d['OW']))}"
                 ", NCHW -> NCHW")

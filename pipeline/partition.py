@@ -21,6 +21,7 @@ from tvm import relax
 
 from graphopt.errors import UserError
 from kerneltune import templates
+from kerneltune.describe import describe
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
@@ -186,8 +187,6 @@ def format_tasks(tasks: list[FusedTask]) -> str:
     """The ``--list`` table: index, kind, calls, MFLOP per call, tunable, what the kernel computes (in the
     operator's own terms, :func:`kerneltune.describe.describe`, or its argument shapes) and its name; then
     :data:`LIST_LEGEND`."""
-    from kerneltune.describe import describe
-
     lines = [f"{'idx':>3}  {'kind':<12} {'calls':>5} {'MFLOP':>10}  {'tunable':<7}  what it computes  [kernel name]"]
     for t in tasks:
         if t.task is not None:

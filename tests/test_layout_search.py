@@ -121,7 +121,8 @@ def bn_after_concat() -> onnx.ModelProto:
         helper.make_node("Relu", ["n"], ["r"]), conv("r", "y", 16, 16, k=3),
         conv("a", "e", 16, 8), helper.make_node("Concat", ["a", "e"], ["c"], axis=1), conv("c", "z", 24, 8),
     ]
-    g = helper.make_graph(nodes, "bn_after_concat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+    g = helper.make_graph(nodes, "bn_after_concat",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
                           [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "z")], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
@@ -240,7 +241,8 @@ def test_every_assignment_of_class_layouts_is_realizable_with_a_bn_outside_a_con
             a, d = pick[site.inp], pick[site.out]
             plans.set(site.weight, layout.ConvPlan(a, d) if a is not None and d is not None else "NCHW here")
         _, report = layout.realize(mod, plans, layout.LayoutReport())
-        assert report.convs == 4 and report.blocked == sum(pick[s.inp] is not None and pick[s.out] is not None for s in graph.convs)
+        blocked = sum(pick[s.inp] is not None and pick[s.out] is not None for s in graph.convs)
+        assert report.convs == 4 and report.blocked == blocked
     report, _ = compile_and_compare(bn_after_concat(), "nchwc")
     assert report.blocked == 4 and report.transforms == 3  # the input, the two outputs
 
