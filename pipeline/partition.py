@@ -179,8 +179,9 @@ def select_tasks(tasks: list[FusedTask], selector: str | None) -> list[FusedTask
 LIST_LEGEND = (
     "calls: times one inference runs the kernel; MFLOP: per call; tunable: a template covers it "
     "(optimize-model --kernels IDX,KIND,GLOB picks tasks)\n"
-    "conv: logical NCHW data * OIHW weights -> output, then the layout the kernel reads -> writes "
-    "(NCHW16c: blocks of 16 channels, NCHW: unblocked); other kernels: argument shapes -> output shape")
+    "conv: logical NCHW data * OIHW weights (pad top,left,bottom,right when not one number) -> output, then the "
+    "layout the kernel reads -> writes (NCHW16c: blocks of 16 channels, NCHW: unblocked); other kernels: "
+    "argument shapes -> output shape")
 
 
 def format_tasks(tasks: list[FusedTask]) -> str:

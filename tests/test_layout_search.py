@@ -352,8 +352,8 @@ def test_tune_kernels_lists_nchwc_tasks_and_kernels_conv2d_selects_them(tmp_path
     assert any("conv 1x32x12x12 * 16x32x1x1 (N,C,H,W * O,I,KH,KW) stride 2 pad 0 -> 1x16x6x6, NCHW" in r
                for r in rows.values())
     # the grouped conv with 4-channel groups stays NCHW (narrower than a block)
-    assert any(" conv2d " in r and "* 32x4x3x3 (N,C,H,W * O,I,KH,KW) groups 8 -> 1x32x6x6, NCHW -> NCHW" in r
-               for r in rows.values())
+    assert any(" conv2d " in r and "conv 1x32x12x12 * 32x4x3x3 (N,C,H,W * O,I,KH,KW) stride 2 pad 1 groups 8 -> "
+               "1x32x6x6, NCHW -> NCHW" in r for r in rows.values())
     assert "calls: times one inference runs the kernel" in out and "NCHW16c: blocks of 16 channels" in out
     assert main([str(path), "--list", "--layout", "nchw", "--threads", "2"]) == 0
     assert " conv2d_nchwc " not in capsys.readouterr().out
@@ -361,6 +361,43 @@ def test_tune_kernels_lists_nchwc_tasks_and_kernels_conv2d_selects_them(tmp_path
     picked = select_tasks(part.tasks, "conv2d")
     assert picked and {t.kind for t in picked} <= {"conv2d", "conv2d_nchwc"} and "conv2d_nchwc" in {t.kind for t in picked}
     assert part.layout["blocked"] >= 6
+
+
+def test_listing_describes_each_conv_the_same_in_nchw_and_nchwc():
+    """The NCHW conv's stride, padding and dilation are read off its PrimFunc, the NCHWc conv's from its spec:
+    both descriptions of one conv agree (dilated, asymmetric padding, strided and grouped, 1x1)."""
+    from kerneltune.describe import describe
+
+    rng = np.random.default_rng(0)
+    inits = []
+
+    def conv(x, y, cin, cout, k, **attrs):
+        inits.append(numpy_helper.from_array(rng.uniform(-1, 1, (cout, cin // attrs.get("group", 1), k, k))
+                                             .astype(np.float32), y + "_w"))
+        return helper.make_node("Conv", [x, y + "_w"], [y], **attrs)
+
+    nodes = [conv("x", "a", 3, 16, 3, dilations=[2, 2], pads=[2, 2, 2, 2]),
+             conv("a", "b", 16, 16, 3, pads=[0, 1, 1, 0]),
+             conv("b", "c", 16, 32, 3, strides=[2, 2], pads=[1, 1, 1, 1], group=2),
+             conv("c", "y", 32, 16, 1)]
+    g = helper.make_graph(nodes, "geometry", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 6, 6])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    mod = import_model(m).mod
+    said = {}
+    for mode in ("nchw", "nchwc"):
+        tasks = [t for t in layout_search.partition_model(mod, LLVM, mode).tasks if t.task is not None]
+        said[mode] = [describe(t.task).rsplit(", ", 1) for t in tasks]
+    assert [d for d, _ in said["nchw"]] == [d for d, _ in said["nchwc"]]
+    assert {lay for _, lay in said["nchw"]} == {"NCHW -> NCHW"}
+    assert sum(lay.endswith("c") for _, lay in said["nchwc"]) >= 3  # the 8-channel groups may stay NCHW
+    assert [d for d, _ in said["nchw"]] == [
+        "conv 1x3x12x12 * 16x3x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 2 dilation 2 -> 1x16x12x12",
+        "conv 1x16x12x12 * 16x16x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 0,1,1,0 -> 1x16x11x11",
+        "conv 1x16x11x11 * 32x8x3x3 (N,C,H,W * O,I,KH,KW) stride 2 pad 1 groups 2 -> 1x32x6x6",
+        "conv 1x32x6x6 * 16x32x1x1 (N,C,H,W * O,I,KH,KW) stride 1 pad 0 -> 1x16x6x6",
+    ]
 
 
 def test_optimize_model_reports_the_layout(tmp_path):
