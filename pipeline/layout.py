@@ -4,10 +4,18 @@ in the blocked layout, transforms only at the edges (NeoCPU, Liu et al., USENIX 
 Runs on the imported Relax module, before :func:`pipeline.partition.partition` fuses it:
 
 1. ``DecomposeOpsForInference``: BatchNormalization becomes a per-channel multiply/add (layout-agnostic
-   elementwise ops, fused into the conv's epilogue later);
+   elementwise ops, fused into the conv's epilogue later).  It leaves ``(y, mean, var)[0]`` behind:
+   ``CanonicalizeBindings`` makes that ``y`` itself, or :func:`analyze` would see a tensor of unknown origin
+   after every BN that is not folded into a conv (DenseNet's BN after each concat) and could give it another
+   block than ``y``, which ConvertLayout carries into it ("Invalid layout axis 16b": it cannot transform
+   between two blocks).  ``FoldConstant`` turns the BN's and biases' reshaped parameters into constants
+   (otherwise each counts as a tensor entering the class in NCHW);
 2. :class:`_Lift`: ONNX ``Clip`` arrives as ``call_tir`` of TOPI's maximum/minimum, which no layout pass can
    see through, and Relax's ``clip`` (HardSwish, HardSigmoid) has no layout inference: both become Relax
-   ``maximum``/``minimum``;
+   ``maximum``/``minimum``; :class:`_ConstantRanks`: constant operands of elementwise ops get the rank the
+   blocked layout needs (:func:`constant_rank`: a (C,1,1) scale becomes (1,C,1,1));
+   :class:`_ConvertLayoutWorkarounds`: channel ``split`` and ``squeeze`` with negative axes, whose layout
+   inference is broken in TVM 0.27, rewritten into equivalents whose inference works;
 3. every conv's input and output block: :func:`heuristic_plans` (``--layout nchwc``) or the measured search of
    :mod:`pipeline.layout_search` (``--layout auto``), over the layout classes :func:`analyze` finds;
    :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
@@ -49,6 +57,7 @@ class LayoutReport:
     blocked: int = 0  # of which run in NCHWc
     merged_groups: int = 0  # grouped convs whose groups were merged to fill a block
     lifted: int = 0  # call_tir maximum/minimum and clip turned into Relax maximum/minimum
+    reshaped_constants: int = 0  # constant operands given the rank the blocked layout needs (constant_rank)
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
     kept_nchw: list[str] = field(default_factory=list)  # why convs stayed NCHW
     search: dict | None = None  # the cost-based search's summary (mode auto)
@@ -437,6 +446,125 @@ class _Lift(PyExprMutator):
         return call
 
 
+# Elementwise ops with numpy broadcasting whose constant operand :class:`_ConstantRanks` may reshape.
+_BINARY = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
+           "relax.power")
+
+
+def constant_rank(const: tuple[int, ...], act: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape to give a constant of shape ``const`` combined elementwise with a 4-d NCHW activation of shape
+    ``act``, or None to leave it.  The result broadcasts against ``act`` exactly as ``const`` did (only leading
+    ones are added or dropped, and only where the op's result keeps ``act``'s shape); what changes is what
+    ConvertLayout can do with it:
+
+    * one element -> a scalar (rank 0): any layout takes it;
+    * per channel, e.g. (C,1,1) -> (1,C,1,1): transformed into the blocked layout once, at build time, like a
+      bias (a rank-3 operand makes ConvertLayout put the activation back into NCHW for the op);
+    * constant over channels at rank 4, e.g. (1,1,1,W) -> (W,): a blocked layout cannot hold a tensor of one
+      channel (ConvertLayout fails: "Cannot broadcast from 5 to 4"); at a lower rank the op runs in NCHW.
+    """
+    if len(act) != 4 or len(const) > 4:
+        return None
+    padded = (1,) * (4 - len(const)) + tuple(const)
+    if padded[0] != 1 or any(c not in (1, a) for c, a in zip(padded, act)):
+        return None  # a batch of constants, or the constant widens the result
+    if math.prod(const) == 1:
+        want: tuple[int, ...] = ()
+    elif padded[1] == act[1]:
+        want = padded
+    else:
+        k = 0
+        while padded[k] == 1:
+            k += 1
+        want = padded[k:]
+    return None if want == tuple(const) else want
+
+
+@mutator
+class _ConstantRanks(PyExprMutator):
+    """Constant operands of elementwise ops with a 4-d activation reshaped by :func:`constant_rank`."""
+
+    def __init__(self, mod: tvm.IRModule, report: LayoutReport):
+        super().__init__(mod)
+        self.mod, self.report = mod, report
+
+    def transform(self) -> tvm.IRModule:
+        return _rewrite_functions(self)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
+        call = super().visit_call_(call)
+        if not isinstance(call.op, tvm.ir.Op) or call.op.name not in _BINARY or len(call.args) != 2:
+            return call
+        args = list(call.args)
+        for i in (0, 1):
+            c, act = args[i], _shape(args[1 - i])
+            if not isinstance(c, tvm.ir.Constant) or isinstance(args[1 - i], tvm.ir.Constant) or act is None:
+                continue
+            want = constant_rank(tuple(int(d) for d in c.value.shape), act)
+            if want is None:
+                continue
+            args[i] = relax.const(c.value.numpy().reshape(want))
+            self.report.reshaped_constants += 1
+            return getattr(relax.op, call.op.name.split(".")[-1])(*args)  # no attrs: _BINARY ops have none
+        return call
+
+
+def split_bounds(channels: int, indices_or_sections) -> list[tuple[int, int]] | None:
+    """``[begin, end)`` of each part of a split of ``channels`` (Relax's ``split``: a section count or the
+    indices to split at), or None when it is not a static split."""
+    try:
+        if isinstance(indices_or_sections, (int, tirx.IntImm)):
+            n = int(indices_or_sections)
+            if n <= 0:
+                return None
+            step = -(-channels // n)
+            cuts = [min(i * step, channels) for i in range(1, n)]
+        else:
+            cuts = [min(max(int(i), 0), channels) for i in indices_or_sections]
+    except (TypeError, ValueError):
+        return None
+    edges = [0, *cuts, channels]
+    return [(edges[i], max(edges[i], edges[i + 1])) for i in range(len(edges) - 1)]
+
+
+@mutator
+class _ConvertLayoutWorkarounds(PyExprMutator):
+    """Rewrites, exact, of two ops whose layout inference in TVM 0.27's ConvertLayout is broken:
+
+    * a channel ``split`` of a 4-d tensor -> one ``strided_slice`` per part: ``split``'s inference mishandles a
+      blocked input (a 32-channel NCHW16c tensor split at 16 gave a part of 32 channels, and the conv reading
+      it failed to type-check), ``strided_slice``'s does not (YOLO's C2f, ShuffleNet's channel split, GLU);
+    * ``squeeze`` with negative axes -> the same axes counted from the front: its inference dies with
+      ``std::bad_alloc`` on them, whatever the layouts (ViT from torch's dynamo exporter).
+    """
+
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.mod = mod
+
+    def transform(self) -> tvm.IRModule:
+        return _rewrite_functions(self)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
+        call = super().visit_call_(call)
+        if _is_op(call, "relax.squeeze") and call.attrs.axis is not None:
+            rank = getattr(call.args[0].ty, "ndim", -1)
+            axes = [int(a) for a in call.attrs.axis]
+            if rank > 0 and any(a < 0 for a in axes):
+                return relax.op.squeeze(call.args[0], [a % rank for a in axes])
+            return call
+        if not _is_op(call, "relax.split"):
+            return call
+        shape = _shape(call.args[0])
+        if shape is None or len(shape) != 4 or int(call.attrs.axis) not in (1, -3):
+            return call
+        bounds = split_bounds(shape[1], call.attrs.indices_or_sections)
+        if bounds is None:
+            return call
+        return relax.Tuple([self.builder_.emit(relax.op.strided_slice(call.args[0], [1], [b], [e]))
+                            for b, e in bounds])
+
+
 @mutator
 class _MergeGroups(PyExprMutator):
     """Grouped convs whose groups are narrower than their blocks get block-diagonally merged groups."""
@@ -513,9 +641,15 @@ def count_transforms(mod: tvm.IRModule) -> int:
 
 
 def prepare(mod: tvm.IRModule, report: LayoutReport) -> tvm.IRModule:
-    """Steps 1-2 of the module docstring: BatchNormalization decomposed, Clip lifted to maximum/minimum."""
-    mod = relax.transform.DecomposeOpsForInference()(mod)
-    return _Lift(mod, report).transform()
+    """Steps 1-2 of the module docstring: BatchNormalization decomposed (and its tuple resolved, its constants
+    folded), Clip lifted to maximum/minimum, constant operands of elementwise ops given the rank the blocked
+    layout needs."""
+    T = relax.transform
+    mod = _ConvertLayoutWorkarounds(T.DecomposeOpsForInference()(mod)).transform()
+    mod = tvm.transform.Sequential([T.CanonicalizeBindings(), T.FoldConstant()])(mod)
+    mod = _Lift(mod, report).transform()
+    mod = _ConstantRanks(mod, report).transform()
+    return T.DeadCodeElimination()(mod)
 
 
 Planner = Callable[[LayoutGraph], _Plans]

@@ -209,11 +209,12 @@ def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> 
     """:func:`convert` then :func:`pipeline.partition.partition`; the partition carries the layout report.
 
     The blocked layout is an optimization: where TVM's ``ConvertLayout`` rejects a graph (an internal check
-    in its layout inference), the model runs as imported, in NCHW, and the report says why, rather than the
-    user getting no model at all."""
+    in its layout inference, or a ValueError from type-checking the IR its layout inference wrote, as its
+    ``split`` did), the model runs as imported, in NCHW, and the report says why, rather than the user
+    getting no model at all."""
     try:
         converted, report = convert(mod, spec, mode)
-    except tvm.error.InternalError as exc:
+    except (tvm.error.InternalError, ValueError) as exc:
         first = next((ln for ln in str(exc).splitlines() if "Check failed" in ln), str(exc).splitlines()[0])
         log.warning("warning: the NCHWc layout pass failed (%s); the model runs in NCHW", first.strip()[:200])
         converted, report = mod, layout.LayoutReport(mode="nchw", failed=f"{mode}: {first.strip()[:200]}")

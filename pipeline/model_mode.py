@@ -21,8 +21,8 @@ from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("model", nargs="?", help="ONNX model: work on its fused kernels instead of one --op")
-    g.add_argument("--list", action="store_true", help="with MODEL: list its tasks (index, kind, weight, "
-                                                       "GFLOP, shapes) and exit")
+    g.add_argument("--list", action="store_true", help="with MODEL: list its tasks (index, kind, calls per "
+                                                       "inference, MFLOP per call, what each computes) and exit")
     g.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="with MODEL: fix a dynamic input's shape (repeatable)")
     g.add_argument("--layout", default="auto", choices=LAYOUTS, help=f"with MODEL: {LAYOUT_HELP}")

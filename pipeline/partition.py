@@ -21,6 +21,7 @@ from tvm import relax
 
 from graphopt.errors import UserError
 from kerneltune import templates
+from kerneltune.describe import describe
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
@@ -175,11 +176,25 @@ def select_tasks(tasks: list[FusedTask], selector: str | None) -> list[FusedTask
     return [picked[i] for i in sorted(picked)]
 
 
+LIST_LEGEND = (
+    "calls: times one inference runs the kernel; MFLOP: per call; tunable: a template covers it "
+    "(optimize-model --kernels IDX,KIND,GLOB picks tasks)\n"
+    "conv: logical NCHW data * OIHW weights (pad top,left,bottom,right when not one number) -> output, then the "
+    "layout the kernel reads -> writes (NCHW16c: blocks of 16 channels, NCHW: unblocked); other kernels: "
+    "argument shapes -> output shape")
+
+
 def format_tasks(tasks: list[FusedTask]) -> str:
-    """The ``--list`` table: index, kind, weight, GFLOP per call, shapes, name."""
-    lines = [f"{'idx':>3}  {'kind':<12} {'weight':>6} {'GFLOP':>8}  {'tunable':<7}  shapes -> name"]
+    """The ``--list`` table: index, kind, calls, MFLOP per call, tunable, what the kernel computes (in the
+    operator's own terms, :func:`kerneltune.describe.describe`, or its argument shapes) and its name; then
+    :data:`LIST_LEGEND`."""
+    lines = [f"{'idx':>3}  {'kind':<12} {'calls':>5} {'MFLOP':>10}  {'tunable':<7}  what it computes  [kernel name]"]
     for t in tasks:
-        shapes = " ".join("x".join(map(str, s)) or "scalar" for s in t.shapes)
-        lines.append(f"{t.index:>3}  {t.kind:<12} {t.weight:>6} {t.flops / 1e9:>8.4f}  "
-                     f"{'yes' if t.task is not None else 'no':<7}  {shapes} -> {t.name}")
-    return "\n".join(lines)
+        if t.task is not None:
+            what = describe(t.task)
+        else:
+            dims = ["x".join(map(str, s)) or "scalar" for s in t.shapes]
+            what = f"{' '.join(dims[:-1])} -> {dims[-1]}"
+        lines.append(f"{t.index:>3}  {t.kind:<12} {t.weight:>5} {t.flops / 1e6:>10.3f}  "
+                     f"{'yes' if t.task is not None else 'no':<7}  {what}  [{t.name}]")
+    return "\n".join(lines + [LIST_LEGEND])

@@ -120,12 +120,6 @@ def test_round_trip(corpus, model, exporter):
 
 @pytest.mark.parametrize("model,exporter", _params(PIPELINE_XFAIL))
 def test_pipeline_default_schedules(corpus, model, exporter, tmp_path):
-    import tvm
-    from tvm import relax
-
-    from graphopt.dynamic import OPTIMIZED, STATIC
-    from kerneltune.native_log import quiet_native_stderr
-    from pipeline.compile import outputs_numpy
     from pipeline.optimize_model import TuneOptions, optimize_model
 
     entry = corpus(model, exporter)
@@ -140,10 +134,23 @@ def test_pipeline_default_schedules(corpus, model, exporter, tmp_path):
                          inputs=str(inputs) if inputs else None)
     stages = res.report["stages"]
     assert stages["partition"]["tasks"] > 0 and stages["compile"]["ok"], stages["compile"]
+    # the layout stage realized what it decided: no model falls back to NCHW because TVM rejected the layout
+    assert "failed" not in stages["partition"]["layout"], stages["partition"]["layout"]
+    _check_library(out, m, res.report)
 
-    # the written library, run here: the product's check inputs (or the model's valid sample inputs)
+
+def _check_library(out: Path, m: ExportedModel, report: dict) -> None:
+    """The written library, run here: the product's check inputs (or the model's valid sample inputs), against
+    onnxruntime on the model as exported."""
+    import tvm
+    from tvm import relax
+
+    from graphopt.dynamic import OPTIMIZED, STATIC
+    from kerneltune.native_log import quiet_native_stderr
+    from pipeline.compile import outputs_numpy
+
     # optimized.onnx keeps the export's symbolic axes (checked at a second size in onnxruntime): fix them again
-    dynamic = res.report["dynamic_shapes"]
+    dynamic = report["dynamic_shapes"]
     assert dynamic["optimized_onnx"] == (OPTIMIZED if m.input_shapes else STATIC), dynamic["reason"]
     graph = import_onnx(onnx.load(str(out / "optimized.onnx")), m.input_shapes or None, require_static=True)
     feeds = _feeds_for(m, graph)
@@ -153,6 +160,23 @@ def test_pipeline_default_schedules(corpus, model, exporter, tmp_path):
         vm = relax.VirtualMachine(tvm.runtime.load_module(str(out / "model.so")), dev)
         got = outputs_numpy(vm["main"](*[tvm.runtime.tensor(feeds[n], dev) for n in names]))
     _assert_close(got, run_ort(m.model, feeds), ATOL, RTOL)  # symbolic axes take the feeds' sizes
+
+
+def test_densenet_runs_blocked(corpus, tmp_path):
+    """DenseNet keeps a BatchNormalization after every concat (no conv to fold it into).  TVM's ConvertLayout
+    once rejected it ("Invalid layout axis 16b") and the model fell back to NCHW; with ``--layout nchwc`` every
+    conv now runs blocked, with layout transforms only at the model's input and output."""
+    from pipeline.optimize_model import TuneOptions, optimize_model
+
+    entry = corpus("densenet", "torchscript")
+    out = tmp_path / "out"
+    res = optimize_model(str(entry.path), "llvm", str(out), threads=2, skip_graph=True, layout="nchwc",
+                         tuning=TuneOptions(skip=True, progress=False))
+    lay = res.report["stages"]["partition"]["layout"]
+    assert lay["mode"] == "nchwc" and "failed" not in lay, lay
+    assert lay["convs"] == lay["blocked"] == 10 and lay["transforms"] == 2, lay
+    assert sum(t["kind"] == "conv2d_nchwc" for t in res.report["tasks"]) >= 5
+    _check_library(out, entry.exported, res.report)
 
 
 # ------------------------------------------------------------------------------------------------ control input

@@ -58,6 +58,60 @@ class ConcatCNN(nn.Module):
         return self.out(x)
 
 
+class DenseCNN(nn.Module):
+    """DenseNet's pattern (Huang et al., "Densely Connected Convolutional Networks", CVPR'17): every layer is
+    BN -> ReLU -> conv on the concat of all earlier features (16, 16+8, 16+8+8 channels).  The concats tie the
+    features into one class of gcd 8 channels; the BNs cannot be folded into a conv, so the exporter keeps them.
+    Until the BN's tuple was resolved, the BN's output started a class of its own (16c where the features were
+    8c) and ConvertLayout failed with "Invalid layout axis 16b"."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 1, 1)
+        self.layers = nn.ModuleList(nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, 8, 3, 1, 1))
+                                    for c in (16, 24))
+        self.out = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 16, 1))
+
+    def forward(self, x):
+        feats = [self.stem(x)]
+        for layer in self.layers:
+            feats.append(layer(torch.cat(feats, 1)))
+        return self.out(torch.cat(feats, 1))
+
+
+class ScaledCNN(nn.Module):
+    """Constants of other ranks than (1,C,1,1) between convs: a per-channel (C,1,1) scale (ConvNeXt's layer
+    scale, BN folded by hand), a one-element scale and a (W,)-shaped offset that varies along the width."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 16, 3, 1, 1)
+        self.b = nn.Conv2d(16, 16, 3, 1, 1)
+        self.c = nn.Conv2d(16, 16, 1)
+        self.scale = nn.Parameter(torch.rand(16, 1, 1) + 0.5)
+        self.one = nn.Parameter(torch.tensor([1.5]))
+        self.along_w = nn.Parameter(torch.rand(1, 1, 1, 32))
+
+    def forward(self, x):
+        x = self.b(torch.relu(self.a(x)) * self.scale) + self.along_w
+        return self.c(x) * self.one
+
+
+class SplitCNN(nn.Module):
+    """YOLOv8's C2f pattern: a conv's channels split in two (ONNX Split: ``torch.split`` from either exporter,
+    ``chunk`` from dynamo), one half through more convs, everything concatenated again."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, 1, 1)
+        self.m = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1), nn.SiLU())
+        self.out = nn.Conv2d(48, 16, 1)
+
+    def forward(self, x):
+        a, b = torch.relu(self.stem(x)).split([16, 16], 1)
+        return self.out(torch.cat([a, b, self.m(b)], 1))
+
+
 def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False) -> onnx.ModelProto:
     torch.manual_seed(0)
     model.eval()
@@ -143,3 +197,47 @@ def test_torchvision_cnns_nchwc_equal_onnxruntime(name):
     report, _ = compile_and_compare(export(getattr(torchvision.models, name)(weights=None), (1, 3, 64, 64)))
     narrow = {"resnext50_32x4d": 7}.get(name, 0)  # stages 1-2: 4 and 8 channels a group stay NCHW
     assert report.blocked == report.convs - narrow and report.transforms == 2 + 2 * narrow
+
+
+def test_densenet_pattern_is_blocked_end_to_end():
+    report, part = compile_and_compare(export(DenseCNN()))
+    assert report.convs == report.blocked == 4 and report.transforms == 2  # the model's input and output only
+    # the BNs after the concats: their multiply/add carried in the features' 8-channel blocks and fused
+    assert sum(t.kind == "conv2d_nchwc" for t in part.tasks) == 4
+
+
+def test_constant_ranks():
+    assert layout.constant_rank((16, 1, 1), (1, 16, 8, 8)) == (1, 16, 1, 1)  # per channel: blocked with the op
+    assert layout.constant_rank((1,), (1, 16, 8, 8)) == ()  # one element: a scalar
+    assert layout.constant_rank((1, 1, 1, 1), (1, 16, 8, 8)) == ()
+    assert layout.constant_rank((1, 1, 1, 8), (1, 16, 8, 8)) == (8,)  # over the width: the op stays NCHW
+    assert layout.constant_rank((1, 1, 8, 8), (1, 16, 8, 8)) == (8, 8)
+    assert layout.constant_rank((1, 16, 1, 1), (1, 16, 8, 8)) is None  # already right
+    assert layout.constant_rank((8,), (1, 16, 8, 8)) is None
+    assert layout.constant_rank((16, 8, 8), (1, 16, 8, 8)) == (1, 16, 8, 8)
+    assert layout.constant_rank((2, 16, 1, 1), (1, 16, 8, 8)) is None  # widens the result: left alone
+    assert layout.constant_rank((16, 1, 1), (1, 16)) is None
+
+
+def test_constants_of_any_rank_keep_the_blocked_layout_or_leave_it_cleanly():
+    """The (C,1,1) scale and the one-element scale are carried in the blocked layout (before, each put the
+    activation back into NCHW for the op); the (1,1,1,W) offset cannot be blocked (one channel): it runs in
+    NCHW with a transform each side (before, ConvertLayout failed: "Cannot broadcast from 5 to 4")."""
+    report, _ = compile_and_compare(export(ScaledCNN()))
+    assert report.convs == report.blocked == 3
+    assert report.reshaped_constants == 3 and report.transforms == 4
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_channel_split_is_correct(dynamo):
+    """ConvertLayout's own ``split`` inference broke on a blocked input (a 32-channel NCHW16c tensor split at 16
+    gave a 32-channel part: "error: internal ValueError" from optimize-model); the split is now two slices."""
+    report, _ = compile_and_compare(export(SplitCNN(), dynamo=dynamo))
+    assert report.convs == report.blocked == 3
+
+
+def test_split_bounds():
+    assert layout.split_bounds(32, [16]) == [(0, 16), (16, 32)]
+    assert layout.split_bounds(32, 2) == [(0, 16), (16, 32)]
+    assert layout.split_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]  # Relax/ONNX: the last part is smaller
+    assert layout.split_bounds(24, [8, 16]) == [(0, 8), (8, 16), (16, 24)]

@@ -10,11 +10,12 @@ import random
 import numpy as np
 import onnx
 import pytest
+import tvm
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.compare import compare_outputs
 from graphopt.feeds import random_inputs, run_ort
-from kerneltune.targets import device_for, parse_target
+from kerneltune.targets import device_for, parse_target, vector_lanes
 from pipeline import layout, layout_search, pbqp
 from pipeline.compile import compile_partition, outputs_numpy, to_device
 from pipeline.layout_cost import ConvOption, Pricer
@@ -95,6 +96,34 @@ def cnn(hw: int = 12) -> onnx.ModelProto:
     ]
     g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, hw, hw])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def bn_after_concat() -> onnx.ModelProto:
+    """DenseNet's pattern at its smallest: a 16-channel stem concatenated with an 8-channel branch (the
+    features' class has 8-channel blocks at most), and a BatchNormalization of the stem (not after a conv, so
+    no exporter folds it) feeding a conv of its own."""
+    rng = np.random.default_rng(0)
+    inits = []
+
+    def w(name, *shape):
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, shape).astype(np.float32), name))
+        return name
+
+    def conv(x, y, cin, cout, k=1):
+        return helper.make_node("Conv", [x, w(y + "_w", cout, cin, k, k), w(y + "_b", cout)], [y], pads=[k // 2] * 4)
+
+    nodes = [
+        conv("x", "a", 3, 16, k=3),
+        helper.make_node("BatchNormalization", ["a", w("s", 16), w("b", 16), w("m", 16), w("v", 16)], ["n"]),
+        helper.make_node("Relu", ["n"], ["r"]), conv("r", "y", 16, 16, k=3),
+        conv("a", "e", 16, 8), helper.make_node("Concat", ["a", "e"], ["c"], axis=1), conv("c", "z", 24, 8),
+    ]
+    g = helper.make_graph(nodes, "bn_after_concat",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "z")], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m
@@ -193,6 +222,49 @@ def test_any_priced_decision_compiles_and_equals_onnxruntime(seed):
     assert report.convs == 7
 
 
+def test_every_assignment_of_class_layouts_is_realizable_with_a_bn_outside_a_conv():
+    """The search may give each class any of its candidate layouts; ConvertLayout must realise all of them.  The
+    BN's output is the features' class (its multiply/add carry the layout), not a class of its own: when it
+    was, the heuristic gave it 16c against the features' 8c and ConvertLayout failed ("Invalid layout axis
+    16b"), as it did on DenseNet."""
+    mod = layout.prepare(import_model(bn_after_concat()).mod, layout.LayoutReport())
+    graph = layout.analyze(mod)
+    bn_conv = graph.convs[1]
+    assert graph.classes[bn_conv.inp].channels == 8 and bn_conv.inp == graph.convs[0].out
+    touched = {s.inp for s in graph.convs} | {s.out for s in graph.convs}
+    cands = [layout_search.candidates(c, 16, i in touched) for i, c in enumerate(graph.classes)]
+    picks = list(itertools.product(*cands))
+    assert len(picks) >= 12
+    for pick in picks:
+        plans = layout._Plans()
+        for site in graph.convs:
+            a, d = pick[site.inp], pick[site.out]
+            plans.set(site.weight, layout.ConvPlan(a, d) if a is not None and d is not None else "NCHW here")
+        _, report = layout.realize(mod, plans, layout.LayoutReport())
+        blocked = sum(pick[s.inp] is not None and pick[s.out] is not None for s in graph.convs)
+        assert report.convs == 4 and report.blocked == blocked
+    report, _ = compile_and_compare(bn_after_concat(), "nchwc")
+    assert report.blocked == 4 and report.transforms == 3  # the input, the two outputs
+
+
+def test_squeeze_with_a_negative_axis_is_converted():
+    """ConvertLayout died with std::bad_alloc on ``squeeze`` with a negative axis anywhere in the model (ViT from
+    torch's dynamo exporter squeezes axis -2), and the model fell back to NCHW."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(-1, 1, s).astype(np.float32), n)
+             for n, s in (("w1", (16, 3, 3, 3)), ("w2", (8, 16, 1, 1)))]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("at2", [2]), ("at_m3", [-3]))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1] * 4), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Unsqueeze", ["r", "at2"], ["u"]), helper.make_node("Squeeze", ["u", "at_m3"], ["s"]),
+             helper.make_node("Conv", ["s", "w2"], ["y"])]
+    g = helper.make_graph(nodes, "squeeze", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    report, _ = compile_and_compare(m, "nchwc")
+    assert report.convs == report.blocked == 2 and report.failed is None
+
+
 def test_decisions_are_deterministic_and_margins_break_close_calls():
     # the 16c kernel is 2% dearer than 8c: within the margin, so the heuristic's 16c blocks stay
     close = FakePricer(lambda spec, o: 1e-4 if o.nchw else (1.02e-5 if (o.a, o.d) == (16, 16) else 1e-5))
@@ -216,19 +288,25 @@ def test_modes_and_targets():
         layout_search.convert(imported.mod, LLVM, "nhwc")
 
 
-def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeypatch):
-    """TVM's ConvertLayout has internal checks a real graph can trip (DenseNet's torchscript export did): the
-    model is then compiled as imported, still correct, and the partition's report names the failure."""
-    import tvm
-
+@pytest.mark.parametrize("error,said", [
+    (tvm.error.InternalError("Traceback\n  Check failed: axis.size() == 1 (3 vs. 1) : Invalid layout axis 16b"),
+     "Invalid layout axis 16b"),
+    (ValueError("The channel size of the data should equal to the product of input channel size of the weight "
+                "and the number of groups."), "The channel size of the data"),
+], ids=["internal", "type-check"])
+def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeypatch, error, said):
+    """TVM's ConvertLayout has internal checks a real graph can trip (DenseNet's torchscript export did until
+    the BN's tuple was resolved): the model is then compiled as imported, still correct, and the partition's
+    report names the failure."""
     imported = import_model(cnn())
 
     def broken(*args, **kwargs):
-        raise tvm.error.InternalError("Traceback\n  Check failed: axis.size() == 1 (3 vs. 1) : Invalid layout axis 16b")
+        raise error
 
     monkeypatch.setattr(layout_search.layout, "to_nchwc", broken)
     part = layout_search.partition_model(imported.mod, LLVM, "nchwc")
-    assert part.layout["mode"] == "nchw" and "Invalid layout axis" in part.layout["failed"]
+    assert part.layout["mode"] == "nchw" and part.layout["failed"].startswith("nchwc: ")
+    assert said in part.layout["failed"]
     compiled = compile_partition(imported, part, LLVM)
     feeds = random_inputs(imported.graph, 0)
     got = outputs_numpy(compiled.vm()["main"](*to_device(feeds, compiled.input_names, device_for(LLVM))))
@@ -261,12 +339,65 @@ def test_tune_kernels_lists_nchwc_tasks_and_kernels_conv2d_selects_them(tmp_path
     assert main([str(path), "--list", "--layout", "nchwc", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert " conv2d_nchwc " in out
+    # each conv in its own terms: logical NCHW data * OIHW weights, stride/pad/groups, output, the blocked
+    # layouts it reads -> writes (blocks per the heuristic for this CPU's vector width), and the kernel's name
+    b = layout.channel_block(16, vector_lanes(LLVM.target, "float32"))
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln[:3].strip().isdigit()}
+    stem = next(r for r in rows.values() if "* 16x3x3x3 " in r)
+    assert stem.split()[1:5] == ["conv2d_nchwc", "1", f"{124416 / 1e6:.3f}", "yes"]  # calls, MFLOP per call
+    assert (f"conv 1x3x12x12 * 16x3x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 1 -> 1x16x12x12, NCHW3c -> NCHW{b}c  "
+            "[fused_conv2d_nchwc_add_relu") in stem
+    assert any(f"* 16x1x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 1 depthwise -> 1x16x12x12, NCHW{b}c -> NCHW{b}c"
+               in r for r in rows.values())
+    assert any("conv 1x32x12x12 * 16x32x1x1 (N,C,H,W * O,I,KH,KW) stride 2 pad 0 -> 1x16x6x6, NCHW" in r
+               for r in rows.values())
+    # the grouped conv with 4-channel groups stays NCHW (narrower than a block)
+    assert any(" conv2d " in r and "conv 1x32x12x12 * 32x4x3x3 (N,C,H,W * O,I,KH,KW) stride 2 pad 1 groups 8 -> "
+               "1x32x6x6, NCHW -> NCHW" in r for r in rows.values())
+    assert "calls: times one inference runs the kernel" in out and "NCHW16c: blocks of 16 channels" in out
     assert main([str(path), "--list", "--layout", "nchw", "--threads", "2"]) == 0
     assert " conv2d_nchwc " not in capsys.readouterr().out
     part = layout_search.partition_model(import_model(path).mod, LLVM, "nchwc")
     picked = select_tasks(part.tasks, "conv2d")
     assert picked and {t.kind for t in picked} <= {"conv2d", "conv2d_nchwc"} and "conv2d_nchwc" in {t.kind for t in picked}
     assert part.layout["blocked"] >= 6
+
+
+def test_listing_describes_each_conv_the_same_in_nchw_and_nchwc():
+    """The NCHW conv's stride, padding and dilation are read off its PrimFunc, the NCHWc conv's from its spec:
+    both descriptions of one conv agree (dilated, asymmetric padding, strided and grouped, 1x1)."""
+    from kerneltune.describe import describe
+
+    rng = np.random.default_rng(0)
+    inits = []
+
+    def conv(x, y, cin, cout, k, **attrs):
+        inits.append(numpy_helper.from_array(rng.uniform(-1, 1, (cout, cin // attrs.get("group", 1), k, k))
+                                             .astype(np.float32), y + "_w"))
+        return helper.make_node("Conv", [x, y + "_w"], [y], **attrs)
+
+    nodes = [conv("x", "a", 3, 16, 3, dilations=[2, 2], pads=[2, 2, 2, 2]),
+             conv("a", "b", 16, 16, 3, pads=[0, 1, 1, 0]),
+             conv("b", "c", 16, 32, 3, strides=[2, 2], pads=[1, 1, 1, 1], group=2),
+             conv("c", "y", 32, 16, 1)]
+    g = helper.make_graph(nodes, "geometry", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 6, 6])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    mod = import_model(m).mod
+    said = {}
+    for mode in ("nchw", "nchwc"):
+        tasks = [t for t in layout_search.partition_model(mod, LLVM, mode).tasks if t.task is not None]
+        said[mode] = [describe(t.task).rsplit(", ", 1) for t in tasks]
+    assert [d for d, _ in said["nchw"]] == [d for d, _ in said["nchwc"]]
+    assert {lay for _, lay in said["nchw"]} == {"NCHW -> NCHW"}
+    assert sum(lay.endswith("c") for _, lay in said["nchwc"]) >= 3  # the 8-channel groups may stay NCHW
+    assert [d for d, _ in said["nchw"]] == [
+        "conv 1x3x12x12 * 16x3x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 2 dilation 2 -> 1x16x12x12",
+        "conv 1x16x12x12 * 16x16x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 0,1,1,0 -> 1x16x11x11",
+        "conv 1x16x11x11 * 32x8x3x3 (N,C,H,W * O,I,KH,KW) stride 2 pad 1 groups 2 -> 1x32x6x6",
+        "conv 1x32x6x6 * 16x32x1x1 (N,C,H,W * O,I,KH,KW) stride 1 pad 0 -> 1x16x6x6",
+    ]
 
 
 def test_optimize_model_reports_the_layout(tmp_path):
