@@ -23,8 +23,8 @@ parallel matmul/conv group merged (:func:`merged_alternative`) is timed against 
 is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1.04x faster end to end in TVM).
 
 Keep-or-reject is never decided on one noisy timing: the two whole models are timed in interleaved blocks,
-the order swapped from block to block, until every block says the candidate is faster by the margin or it
-is clear they do not (:func:`graphopt.timing.decide`; undecided keeps the input).  The verdict is recorded
+the order swapped from block to block, until a sign test on the blocks says the candidate is faster by the
+margin or it is clear it is not (:func:`graphopt.timing.decide`; undecided keeps the input).  The verdict is recorded
 beside the measured costs, keyed by both graphs, so the same command with the same cache decides the same.
 
 ``time_limit`` bounds the whole stage, not just the search (issue 13: pricing, a second merge search and
@@ -179,7 +179,7 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
                      deadline: float | None = None) -> E2ECheck:
     """Time both whole graphs with the cost model's engine, in blocks until decided
     (:func:`graphopt.timing.decide`), and keep ``candidate`` only if it is faster by ``margin`` (a fraction of
-    the original's time) in every block.  Nothing is timed when the check is disabled, when no substitution
+    the original's time) by :func:`graphopt.timing.decide`'s sign test on the blocks.  Nothing is timed when the check is disabled, when no substitution
     was applied (folding alone never slows a model down), or when the cost model measures nothing (analytic):
     then the candidate is kept, and ``status`` says the check was not made.  Past ``deadline``, or when the
     engine fails to run either graph, the original is kept.  A verdict is recorded with the cost model

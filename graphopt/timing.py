@@ -112,6 +112,14 @@ def compare(baseline: Callable[[], object], candidate: Callable[[], object], mar
 
 MIN_BLOCKS = 3
 MAX_BLOCKS = 7
+# One-sided sign-test level for "faster": the chance that a candidate no faster than the baseline wins 3
+# blocks of 3 (each block a fair coin under that hypothesis).
+SIGN_LEVEL = 0.125
+
+
+def sign_test_p(wins: int, blocks: int) -> float:
+    """P(at least ``wins`` of ``blocks`` fair coin flips come up heads): the one-sided sign test's p-value."""
+    return sum(math.comb(blocks, k) for k in range(wins, blocks + 1)) / 2 ** blocks
 
 
 @dataclass(frozen=True)
@@ -128,15 +136,19 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
     """Keep-or-reject on repeated measurement, never on one noisy timing.
 
     ``block(b)`` times one interleaved block (the caller swaps the order on odd ``b``) and returns the
-    baseline's and the candidate's milliseconds.  The candidate is *faster* only when every block says it is
-    faster by at least ``margin`` (a sign test on the blocks, at least ``min_blocks`` of them); blocks are
-    added, up to ``max_blocks``, while most but not all do; when at most half do, or the blocks run out,
+    baseline's and the candidate's milliseconds.  The candidate is *faster* when the blocks in which it is
+    faster by at least ``margin`` pass a one-sided sign test at level :data:`SIGN_LEVEL` (at least
+    ``min_blocks`` blocks): 3 of 3, 4 of 4, 5 of 5 or 6, 6 of 7.  Blocks are added, up to ``max_blocks``,
+    while more than half but too few for the test are faster; when at most half are, or the blocks run out,
     or ``deadline`` (a :func:`time.perf_counter` value) passes, the baseline is kept.  A candidate near the
-    margin therefore loses consistently instead of winning on a lucky run."""
+    margin therefore loses consistently instead of winning on a lucky run.  (Before, every block had to be
+    faster: a ResNet-50 build tuned with 2000 trials, faster by 5-18% in six blocks of seven and by 1.4% in
+    the seventh, was judged undecided although 6 of 7 is the stronger evidence than the 3 of 3 it accepted.)"""
     base: list[float] = []
     cand: list[float] = []
     ratios: list[float] = []
     reason = ""
+    faster = False
     while True:
         if len(ratios) < max(1, min_blocks) and deadline is not None and ratios and time.perf_counter() >= deadline:
             reason = f"time limit after {len(ratios)} of {min_blocks} blocks"
@@ -148,8 +160,10 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
         if len(ratios) < max(1, min_blocks):
             continue
         fast = sum(r <= 1.0 - margin for r in ratios)
-        if fast == len(ratios):
-            reason = f"faster by the margin in all {len(ratios)} blocks"
+        if sign_test_p(fast, len(ratios)) <= SIGN_LEVEL:
+            reason = f"faster by the margin in {fast} of {len(ratios)} blocks (sign test p = " \
+                     f"{sign_test_p(fast, len(ratios)):.3f})"
+            faster = True
             break
         if 2 * fast <= len(ratios):
             reason = f"faster by the margin in {fast} of {len(ratios)} blocks"
@@ -159,7 +173,6 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
                       + (" (time limit)" if len(ratios) < max_blocks else ""))
             break
     comparison = Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)
-    faster = reason.startswith("faster by the margin in all")
     return Decision(comparison, faster, reason)
 
 

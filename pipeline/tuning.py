@@ -7,7 +7,7 @@ weights, epilogues, every kernel in sequence - a kernel sum once said 66 ms of a
 So after compiling, the tuned build is timed against the default-schedule build (what ``--skip-tune``
 gives) with :func:`graphopt.timing.compare`: the timer bench-model uses (alternating blocks of runs, the
 order swapped between blocks) and the rule the graph stage keeps a rewrite by (:func:`graphopt.timing.decide`:
-faster by :data:`E2E_MARGIN` in every block, 3 to 7 blocks).  The tuned build ships only when it is
+faster by :data:`E2E_MARGIN` in enough of 3 to 7 blocks for a sign test: 3 of 3 ... 6 of 7).  The tuned build ships only when it is
 faster so; otherwise the default build ships and the report says tuning lost (slower
 beyond the margin) or was undecided (within it).  Undecided keeps the default because the default is the
 reference a tuned build has to beat, the same rule as a task's default config at the kernel level, and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,21 +22,25 @@ def free_port() -> int:
 
 def start(args: list[str], port: int) -> subprocess.Popen:
     """Start a TVM RPC process (``python -m tvm.exec.*``) and wait until ``port`` accepts connections."""
+    # a session of its own: the server forks a worker per connection, and stop() must end those too
     proc = subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, "TVM_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 90
     while time.time() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return proc
         time.sleep(0.5)
-    proc.kill()
+    stop([proc])
     pytest.fail(f"{args[0]} did not listen on {port}")
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill each RPC process with the workers it started (its process group); killing only the server left
+    its ``tvm.exec.popen_worker`` children running after the tests."""
     for proc in procs:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
