@@ -28,12 +28,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from graphopt.fileio import write_text_atomic
+from graphopt.timing import latency
 
 WARMUP = 10
 SESSIONS = 3
@@ -66,14 +66,7 @@ def lone(engine: str, model: str, feeds_path: str, threads: int, runs: int) -> l
                 out = vm["main"](*args)
                 dev.sync()
                 return out
-        for _ in range(WARMUP):
-            run()
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
-        medians.append(statistics.median(times))
+        medians.append(latency(run, runs, WARMUP).p50_ms)  # back to back, as run-model times a deployed model
     return medians
 
 

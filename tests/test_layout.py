@@ -11,13 +11,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e .[test])")
 from torch import nn  # noqa: E402
 
-from graphopt.compare import compare_outputs  # noqa: E402
-from graphopt.feeds import random_inputs, run_ort  # noqa: E402
-from kerneltune.targets import device_for, parse_target  # noqa: E402
+from kerneltune.targets import parse_target  # noqa: E402
 from pipeline import layout  # noqa: E402
-from pipeline.compile import compile_partition, outputs_numpy, to_device  # noqa: E402
-from pipeline.partition import partition  # noqa: E402
 from pipeline.relax_import import import_model  # noqa: E402
+from layout_check import compiled_matches_onnxruntime  # noqa: E402
 
 
 class ChainCNN(nn.Module):
@@ -134,14 +131,7 @@ def compile_and_compare(proto: onnx.ModelProto, narrow_groups: str = "nchw"):
     imported = import_model(proto)
     spec = parse_target("llvm", threads=2)
     mod, report = layout.to_nchwc(imported.mod, 16, narrow_groups)
-    part = partition(mod)
-    compiled = compile_partition(imported, part, spec)
-    feeds = random_inputs(imported.graph, 0)
-    got = outputs_numpy(compiled.vm()["main"](*to_device(feeds, compiled.input_names, device_for(spec))))
-    want = run_ort(imported.onnx_model, feeds, 2)
-    check = compare_outputs(want, got)  # the product's one comparison (scale-aware, NaN/Inf by position)
-    assert check.ok, check.reason()
-    return report, part
+    return report, compiled_matches_onnxruntime(imported, mod, spec)
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])

@@ -22,6 +22,8 @@ from pipeline.layout_cost import ConvOption, Pricer
 from pipeline.partition import select_tasks
 from pipeline.relax_import import import_model
 
+from layout_check import compiled_matches_onnxruntime
+
 LLVM = parse_target("llvm", 2)
 
 
@@ -156,16 +158,7 @@ class FakePricer:
 def compile_and_compare(proto, mode: str = "auto", pricer=None):
     imported = import_model(proto)
     mod, report = layout_search.convert(imported.mod, LLVM, mode, pricer=pricer)
-    from pipeline.partition import partition
-
-    part = partition(mod)
-    compiled = compile_partition(imported, part, LLVM)
-    feeds = random_inputs(imported.graph, 0)
-    got = outputs_numpy(compiled.vm()["main"](*to_device(feeds, compiled.input_names, device_for(LLVM))))
-    want = run_ort(imported.onnx_model, feeds, 2)
-    check = compare_outputs(want, got)  # the product's one comparison (scale-aware, NaN/Inf by position)
-    assert check.ok, check.reason()
-    return report, part
+    return report, compiled_matches_onnxruntime(imported, mod, LLVM)
 
 
 def test_analysis_finds_classes_edges_and_convs():
