@@ -32,7 +32,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Hashable, Mapping, TypeVar
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -122,6 +122,34 @@ def sign_test_p(wins: int, blocks: int) -> float:
     return sum(math.comb(blocks, k) for k in range(wins, blocks + 1)) / 2 ** blocks
 
 
+def judge(ratios: Sequence[float], margin: float, min_blocks: int = MIN_BLOCKS) -> tuple[bool | None, str]:
+    """:func:`decide`'s rule on the blocks timed so far (candidate / baseline per block): ``(True, why)``
+    faster, ``(False, why)`` not faster, ``(None, "")`` when more blocks are needed.  Pure, so a recorded run of
+    blocks can be judged again (:func:`replay`)."""
+    if len(ratios) < max(1, min_blocks):
+        return None, ""
+    fast = sum(r <= 1.0 - margin for r in ratios)
+    p = sign_test_p(fast, len(ratios))
+    if p <= SIGN_LEVEL:
+        return True, f"faster by the margin in {fast} of {len(ratios)} blocks (sign test p = {p:.3f})"
+    if 2 * fast <= len(ratios):
+        return False, f"faster by the margin in {fast} of {len(ratios)} blocks"
+    return None, ""
+
+
+def replay(ratios: Sequence[float], margin: float, min_blocks: int = MIN_BLOCKS) -> tuple[bool, str]:
+    """Today's rule on blocks recorded by an earlier run, as :func:`decide` would have walked them: the first
+    verdict reached on a prefix; undecided (not faster) when the recorded blocks run out first.  A rerun thus
+    needs no timing, stays deterministic, and a changed rule applies to recorded evidence too (the every-block
+    rule's "undecided" on 6 of 7 faster blocks becomes "faster" under the sign test)."""
+    for n in range(1, len(ratios) + 1):
+        verdict, reason = judge(ratios[:n], margin, min_blocks)
+        if verdict is not None:
+            return verdict, reason
+    fast = sum(r <= 1.0 - margin for r in ratios)
+    return False, f"undecided: faster by the margin in {fast} of {len(ratios)} recorded blocks"
+
+
 @dataclass(frozen=True)
 class Decision:
     """Whether a candidate is faster than a baseline beyond a margin, from repeated interleaved blocks."""
@@ -157,18 +185,12 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
         base.append(b)
         cand.append(c)
         ratios.append(c / b if b > 0 else math.inf)
-        if len(ratios) < max(1, min_blocks):
-            continue
-        fast = sum(r <= 1.0 - margin for r in ratios)
-        if sign_test_p(fast, len(ratios)) <= SIGN_LEVEL:
-            reason = f"faster by the margin in {fast} of {len(ratios)} blocks (sign test p = " \
-                     f"{sign_test_p(fast, len(ratios)):.3f})"
-            faster = True
-            break
-        if 2 * fast <= len(ratios):
-            reason = f"faster by the margin in {fast} of {len(ratios)} blocks"
+        verdict, reason = judge(ratios, margin, min_blocks)
+        if verdict is not None:
+            faster = verdict
             break
         if len(ratios) >= max_blocks or (deadline is not None and time.perf_counter() >= deadline):
+            fast = sum(r <= 1.0 - margin for r in ratios)
             reason = (f"undecided: faster by the margin in {fast} of {len(ratios)} blocks"
                       + (" (time limit)" if len(ratios) < max_blocks else ""))
             break

@@ -15,9 +15,10 @@ because a 2% difference is inside what this shared machine's noise can fake eith
 
 The same command must give the same artifact, and a timing is never exactly repeatable: the verdict is
 recorded in the records file (a line of kind ``"e2e"``, keyed by a fingerprint of the tuned configs, the
-target and the model), and a rerun whose tuning ends with the same configs reuses it instead of timing
-again.  So rerunning or resuming a finished run ships the same build; only a run whose tuning found other
-configs measures anew.
+target and the model, with the per-block ratios), and a rerun whose tuning ends with the same configs judges
+those recorded blocks again (:func:`graphopt.timing.replay`) instead of timing again: deterministic, and a
+changed keep rule reaches recorded runs too.  So rerunning or resuming a finished run ships the same build;
+only a run whose tuning found other configs measures anew.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, Sequence
 from graphopt.errors import UserError
 from graphopt.feeds import random_inputs
 from graphopt.fileio import save_figure
-from graphopt.timing import compare
+from graphopt.timing import compare, replay
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.records import Record, RecordLog
 from kerneltune.targets import TargetSpec
@@ -105,11 +106,12 @@ def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partit
     key = fingerprint(tuned, spec, model_bytes)
     log = RecordLog(records_path)
     stored = log.load(task=key, target=str(spec.target), kind=VERDICT)
-    if stored:  # a rerun of a finished run: the same verdict, so the same artifact
+    if stored:  # a rerun of a finished run: today's rule on the recorded blocks, so the same artifact
         rec = stored[-1]
-        choice = BuildChoice(rec.config.get("build", "default"), "recorded", rec.extra.get("default_ms"),
-                             rec.extra.get("tuned_ms"), rec.extra.get("ratios", []),
-                             rec.extra.get("margin", E2E_MARGIN))
+        ratios, margin = rec.extra.get("ratios", []), rec.extra.get("margin", E2E_MARGIN)
+        faster = replay(ratios, margin)[0] if ratios else rec.config.get("build") == "tuned"
+        choice = BuildChoice("tuned" if faster else "default", "recorded", rec.extra.get("default_ms"),
+                             rec.extra.get("tuned_ms"), ratios, margin)
         if choice.kept == "tuned":
             return tuned_build, choice
         return compile_partition(imported, part, spec, {}), choice

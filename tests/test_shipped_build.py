@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
-from graphopt.timing import SIGN_LEVEL, Timing, compare, sign_test_p  # noqa: E402
+from graphopt.timing import SIGN_LEVEL, Timing, compare, replay, sign_test_p  # noqa: E402
 from fake_measurer import FakeMeasurer as BaseFake  # noqa: E402
 from kerneltune.records import RecordLog  # noqa: E402
 
@@ -117,6 +117,19 @@ def test_tuned_build_that_loses_end_to_end_ships_the_default_and_a_rerun_keeps_t
     assert calls == [] and again["stages"]["tune"]["e2e"]["status"] == "recorded"
     assert again["stages"]["tune"]["e2e"]["kept"] == "default" and tuned_schedules(again) == tuned_schedules(report)
     assert again["stages"]["tune"]["measured_now"] == 0
+    # A verdict recorded under the old every-block rule (undecided on 6 faster blocks of 7, build "default") is
+    # judged again by today's sign test on its recorded blocks: the tuned build ships, still without timing.
+    path = tmp_path / "records.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    for d in lines:
+        if d["kind"] == "e2e":
+            d["config"], d["ratios"] = {"build": "default"}, [0.986, 0.945, 0.941, 0.818, 0.913, 0.899, 0.853]
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    assert optimize_model_main(argv) == 0
+    third = json.loads((tmp_path / "report.json").read_text())
+    e2e = third["stages"]["tune"]["e2e"]
+    assert calls == [] and e2e["status"] == "recorded" and e2e["kept"] == "tuned"
+    assert "tuned" in set(tuned_schedules(third).values())
 
 
 def test_tuned_build_timed_for_real_ships_by_the_verdict(tmp_path, fake):
@@ -147,3 +160,5 @@ def test_compare_decides_by_a_sign_test_on_blocks_against_the_margin(ratios, fas
 
     d = compare(lambda: None, lambda: None, 0.02, timer=timer)
     assert d.faster == faster and d.comparison.ratios == pytest.approx(ratios[:blocks])
+    # judged again from the recorded blocks (a rerun), the verdict is the same
+    assert replay(d.comparison.ratios, 0.02)[0] == faster == replay(ratios, 0.02)[0]
