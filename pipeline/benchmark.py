@@ -25,7 +25,7 @@ from graphopt.validate import ModelInput, check_model
 from graphopt.timing import Timing, time_blocks
 from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
-from pipeline.compile import compile_partition, outputs_numpy, to_device
+from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_device
 from pipeline.optimize_model import StageLog, graph_stage
 from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
@@ -97,19 +97,12 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
         spec = cm.spec
         dev = device_for(cm.spec)
         main = cm.vm()["main"]
-        args = to_device(feeds, cm.input_names, dev)
-
-        def run_tvm(main=main, args=args, dev=dev):
-            out = main(*args)
-            dev.sync()
-            return out
-
         checks[key] = compare_runs([(ref, outputs_numpy(main(*to_device(f, cm.input_names, dev))))
                                     for f, ref in zip(sets, references)])
         if not checks[key].ok:
             raise UserError(f"'{ENGINES[key]}' differs from onnxruntime: {checks[key].reason()}; no latency of a "
                             "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
-        engines[key] = run_tvm
+        engines[key] = model_runner(cm, feeds)
     times = time_blocks(engines, runs)
     return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials, tuned_choice)
 

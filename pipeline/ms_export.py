@@ -47,6 +47,7 @@ from kerneltune.records import Record, RecordLog
 from kerneltune.targets import TargetSpec, gflops_ceiling
 from kerneltune.task import Task
 from kerneltune.tune import ResultCache
+from kerneltune.space import SearchSpace
 from pipeline.partition import Partition, call_sites
 from pipeline.relax_import import ImportedModel
 
@@ -73,7 +74,7 @@ class Outcome:
         head = f"task {self.index} {self.name}"
         if not self.exported:
             return f"not exported: {head}: {self.note}"
-        text = f"exported: {head} as {self.tvm_name} ({self.ms:.4f} ms)"
+        text = f"exported: {head} as {self.tvm_name}" + (f" ({self.ms:.4f} ms)" if self.ms is not None else "")
         return f"{text}; {self.note}" if self.note else text
 
 
@@ -155,26 +156,53 @@ def export_metaschedule(imported: ImportedModel, part: Partition, spec: TargetSp
         workload = normalize(theirs[k][1].func)
         task = templates.task_for(tvm_name, workload["main"])
         space = templates.space_for(task, target)
-        cache = ResultCache(templates.space_for(ft.task, target), records[ft.task.key], ft.task.flops,
-                            gflops_ceiling(target), ft.task.key)
-        best, fitting = cache.best(), cache.best(space.contains)
-        if fitting is None:
+        ours = templates.space_for(ft.task, target)
+        cache = ResultCache(ours, records[ft.task.key], ft.task.flops, gflops_ceiling(target), ft.task.key)
+        best, fitting = cache.best(), cache.best(lambda c: _as_theirs(c, ours, space) is not None)
+        unpacked = _unpacked(best[0], ours, space) if fitting is None and best is not None else None
+        if fitting is None and unpacked is None:
             outcome.note = "no measured config of it fits TVM's kernel"
             continue
-        config, rec = fitting
-        if best is not None and best[0] != config:  # the best does not fit TVM's kernel
+        rec = (fitting or best)[1]
+        config = _as_theirs(fitting[0], ours, space) if fitting else unpacked
+        if fitting is None:  # only pre-packed configs measured (a matrix-vector product's default packs)
+            outcome.note = (f"{PREPACK_NOTE}, and no config without packing was measured: exported its tiles "
+                            f"without packing, with the pre-packed latency ({rec.latency_s * 1e3:.4f} ms)")
+        elif best is not None and best[0] != fitting[0]:  # the best does not fit TVM's kernel
             prepacked = best[1].config.get("pack") == "prepack"
             why = PREPACK_NOTE if prepacked else "its best config does not fit TVM's kernel"
             outcome.note = f"{why} ({best[1].latency_s * 1e3:.4f} ms): exported the best config that fits"
         sch = templates.schedule(task, config, target)
         chosen[tvm_name] = (workload, sch.trace, rec.latency_s)
-        outcome.exported, outcome.tvm_name, outcome.config, outcome.ms = True, tvm_name, space.as_dict(config), \
-            rec.latency_s * 1e3
+        outcome.exported, outcome.tvm_name, outcome.config = True, tvm_name, space.as_dict(config)
+        outcome.ms = rec.latency_s * 1e3 if fitting else None
     if not chosen:
         raise UserError("nothing could be exported: " + "; ".join(o.line() for o in export.outcomes))
     _write(out, chosen, target)
     write_bytes_atomic(out / MODEL, imported.converted.SerializeToString())
     return export
+
+
+def _as_theirs(config: tuple, ours: SearchSpace, theirs: SearchSpace) -> tuple | None:
+    """Our config as a point of TVM's kernel's space, or None.  TVM's kernel takes the weight as a plain
+    parameter, so its space lacks the knobs only a weight has: a matrix-vector product's ``pack`` knob
+    (none/prepack) is absent there, and ``pack=none`` is the same schedule as no knob."""
+    d = ours.as_dict(config)
+    if "pack" not in theirs.names and d.get("pack") == "none":
+        del d["pack"]
+    if set(d) != set(theirs.names):
+        return None
+    c = theirs.from_dict(d)
+    return c if theirs.contains(c) else None
+
+
+def _unpacked(config: tuple, ours: SearchSpace, theirs: SearchSpace) -> tuple | None:
+    """A pre-packed config of ours with ``pack=none`` instead, as a point of TVM's kernel's space (None if
+    it is not pre-packed or does not fit): the same tiles, the weight read in place."""
+    d = ours.as_dict(config)
+    if d.get("pack") != "prepack":
+        return None
+    return _as_theirs(ours.from_dict(d | {"pack": "none"}), ours, theirs)
 
 
 def _records_by_task(log: RecordLog, target: str, path: str | Path) -> dict[str, list[Record]]:

@@ -256,7 +256,8 @@ def test_host_target_gets_avx512_code_and_bare_llvm_does_not():
 
 
 @pytest.mark.parametrize("kind,shape,tb", [("matmul", "24,40,32", False), ("matmul", "24,40,32", True),
-                                           ("batch_matmul", "3,12,20,16", False)])
+                                           ("batch_matmul", "3,12,20,16", False),
+                                           ("matmul", "1,40,32", False), ("matmul", "1,40,32", True)])
 def test_prepacked_weight_kernel_matches_numpy(kind, shape, tb):
     """pack=prepack (B a model weight): the kernel without its packing copy, fed B packed as the copy would
     have packed it, computes the same product; the packed layout really differs from B's."""
@@ -265,11 +266,14 @@ def test_prepacked_weight_kernel_matches_numpy(kind, shape, tb):
     from kerneltune import prepack
 
     plain = make_task(kind, shape, transpose_b=tb)
-    pack_values = lambda t: next(k.values for k in templates.space_for(t, LLVM).knobs if k.name == "pack")  # noqa: E731
+    pack_values = lambda t: next((k.values for k in templates.space_for(t, LLVM).knobs  # noqa: E731
+                                  if k.name == "pack"), ())
     assert "prepack" not in pack_values(plain)  # B is not a weight here
     task = dataclasses.replace(plain, weights=("B",))
     assert "prepack" in pack_values(task)
     space = templates.space_for(task, LLVM)
+    if shape.startswith("1,"):  # a matrix-vector product: the default streams the weight as packed panels
+        assert space.as_dict(templates.default_config(task, LLVM))["pack"] == "prepack"
     rng = random.Random(3)
     configs = [space.from_dict({**space.as_dict(c), "pack": "prepack"})
                for c in [templates.default_config(task, LLVM)] + [space.sample(rng) for _ in range(2)]]

@@ -46,9 +46,15 @@ def space(task: Task) -> SearchSpace:
         # Order of the S1 loops (which operand panel stays in cache across the other's tiles):
         # "axis" = output order (rows outer: an A panel is reused, B streams), "reversed" (B panel reused).
         knobs.append(ChoiceKnob("s1_order", ("axis", "reversed")))
-    if task.kind != "conv2d" and multi_spatial:
+    if task.kind != "conv2d":
         prepack = ("prepack",) if _vector_operand_name(task) in task.weights else ()
-        knobs.append(ChoiceKnob("pack", ("none", "panel") + prepack))
+        if multi_spatial:
+            knobs.append(ChoiceKnob("pack", ("none", "panel") + prepack))
+        elif prepack:
+            # A matrix-vector product (a batch-1 classifier): streaming the weight is its whole cost, and B's
+            # rows one row stride apart defeat the prefetcher; packed panels make each thread's stream
+            # contiguous.
+            knobs.append(ChoiceKnob("pack", ("none",) + prepack))
     if has_producers(task):
         # inline: no extra pass, but a bounds check per load; stage: one parallel copy, branch-free inner loop.
         knobs.append(ChoiceKnob("pad", ("stage", "inline")))
@@ -228,6 +234,9 @@ def default_config(task: Task, target: tvm.target.Target):
     pack = task.kind == "matmul" or bool(task.dims.get("tb"))
     values["s1_order"] = "reversed" if pack else "axis"
     values["pack"] = "panel" if pack else "none"
+    knob = {k.name: k for k in sp.knobs}.get("pack")
+    if knob is not None and "panel" not in knob.values:  # matrix-vector: the weight as panels
+        values["pack"] = "prepack"
     # A padding pad block has bounds checks (if_then_else) that cost ~10x inside the conv's inner loop; a
     # pad of 0 is a plain copy, better inlined.
     values["pad"] = "stage" if "if_then_else" in task.func.script() else "inline"
