@@ -216,6 +216,8 @@ def report(doc: dict[str, Any], json_path: str | None, plot_path: str | None) ->
         for name, r in res["searchers"].items():
             if "note" in r:
                 print(f"note: {op} {name}: {r['note']}", file=sys.stderr)
+        for name, why in res.get("failed", {}).items():
+            print(f"note: {op} {name} failed and is left out: {why}", file=sys.stderr)
     text = json.dumps(doc, indent=1)
     print(text)
     if json_path:
@@ -294,13 +296,21 @@ def main(argv: list[str] | None = None) -> int:
                 for seed in range(args.seeds):
                     t0 = time.time()
                     if name == "metaschedule":
-                        curve = run_metaschedule(task, target, seed, args.trials, work / f"{op}-ms-s{seed}")
+                        try:
+                            curve = run_metaschedule(task, target, seed, args.trials, work / f"{op}-ms-s{seed}")
+                        except Exception as e:  # noqa: BLE001 - TVM's tuner failing must not lose the others' curves
+                            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}"
+                            entry.setdefault("failed", {})[name] = why
+                            print(f"{op} {name} seed {seed}: failed ({why}); left out", file=sys.stderr)
+                            break
                     else:
                         curve, note = run_ours(task, target, name, seed, args.trials,
                                                work / f"{op}-{name}-s{seed}.jsonl", measurer)
                     curves.append(curve)
                     print(f"{op} {name} seed {seed}: best {curve[-1] if curve else 0:.1f} GFLOP/s after "
                           f"{len(curve)} trials ({time.time() - t0:.0f} s)", file=sys.stderr)
+                if name in entry.get("failed", {}):
+                    continue
                 entry["searchers"][name] = {"curves": curves, "summary": summarize(curves, args.trials),
                                             **({"note": note} if note else {})}
             results[op] = entry

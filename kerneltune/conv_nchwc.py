@@ -428,7 +428,7 @@ def make_task(spec: ConvSpec, epilogue: str = "none", name: str | None = None) -
     fname, func = funcs[0]
     # The standalone weight is a parameter; in a model it is a constant, which is what layout-free means.
     if not list((func.attrs or {}).get("layout_free_buffers", [])):
-        func = func.with_attr("layout_free_buffers", [tirx.IntImm("int32", _weight_param(func, spec))])
+        func = func.with_attr("layout_free_buffers", [int(_weight_param(func, spec))])
     task = classify(name or fname, func)
     if task is None:
         raise ValueError(f"{fname} has no NCHWc conv anchor")
