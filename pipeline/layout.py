@@ -418,16 +418,25 @@ def plan(c: int, f: int, groups: int, a: int, d: int, narrow_groups: str = "nchw
     return ConvPlan(a, d, k)
 
 
-@mutator
-class _Lift(PyExprMutator):
-    """Clip as ``call_tir`` of TOPI's maximum/minimum, and Relax ``clip``, -> Relax maximum/minimum."""
+class _Rewriter(PyExprMutator):
+    """What this module's mutators share: they rewrite every Relax function of ``mod`` (:meth:`transform`),
+    counting what they did in ``report`` where they take one.  Not decorated itself: TVM's ``@mutator``
+    wraps each subclass."""
 
-    def __init__(self, mod: tvm.IRModule, report: LayoutReport):
+    def __init__(self, mod: tvm.IRModule, report: LayoutReport | None = None):
         super().__init__(mod)
         self.mod, self.report = mod, report
 
     def transform(self) -> tvm.IRModule:
-        return _rewrite_functions(self)
+        for gv, func in self.mod.functions_items():
+            if isinstance(func, relax.Function):
+                self.builder_.update_func(gv, self.visit_expr(func))
+        return self.builder_.get()
+
+
+@mutator
+class _Lift(_Rewriter):
+    """Clip as ``call_tir`` of TOPI's maximum/minimum, and Relax ``clip``, -> Relax maximum/minimum."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
         call = super().visit_call_(call)
@@ -481,15 +490,8 @@ def constant_rank(const: tuple[int, ...], act: tuple[int, ...]) -> tuple[int, ..
 
 
 @mutator
-class _ConstantRanks(PyExprMutator):
+class _ConstantRanks(_Rewriter):
     """Constant operands of elementwise ops with a 4-d activation reshaped by :func:`constant_rank`."""
-
-    def __init__(self, mod: tvm.IRModule, report: LayoutReport):
-        super().__init__(mod)
-        self.mod, self.report = mod, report
-
-    def transform(self) -> tvm.IRModule:
-        return _rewrite_functions(self)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
@@ -528,7 +530,7 @@ def split_bounds(channels: int, indices_or_sections) -> list[tuple[int, int]] | 
 
 
 @mutator
-class _ConvertLayoutWorkarounds(PyExprMutator):
+class _ConvertLayoutWorkarounds(_Rewriter):
     """Rewrites, exact, of two ops whose layout inference in TVM 0.27's ConvertLayout is broken:
 
     * a channel ``split`` of a 4-d tensor -> one ``strided_slice`` per part: ``split``'s inference mishandles a
@@ -537,13 +539,6 @@ class _ConvertLayoutWorkarounds(PyExprMutator):
     * ``squeeze`` with negative axes -> the same axes counted from the front: its inference dies with
       ``std::bad_alloc`` on them, whatever the layouts (ViT from torch's dynamo exporter).
     """
-
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.mod = mod
-
-    def transform(self) -> tvm.IRModule:
-        return _rewrite_functions(self)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
@@ -566,15 +561,12 @@ class _ConvertLayoutWorkarounds(PyExprMutator):
 
 
 @mutator
-class _MergeGroups(PyExprMutator):
+class _MergeGroups(_Rewriter):
     """Grouped convs whose groups are narrower than their blocks get block-diagonally merged groups."""
 
     def __init__(self, mod: tvm.IRModule, plans: _Plans, report: LayoutReport):
-        super().__init__(mod)
-        self.mod, self.plans, self.report = mod, plans, report
-
-    def transform(self) -> tvm.IRModule:
-        return _rewrite_functions(self)
+        super().__init__(mod, report)
+        self.plans = plans
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
@@ -593,13 +585,6 @@ class _MergeGroups(PyExprMutator):
                                   out_dtype=a.out_dtype if str(a.out_dtype) else None)
 
 
-def _rewrite_functions(m: PyExprMutator) -> tvm.IRModule:
-    for gv, func in m.mod.functions_items():
-        if isinstance(func, relax.Function):
-            m.builder_.update_func(gv, m.visit_expr(func))
-    return m.builder_.get()
-
-
 def _layout_callback(plans: _Plans, report: LayoutReport):
     def cb(call: relax.Call) -> dict:
         if not _is_op(call, CONV):
@@ -616,13 +601,8 @@ def _layout_callback(plans: _Plans, report: LayoutReport):
 
 
 @mutator
-class _LowerBlockedConvs(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.mod = mod
-
-    def transform(self) -> tvm.IRModule:
-        return _rewrite_functions(self)
+class _LowerBlockedConvs(_Rewriter):
+    """Blocked convs lowered to our NCHWc compute (Relax's LegalizeOps does not lower them)."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
