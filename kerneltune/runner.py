@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +76,7 @@ def check_device(rpc: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise UserError(f"cannot reach the RPC {what} at {host}:{port} ({exc.strerror or exc}); start it or fix "
                         "--rpc HOST:PORT:KEY") from None
     if what == "tracker":
-        summary = _within(timeout, lambda: tvm_rpc.connect_tracker(host, int(port)).summary())
-        if summary is None:
-            raise UserError(f"the RPC tracker at {host}:{port} did not answer within {timeout:.0f} s; check --rpc")
-        keys = sorted({str(s.get("key", "")).split(":", 1)[-1] for s in summary.get("server_info", [])})
+        keys = _registered_keys(host, int(port), parts[2], timeout)
         if parts[2] not in keys:
             raise UserError(f"the RPC tracker at {host}:{port} has no device registered under key {parts[2]!r} "
                             f"(registered: {', '.join(keys) or 'none'}); start an RPC server with --key "
@@ -86,6 +84,24 @@ def check_device(rpc: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
     elif _within(timeout, lambda: open_session(rpc, int(timeout)) is not None) is None:
         raise UserError(f"the RPC server at {host}:{port} did not open a session within {timeout:.0f} s; check "
                         "--rpc")
+
+
+REREGISTER_S = 3.0  # a TVM RPC server re-registers with its tracker now and then: absent this long is absent
+
+
+def _registered_keys(host: str, port: int, key: str, timeout: float) -> list[str]:
+    """The device keys a tracker has servers registered under.  A server drops its tracker connection and
+    registers again from time to time (TVM's ``rpc_server`` does when its match key went unclaimed), so a key
+    missing from one summary is looked for again for :data:`REREGISTER_S` before it counts as absent."""
+    deadline = time.monotonic() + REREGISTER_S
+    while True:
+        summary = _within(timeout, lambda: tvm_rpc.connect_tracker(host, port).summary())
+        if summary is None:
+            raise UserError(f"the RPC tracker at {host}:{port} did not answer within {timeout:.0f} s; check --rpc")
+        keys = sorted({str(s.get("key", "")).split(":", 1)[-1] for s in summary.get("server_info", [])})
+        if key in keys or time.monotonic() >= deadline:
+            return keys
+        time.sleep(0.25)
 
 
 def _within(timeout: float, fn):
