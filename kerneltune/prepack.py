@@ -45,6 +45,9 @@ class Packing:
 
     def apply(self, src: np.ndarray) -> np.ndarray:
         im = tvm.ir.load_json(self.index_map)
+        if src.ndim != len(im.initial_indices):  # already packed, or another tensor: scattering it leaves garbage
+            raise ValueError(f"packing input {self.param}: expects a rank-{len(im.initial_indices)} tensor, got "
+                             f"shape {src.shape}")
         grid = np.indices(src.shape)
         env = {v.name: grid[i] for i, v in enumerate(im.initial_indices)}
         dst_idx = tuple(np.broadcast_to(_np_eval(e, env), src.shape) for e in im.final_indices)
