@@ -53,6 +53,23 @@ def test_batch_matmul_matches_numpy(ta, tb):
         np.testing.assert_allclose(out, _np_matmul(a, b, ta, tb), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind,shape", [("matmul", "197,64,96"), ("batch_matmul", "2,197,64,197")])
+def test_prime_extents_are_split_past_their_end_and_stay_exact(kind, shape):
+    """ViT's 197 tokens: the rows (and a 197-wide vector axis) split as if padded, the extra iterations
+    masked; the default register tile is 4+ rows deep and whole vectors wide, and every config is exact."""
+    from kerneltune.templates import cpu
+
+    task = make_task(kind, shape)
+    padded = cpu.padded_extents(task)
+    assert padded.get("i") == 200
+    assert (padded.get("j") == 208) == (kind == "batch_matmul")
+    cfg = dict(zip(templates.space_for(task, LLVM).names, templates.default_config(task, LLVM)))
+    assert cfg["tile_i"][3] * cfg["tile_i"][2] >= 4 and cfg["tile_j"][3] % 16 == 0
+    for config in _configs(task, n_random=3):
+        (a, b), (out,) = _run(task, config)
+        np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
+
+
 def _np_conv(x, w, stride, pad, groups):
     n, c, h, wd = x.shape
     f, cg, kh, kw = w.shape

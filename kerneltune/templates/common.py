@@ -21,9 +21,13 @@ class InvalidConfig(ValueError):
     """A config the template refuses before building (wrong arity, too many threads, too much shared memory)."""
 
 
-def tile_knobs(task: Task, spatial_levels: int, reduce_levels: int) -> list[Knob]:
-    """One factor knob ``tile_<role>`` per anchor axis with extent > 1 (extent-1 axes have no choice)."""
-    return [FactorKnob(f"tile_{a.role}", a.extent, reduce_levels if a.reduce else spatial_levels)
+def tile_knobs(task: Task, spatial_levels: int, reduce_levels: int,
+               padded: dict[str, int] | None = None) -> list[Knob]:
+    """One factor knob ``tile_<role>`` per anchor axis with extent > 1 (extent-1 axes have no choice).
+    ``padded`` gives an axis a split of a larger extent: the loop is split as if it were that long and the
+    iterations past its end are masked (``split`` adds the predicate)."""
+    padded = padded or {}
+    return [FactorKnob(f"tile_{a.role}", padded.get(a.role, a.extent), reduce_levels if a.reduce else spatial_levels)
             for a in task.axes if a.extent > 1]
 
 
