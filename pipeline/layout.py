@@ -531,7 +531,11 @@ def split_bounds(channels: int, indices_or_sections) -> list[tuple[int, int]] | 
 
 @mutator
 class _ConvertLayoutWorkarounds(_Rewriter):
-    """Rewrites, exact, of two ops whose layout inference in TVM 0.27's ConvertLayout is broken:
+    """Rewrites, exact, of ops whose layout inference in TVM 0.27's ConvertLayout is broken:
+
+    * ``nn.dropout`` -> ``(x, ones)``, what inference computes (ONNX Dropout without training mode): its
+      inference dies on the ``(output, mask)`` tuple ("Expected nested to match tuple"), which made every
+      model-zoo CNN with a Dropout (VGG, AlexNet, opset 9) run wholly in NCHW, 6.5-16x onnxruntime;
 
     * a channel ``split`` of a 4-d tensor -> one ``strided_slice`` per part: ``split``'s inference mishandles a
       blocked input (a 32-channel NCHW16c tensor split at 16 gave a part of 32 channels, and the conv reading
@@ -542,6 +546,9 @@ class _ConvertLayoutWorkarounds(_Rewriter):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
+        if _is_op(call, "relax.nn.dropout"):
+            x = call.args[0]
+            return relax.Tuple([x, relax.op.ones_like(x)])
         if _is_op(call, "relax.squeeze") and call.attrs.axis is not None:
             rank = getattr(call.args[0].ty, "ndim", -1)
             axes = [int(a) for a in call.attrs.axis]

@@ -258,6 +258,25 @@ def test_squeeze_with_a_negative_axis_is_converted():
     assert report.convs == report.blocked == 2 and report.failed is None
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_an_opset9_dropout_is_converted(mask):
+    """Model-zoo CNNs (VGG, AlexNet at opset 9) keep a Dropout, imported as ``nn.dropout``'s (output, mask)
+    tuple; ConvertLayout died on it ("Expected nested to match tuple") and the whole model ran in NCHW."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(-1, 1, s).astype(np.float32), n)
+             for n, s in (("w1", (16, 3, 3, 3)), ("w2", (16, 16, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1] * 4), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Dropout", ["r"], ["d", "m"] if mask else ["d"], ratio=0.5),
+             helper.make_node("Conv", ["d", "w2"], ["c"], pads=[1] * 4),
+             helper.make_node("LRN", ["c"], ["y"], size=5, alpha=1e-4, beta=0.75, bias=1.0)]
+    g = helper.make_graph(nodes, "zoo", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    m.ir_version = 4
+    report, _ = compile_and_compare(m, "nchwc")
+    assert report.convs == report.blocked == 2 and report.failed is None
+
+
 def test_decisions_are_deterministic_and_margins_break_close_calls():
     # the 16c kernel is 2% dearer than 8c: within the margin, so the heuristic's 16c blocks stay
     close = FakePricer(lambda spec, o: 1e-4 if o.nchw else (1.02e-5 if (o.a, o.d) == (16, 16) else 1e-5))
