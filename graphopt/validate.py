@@ -9,7 +9,8 @@ internal error, a ``RecursionError`` or a wrong success.  In order, cheapest fir
    writes - a missing initializer or a dangling input -, a cycle, nodes out of topological order), because
    ``onnx.checker`` reports several of these all as "not topologically sorted";
 3. dtypes we support, opset and IR versions the pinned onnx / onnxruntime read;
-4. ``--input-shape`` / ``--inputs`` against the model's inputs, and every runtime input static after them;
+4. ``--input-shape`` / ``--inputs`` against the model's inputs (each array's .npy header: the arrays are read
+   last, after the memory check), and every runtime input static after them;
 5. ``onnx.checker`` full check (types and shapes included), see
    https://onnx.ai/onnx/api/checker.html;
 6. the memory the model needs, estimated from its inferred shapes, against this machine's memory (a
@@ -22,10 +23,12 @@ No TVM here: a bad file must fail in well under a second.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,7 @@ _ORT_IR_RE = re.compile(r"max supported IR version: (\d+)")
 _ORT_OPSET_RE = re.compile(r"official support for domain (\S+) is till opset (\d+)")
 _ORT_UNKNOWN_OP_RE = re.compile(r"([\w.]*):(\w+)\(-?\d+\) is not a registered function/op")
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,14 +71,13 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     check_structure(proto.graph)
     check_versions(proto)
     check_dtypes(proto.graph)
-    samples = read_inputs(inputs_file, proto) if inputs_file else None
+    headers = read_input_headers(inputs_file, model_inputs(proto)) if inputs_file else {}
     shapes = dict(input_shapes or {})
-    if samples:
-        for k, v in samples.items():
-            if k in shapes and tuple(shapes[k]) != tuple(v.shape):
-                raise UserError(f"--input-shape {k}={','.join(map(str, shapes[k]))} contradicts --inputs, where "
-                                f"{k!r} has shape {list(v.shape)}: drop one of them")
-            shapes[k] = tuple(int(d) for d in v.shape)
+    for k, (shape, _) in headers.items():
+        if k in shapes and tuple(shapes[k]) != shape:
+            raise UserError(f"--input-shape {k}={','.join(map(str, shapes[k]))} contradicts --inputs, where "
+                            f"{k!r} has shape {list(shape)}: drop one of them")
+        shapes[k] = shape
     shaped = onnx.ModelProto.FromString(proto.SerializeToString()) if shapes else proto
     if shapes:
         apply_input_shapes(shaped, shapes)
@@ -85,6 +88,7 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     inferred = _infer(shaped)
     memory = check_memory(tensor_sizes(inferred), memory_limit)
     check_onnxruntime(proto, path)
+    samples = load_inputs(inputs_file, headers) if inputs_file else None  # last: the memory check passed them
     return ModelInput(str(path), proto, shapes, samples, memory)
 
 
@@ -126,7 +130,12 @@ def check_structure(g: onnx.GraphProto) -> None:
                 raise UserError(f"node {_node_label(n, k)} reads tensor {t!r}, which no node, graph input or "
                                 "initializer provides (a missing initializer or a dangling input): re-export "
                                 "the model, or add the tensor")
+    seen: set[str] = set()
     for o in g.output:
+        if o.name in seen:
+            raise UserError(f"graph output {o.name!r} is listed twice in the model's outputs: list each tensor once "
+                            "(give a second name with an Identity node if both are wanted) and re-export")
+        seen.add(o.name)
         if o.name not in writer and o.name not in given:
             raise UserError(f"graph output {o.name!r} is written by no node and is no input or initializer: "
                             "remove it from the outputs or re-export the model")
@@ -215,43 +224,121 @@ def check_dtypes(g: onnx.GraphProto) -> None:
 
 # ---- 4. sample inputs --------------------------------------------------------------------------------------
 
-def read_inputs(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """``--inputs FILE.npz``: arrays named after the model's runtime inputs, with their dtypes and ranks, and
-    their static dimensions.  Inputs the file does not name are drawn at random as usual."""
+@dataclass(frozen=True)
+class InputSpec:
+    """What ``--inputs`` may give for one runtime input: its dtype and dims (None: any size; ``dims`` None: any
+    rank).  Taken from the ONNX model (optimize-model and the other model commands) or from a built folder's
+    signature (run-model), so that every command reads the file by the same rules."""
+
+    dtype: str
+    dims: tuple[int | None, ...] | None
+
+
+Headers = dict[str, tuple[tuple[int, ...], np.dtype]]  # {array name: (shape, dtype)} of an --inputs file
+
+
+def model_inputs(model: onnx.ModelProto) -> dict[str, InputSpec]:
+    """The model's runtime inputs (graph inputs that are no initializer), in order."""
+    inits = {t.name for t in model.graph.initializer}
+    specs = {}
+    for i in model.graph.input:
+        if i.name in inits:
+            continue
+        tt = i.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim) \
+            if tt.HasField("shape") else None
+        specs[i.name] = InputSpec(_dtype_name(tt.elem_type), dims)
+    return specs
+
+
+def read_inputs(path: str | os.PathLike, expected: dict[str, InputSpec]) -> dict[str, np.ndarray]:
+    """``--inputs FILE.npz`` checked (:func:`read_input_headers`), then read: for a caller whose ``expected``
+    dims are all static (run-model's compiled shapes), so that the headers bound every array's size."""
+    return load_inputs(path, read_input_headers(path, expected))
+
+
+def read_input_headers(path: str | os.PathLike, expected: dict[str, InputSpec]) -> Headers:
+    """``--inputs FILE.npz``: each array's name, dtype, rank and static dims checked against ``expected`` from its
+    .npy header alone.  A small file can hold a compressed array of gigabytes: it is
+    refused here (or by the memory check its shape feeds) before a byte of it is decompressed.
+
+    One rule for every command: inputs the file does not name are drawn at random (the ``--seed`` draw), and a
+    warning names them."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--inputs {str(p)!r} {'is a folder' if p.is_dir() else 'does not exist'}: pass an .npz "
                         "file written by numpy.savez(FILE, input_name=array, ...)")
+    headers = _npy_headers(p)
+    for k, (shape, dtype) in headers.items():
+        _check_sample(k, shape, dtype, expected)
+    missing = [k for k in expected if k not in headers]
+    if missing:
+        log.warning("warning: --inputs %s gives no %s: random values (the --seed draw) are used for %s", p,
+                    ", ".join(missing), "it" if len(missing) == 1 else "them")
+    return headers
+
+
+def load_inputs(path: str | os.PathLike, headers: Headers) -> dict[str, np.ndarray]:
+    """The arrays whose headers :func:`read_input_headers` accepted (and whose sizes the memory check did)."""
     try:
-        with np.load(p, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError("not an npz archive")
-            arrays = {k: data[k] for k in data.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
-        raise UserError(f"--inputs {str(p)!r} is not a readable .npz file ({str(exc).splitlines()[0][:120]}): "
-                        "write it with numpy.savez(FILE, input_name=array, ...)") from None
-    inits = {t.name for t in model.graph.initializer}
-    runtime = {i.name: i for i in model.graph.input if i.name not in inits}
-    for k, arr in arrays.items():
-        if k not in runtime:
-            raise UserError(f"--inputs names {k!r}, which is not a runtime input of the model (inputs: "
-                            f"{', '.join(sorted(runtime)) or 'none'}): rename the array")
-        tt = runtime[k].type.tensor_type
-        want = _dtype_name(tt.elem_type)
-        if arr.dtype.name != want:
-            raise UserError(f"--inputs {k!r} is {arr.dtype.name} but the model input is {want}: save it as "
-                            f"{want} (array.astype('{want}'))")
-        if tt.HasField("shape"):
-            dims = list(tt.shape.dim)
-            if len(dims) != arr.ndim:
-                raise UserError(f"--inputs {k!r} has rank {arr.ndim} but the model input has rank {len(dims)}")
-            for axis, (d, n) in enumerate(zip(dims, arr.shape)):
-                if d.HasField("dim_value") and d.dim_value != n:
-                    raise UserError(f"--inputs {k!r} has {n} at axis {axis} where the model fixes {d.dim_value}: "
-                                    "give an array of the model's static size")
-        if arr.size == 0:
-            raise UserError(f"--inputs {k!r} is empty (shape {list(arr.shape)}): give at least one element per axis")
-    return arrays
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in headers}
+    except _NPZ_ERRORS as exc:
+        raise _unreadable(path, exc) from None
+
+
+_NPZ_ERRORS = (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error)
+
+
+def _unreadable(path: str | os.PathLike, exc: BaseException) -> UserError:
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+    return UserError(f"--inputs {str(path)!r} is not a readable .npz file ({detail}): write it with "
+                     "numpy.savez(FILE, input_name=array, ...)")
+
+
+def _npy_headers(p: Path) -> Headers:
+    """{array name: (shape, dtype)} of every member of the .npz archive, from the headers only."""
+    try:
+        with zipfile.ZipFile(p) as z:
+            return dict(_npy_header(z, info) for info in z.infolist())
+    except _NPZ_ERRORS as exc:
+        raise _unreadable(p, exc) from None
+
+
+def _npy_header(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[str, tuple[tuple[int, ...], np.dtype]]:
+    """One member's name and its .npy header's shape and dtype (numpy.lib.format reads the first bytes only)."""
+    if not info.filename.endswith(".npy"):
+        raise ValueError(f"member {info.filename!r} is no .npy array")
+    name = info.filename[:-4]
+    with z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in readers:
+            raise ValueError(f"array {name!r} is in .npy format {version[0]}.{version[1]}")
+        shape, _, dtype = readers[version](f)
+    if dtype.hasobject:
+        raise ValueError(f"array {name!r} holds Python objects, which only pickle can read")
+    return name, (tuple(int(d) for d in shape), dtype)
+
+
+def _check_sample(k: str, shape: tuple[int, ...], dtype: np.dtype, expected: dict[str, InputSpec]) -> None:
+    """One array of --inputs against the input it names."""
+    if k not in expected:
+        raise UserError(f"--inputs names {k!r}, which is not a runtime input of the model (inputs: "
+                        f"{', '.join(sorted(expected)) or 'none'}): rename the array")
+    want = expected[k]
+    if dtype.name != want.dtype:
+        raise UserError(f"--inputs {k!r} is {dtype.name} but the model input is {want.dtype}: save it as "
+                        f"{want.dtype} (array.astype('{want.dtype}'))")
+    if want.dims is not None:
+        if len(want.dims) != len(shape):
+            raise UserError(f"--inputs {k!r} has rank {len(shape)} but the model input has rank {len(want.dims)}")
+        for axis, (d, n) in enumerate(zip(want.dims, shape)):
+            if d is not None and d != n:
+                raise UserError(f"--inputs {k!r} has {n} at axis {axis} where the model fixes {d}: "
+                                "give an array of the model's static size")
+    if math.prod(shape) == 0:
+        raise UserError(f"--inputs {k!r} is empty (shape {list(shape)}): give at least one element per axis")
 
 
 # ---- 5. onnx.checker ---------------------------------------------------------------------------------------

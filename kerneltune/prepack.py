@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
 
 from kerneltune.task import root_blocks
 
@@ -92,9 +92,20 @@ def fold_weight_packing(mod: tvm.IRModule) -> tvm.IRModule:
     """Move every kernel's packing copy into its own function and run it on the constant weights now."""
     from tvm import relax
 
-    seq = tvm.transform.Sequential([relax.transform.SplitLayoutRewritePreproc(), relax.transform.FoldConstant(),
-                                    relax.transform.DeadCodeElimination()])
+    seq = tvm.transform.Sequential([_give_root_block, relax.transform.SplitLayoutRewritePreproc(),
+                                    relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])
     return seq(mod)
+
+
+@tirx.transform.prim_func_pass(opt_level=0, name="GiveRootBlock")
+def _give_root_block(func: tirx.PrimFunc, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tirx.PrimFunc:
+    """A kernel that is one opaque block (TOPI's ir_builder ``scatter_elements``) wrapped in a root block:
+    SplitLayoutRewritePreproc reads the root block's children and fails on a root with none ("There should
+    be a compute block if there is only one subtree under the root") - every ScatterElements model did."""
+    if not isinstance(func.body, s_tir.SBlockRealize) or root_blocks(func):
+        return func
+    root = s_tir.SBlock([], [], [], "root", func.body)
+    return func.with_body(s_tir.SBlockRealize([], True, root))
 
 
 def _np_eval(expr, env: dict[str, np.ndarray]):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from graphopt.errors import UserError
+from graphopt.fileio import lock_holder
 from kerneltune.failures import CONFIG, ENVIRONMENT, classify
 
 log = logging.getLogger(__name__)
@@ -205,17 +206,3 @@ class RecordLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def lock_holder(path: Path) -> int | None:
-    """PID holding a ``flock`` on ``path``, read from Linux's /proc/locks (None where unknown)."""
-    try:
-        ino = os.stat(path).st_ino
-        for line in Path("/proc/locks").read_text().splitlines():
-            parts = line.split()
-            # "1: FLOCK  ADVISORY  WRITE 12345 fd:01:1234567 0 EOF"
-            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(ino):
-                return int(parts[4])
-    except (OSError, ValueError):
-        pass
-    return None

@@ -208,10 +208,22 @@ def vector_lanes(target: "tvm.target.Target", dtype: str) -> int:
     return max(1, vector_bits(target) // tvm.DataType(dtype).bits)
 
 
+# How TVM's pool behaves on a core it shares (read once, when the pool starts; a value the user set wins).
+# TVM pins each worker to one core and spins ~300k iterations at every barrier before it sleeps.  On a
+# server whose cores are all busy, a pinned worker waits for its core's time slice while the others spin at
+# the barrier: bert_tiny's p99 was 264 ms against onnxruntime's 6.2 ms with two busy processes on two cores.
+# Unpinned workers go wherever the scheduler has room (onnxruntime does not pin either), and a short spin
+# gives the core back soon.  Measured by bench/contention.py.
+POOL_ENVIRONMENT = {"TVM_BIND_THREADS": "0", "TVM_THREAD_POOL_SPIN_COUNT": "2000"}
+
+
 def set_num_threads(threads: int) -> None:
     """Size TVM's thread pool: it reads ``TVM_NUM_THREADS`` once, when it first starts, and uses one thread
-    on this VM otherwise.  Call before the first TVM kernel runs (the one place that sets it)."""
+    on this VM otherwise.  Call before the first TVM kernel runs (the one place that sets it).  Also sets
+    :data:`POOL_ENVIRONMENT`, unless the user did."""
     os.environ["TVM_NUM_THREADS"] = str(int(threads))
+    for key, value in POOL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
 
 
 def use_threads(threads: int | None, option: str = "--threads") -> int:

@@ -11,6 +11,7 @@ the checks, the artifacts and the one-line errors (:class:`graphopt.errors.UserE
 """
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 import tempfile
@@ -22,13 +23,66 @@ import numpy as np
 import onnx
 
 from graphopt.errors import UserError
+from kerneltune.scheduler import SCHEDULERS
+from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import use_threads
 from pipeline.artifact import Model, read_report
+
+_PATH, _OPTIONAL_PATH = (str, os.PathLike), (str, os.PathLike, type(None))
+_INT, _OPTIONAL_INT = (numbers.Integral,), (numbers.Integral, type(None))
+_OPTIONAL_STR = (str, type(None))
+# Each argument of optimize() and load(): the types it takes and what to give, for the one-line error.  A bool
+# is refused where an int is meant (True is an int to Python, not a trial count).
+ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str, os.PathLike, onnx.ModelProto), "an .onnx path or an onnx.ModelProto"),
+    "directory": (_PATH, "the path of a folder built by optimize-model"),
+    "target": ((str,), "a target string such as 'llvm'"),
+    "trials": (_INT, "0 (no tuning) or a positive number of trials"),
+    "output": (_OPTIONAL_PATH, "a folder path, or None for a temporary folder"),
+    "threads": (_OPTIONAL_INT, "a positive number of threads, or None for the cores this process may use"),
+    "input_shapes": ((Mapping, type(None)), "a dict {input name: (d1, d2, ...)}"),
+    "inputs": ((str, os.PathLike, Mapping, type(None)), "an .npz path or a dict {input name: array}"),
+    "skip_graph": ((bool,), "True or False"),
+    "seed": (_INT, "a non-negative integer"),
+    "kernels": (_OPTIONAL_STR, "a task selection such as '0,3' or 'matmul', or None"),
+    "scheduler": ((str,), f"one of {', '.join(SCHEDULERS)}"),
+    "searcher": ((str,), f"one of {', '.join(SEARCHERS)}"),
+    "records": (_OPTIONAL_PATH, "a records file path, or None"),
+    "rpc": (_OPTIONAL_STR, "'HOST:PORT:KEY' of a TVM RPC tracker, or None"),
+    "skip_tune": ((bool,), "True or False"),
+    "progress": ((bool,), "True or False"),
+}
+
+
+def check_arguments(values: Mapping[str, Any]) -> None:
+    """Every API argument's type and value, before any work: a UserError naming the first wrong one, as the
+    command line's parser does for its options (a raw TypeError from deep inside otherwise)."""
+    for name, value in values.items():
+        types, what = ARGUMENTS[name]
+        wrong_type = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if wrong_type or not _valid_value(name, value):
+            raise UserError(f"{name}={value!r:.80}: give {what}")
+
+
+def _valid_value(name: str, value: Any) -> bool:
+    """The values a right type may still get wrong (the type is already checked)."""
+    if name in ("trials", "seed"):
+        return value >= 0
+    if name == "scheduler":
+        return value in SCHEDULERS
+    if name == "searcher":
+        return value in SEARCHERS
+    if name == "input_shapes" and value is not None:
+        return all(isinstance(k, str) and not isinstance(v, (str, bytes)) and hasattr(v, "__iter__")
+                   and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in v)
+                   for k, v in value.items())
+    return True
 
 
 def load(directory: str | os.PathLike, threads: int | None = None, rpc: str | None = None) -> Model:
     """The model built into ``directory`` by optimize-model (or :func:`optimize`), ready to run here, or on
     the device of a TVM RPC tracker with ``rpc="HOST:PORT:KEY"``."""
+    check_arguments({"directory": directory, "threads": threads, "rpc": rpc})
     return Model.load(directory, threads, rpc)
 
 
@@ -42,11 +96,10 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
     checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do."""
+    check_arguments(dict(locals()))  # first: locals() holds the arguments only
     from pipeline.optimize_model import TuneOptions, optimize_model  # deferred: loads TVM
 
-    if trials < 0:
-        raise UserError(f"trials={trials}: give 0 (no tuning) or a positive budget")
-    n = use_threads(threads, "threads")
+    n = use_threads(int(threads) if threads is not None else None, "threads")
     scratch = Path(tempfile.mkdtemp(prefix="optimize-model-api-"))
     try:
         if isinstance(model, onnx.ModelProto):
@@ -59,9 +112,9 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
             inputs = path
         shapes = {str(k): tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
         out = Path(output) if output is not None else scratch / "built"
-        tuning = TuneOptions(trials, kernels, scheduler, searcher, str(records) if records else None, rpc, skip_tune,
-                             progress)
-        optimize_model(str(model), target, str(out), n, shapes, skip_graph=skip_graph, seed=seed, tuning=tuning,
+        tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
+                             skip_tune, progress)
+        optimize_model(str(model), target, str(out), n, shapes, skip_graph=skip_graph, seed=int(seed), tuning=tuning,
                        inputs=str(inputs) if inputs is not None else None)
         built = Model(out, read_report(out), n)
     except BaseException:

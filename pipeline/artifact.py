@@ -9,7 +9,11 @@ their dtypes and the fixed shapes the library was compiled for, and the outputs 
 :class:`Model` loads such a directory with the TVM runtime alone (``tvm.runtime.load_module`` +
 ``relax.VirtualMachine``, https://tvm.apache.org/docs/how_to/tutorials/export_and_load_executable.html),
 checks the feeds against the signature (a wrong name, shape or dtype is one line naming the expected one, not a
-crash inside a kernel) and returns the outputs by name.  Nothing from kerneltune's measurement, the graph
+crash inside a kernel) and returns the outputs by name.  The ``deploy`` section also records the size and sha256
+of model.so (and of a GPU code object beside it) and a checksum of the section itself: the loader checks them
+before it loads the library, because a truncated library (an interrupted copy) kills the process with SIGBUS
+when loaded, and a library of another build or an edited signature fail inside the VM.  A folder written
+before these fields existed still loads.  Nothing from kerneltune's measurement, the graph
 search or the templates is imported on this path.
 
 With ``rpc="HOST:PORT:KEY"`` (a TVM RPC tracker, ``python -m tvm.exec.rpc_tracker``, and a device server
@@ -22,9 +26,11 @@ they do not include the network.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -61,9 +67,13 @@ def tensor_specs(infos: Sequence[Any]) -> list[TensorSpec]:
                                                                              for d in t.shape)) for t in infos]
 
 
-def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> dict[str, Any]:
-    """report.json's ``deploy`` section: what loading ``model.so`` needs (``spec`` a kerneltune TargetSpec)."""
-    return {
+def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+               directory: Path) -> dict[str, Any]:
+    """report.json's ``deploy`` section: what loading ``model.so`` needs (``spec`` a kerneltune TargetSpec),
+    with the size and hash of the libraries already written to ``directory`` and the section's checksum."""
+    lib = directory / LIBRARY
+    shipped = [p for p in (lib, lib.with_suffix(".hsaco")) if p.is_file()]  # the GPU code object beside it
+    section = {
         "library": LIBRARY, "device": spec.device, "triple": spec.triple, "arch": arch_of(spec.triple),
         "runs_on_build_machine": bool(spec.can_run),
         "inputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in inputs],
@@ -71,7 +81,23 @@ def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tensor
         "shapes_note": "model.so is compiled for these input shapes only (rebuild with --input-shape for "
                        "others); optimized.onnx keeps the input model's symbolic dimensions where it can "
                        "(report.json's dynamic_shapes says which, and how that was checked)",
+        "files": {p.name: file_digest(p) for p in shipped},
     }
+    return section | {"checksum": section_checksum(section)}
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """Size and sha256 of a built file, read in blocks (a library can be hundreds of MB)."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": digest}
+
+
+def section_checksum(section: Mapping[str, Any]) -> str:
+    """sha256 of the deploy section without its checksum, keys sorted: an edit of the signature (a dtype, a
+    shape) or of the recorded hashes changes it."""
+    body = {k: v for k, v in section.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def read_report(directory: str | os.PathLike) -> dict[str, Any]:
@@ -107,8 +133,7 @@ class Model:
         self.report = report
         self.rpc = rpc  # None: this machine; else the --rpc device the library is uploaded to
         dep = report["deploy"]
-        self.inputs = [TensorSpec.from_json(t) for t in dep["inputs"]]
-        self.outputs = [TensorSpec.from_json(t) for t in dep["outputs"]]
+        self.inputs, self.outputs = _signature(self.directory, dep)
         self.device_type = str(dep["device"])
         self.requested_threads = threads
         self.threads: int | None = None  # the pool's size once loaded
@@ -118,6 +143,7 @@ class Model:
         """Load model.so on the device: a UserError when this machine cannot run it."""
         if self._main is not None:
             return
+        check_files(self.directory, self.report["deploy"])
         if self.rpc:
             self._load_remote()
             return
@@ -210,19 +236,34 @@ class Model:
                 raise UserError(f"input {t.name!r} has shape {list(value.shape)}, model.so is compiled for "
                                 f"{list(t.shape)}; rebuild with --input-shape {t.name}="
                                 f"{','.join(map(str, value.shape))} for other sizes")
-            args.append(tvm.runtime.tensor(np.ascontiguousarray(value), self._dev))
+            # order="C", not np.ascontiguousarray: that makes a rank-0 (scalar) input 1-d, which the VM refuses
+            args.append(tvm.runtime.tensor(np.asarray(value, order="C"), self._dev))
         return args
 
     def run(self, feeds: Mapping[str, Any] | Sequence[Any]) -> dict[str, np.ndarray]:
         """One inference: inputs by name (or in order), outputs by name in the model's output order."""
         args = self._arguments(feeds)
-        if self._vm is not None:  # over RPC: the stateful calls (a tuple result cannot come back directly)
-            self._vm.set_input("main", *args)
-            self._vm.invoke_stateful("main")
-            values = outputs_numpy(self._vm.get_outputs("main"))
-        else:
-            values = outputs_numpy(self._main(*args))
+        try:
+            if self._vm is not None:  # over RPC: the stateful calls (a tuple result cannot come back directly)
+                self._vm.set_input("main", *args)
+                self._vm.invoke_stateful("main")
+                values = outputs_numpy(self._vm.get_outputs("main"))
+            else:
+                values = outputs_numpy(self._main(*args))
+        except ValueError as exc:
+            raise self._signature_error(exc) from None
         return {t.name: v for t, v in zip(self.outputs, values)}
+
+    def _signature_error(self, exc: ValueError) -> Exception:
+        """The VM's own check of an argument against the compiled signature failed although the feeds matched
+        report.json's: the two disagree (a folder without hashes whose report.json was edited).  Another
+        ValueError is returned as it is."""
+        m = _VM_PARAM_RE.search(str(exc))
+        if not m:
+            return exc
+        detail = str(exc)[m.end():].strip().splitlines()[0][:160]
+        return UserError(f"{self.directory / LIBRARY} rejects input {m.group(1)!r} ({detail}): report.json's "
+                         "signature does not match the library; copy the folder again or rebuild")
 
     def latency(self, feeds: Mapping[str, Any] | Sequence[Any], runs: int):
         """The latency distribution of ``runs`` back-to-back inferences on ``feeds`` after a warm-up
@@ -276,6 +317,17 @@ class Model:
 
         return random_inputs(self._graph()[1], seed)
 
+    def read_inputs(self, path: str | os.PathLike, seed: int = 0) -> dict[str, np.ndarray]:
+        """``run-model --inputs FILE.npz``: checked against the signature by optimize-model's rules
+        (:func:`graphopt.validate.read_inputs`: headers first, a warning naming the inputs the file leaves out);
+        those inputs drawn as :meth:`random_feeds` draws them."""
+        from graphopt.validate import InputSpec, read_inputs
+
+        samples = read_inputs(path, {t.name: InputSpec(t.dtype, t.shape) for t in self.inputs})
+        if len(samples) == len(self.inputs):
+            return samples
+        return self.random_feeds(seed) | samples
+
     def check(self, feeds: Mapping[str, Any]):
         """This build's outputs against onnxruntime running optimized.onnx on ``feeds``:
         a :class:`graphopt.compare.Comparison`."""
@@ -300,6 +352,42 @@ class Model:
         for p in files + [self.directory / REPORT]:
             write_bytes_atomic(out / p.name, p.read_bytes())
         return out
+
+
+# The Relax VM's argument check: "ErrorContext(fn=main, loc=param[1], param=s, annotation=...)  expect ..."
+_VM_PARAM_RE = re.compile(r"ErrorContext\(fn=main, loc=param\[\d+\], param=([^,]+), annotation=.*?\)\s")
+
+
+def _signature(directory: Path, dep: Mapping[str, Any]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The inputs and outputs of report.json's deploy section, after its checksum (when it has one): an edited
+    or damaged section is one line, not an error inside the VM."""
+    path = directory / REPORT
+    if "checksum" in dep and dep["checksum"] != section_checksum(dep):
+        raise UserError(f"{path}'s deploy section was edited after the build (its checksum differs): copy the "
+                        "folder again or rebuild")
+    try:
+        inputs = [TensorSpec.from_json(t) for t in dep["inputs"]]
+        outputs = [TensorSpec.from_json(t) for t in dep["outputs"]]
+        for t in inputs + outputs:
+            np.dtype(t.dtype)
+            if t.shape is not None and not all(d is None or isinstance(d, int) for d in t.shape):
+                raise ValueError(f"shape {list(t.shape)} of {t.name!r}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}'s deploy section is damaged ({type(exc).__name__}: {str(exc)[:120]}): copy the "
+                        "folder again or rebuild") from None
+    return inputs, outputs
+
+
+def check_files(directory: Path, dep: Mapping[str, Any]) -> None:
+    """The libraries are the ones the build wrote (the sizes first: a truncated copy costs no hashing)."""
+    recorded = dep.get("files", {})  # absent in folders written before the hashes
+    for name, want in recorded.items():
+        path = directory / name
+        if not path.is_file():
+            raise UserError(f"{directory} has no {name}, which this build wrote: copy the folder again or rebuild")
+        if path.stat().st_size != want["bytes"] or file_digest(path)["sha256"] != want["sha256"]:
+            raise UserError(f"{path} is not the library this build wrote (size/hash differs): copy the folder "
+                            "again or rebuild")
 
 
 def outputs_numpy(result) -> list[np.ndarray]:

@@ -28,7 +28,7 @@ import numpy as np
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
-from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, private_tempdir,
+from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, display_path, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
 from graphopt.onnx_io import parse_input_shapes
 from graphopt.validate import check_model
@@ -121,7 +121,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
         check += f", top-1 agreement {comp['top1_agreement']:.1%}"
     if comp.get("not_run"):
         check += f"; kernels not run: {comp['not_run']}"
-    print(f"wrote {res.out_dir}/optimized.onnx, model.so, report.json ({len(res.report['tasks'])} kernels; {check})")
+    print(f"wrote {display_path(res.out_dir)}/optimized.onnx, model.so, report.json "
+          f"({len(res.report['tasks'])} kernels; {check})")
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
         log.warning("note: %s", note)
@@ -230,7 +231,7 @@ def run_model_main(argv: list[str] | None = None) -> int:
     from pipeline.artifact import Model, read_report  # deferred with TVM: --help and the checks above stay fast
 
     model = Model(args.dir, read_report(args.dir), args.threads if args.rpc else threads, args.rpc)
-    feeds = model.random_feeds(args.seed) if not args.inputs else _npz(args.inputs)
+    feeds = model.read_inputs(args.inputs, args.seed) if args.inputs else model.random_feeds(args.seed)
     outputs = model.run(feeds)
     stats = model.latency(feeds, args.repeat)
     result = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc, **dataclasses.asdict(stats)}
@@ -254,16 +255,6 @@ def run_model_main(argv: list[str] | None = None) -> int:
     if args.check and not result["check"]["ok"]:
         raise UserError(f"the outputs differ from onnxruntime on optimized.onnx: {comp.reason()}")
     return 0
-
-
-def _npz(path: str) -> dict[str, np.ndarray]:
-    """The arrays of an .npz file; a one-line error for a missing or unreadable one."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--inputs {path!r}: cannot read it as an .npz file ({exc}); write it with "
-                        "numpy.savez(FILE, name=array, ...)") from None
 
 
 def _tvm_runner(threads: int) -> GraphRunner:

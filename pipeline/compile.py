@@ -171,7 +171,8 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
 def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
     """relax.build of an already fused and scheduled module (the default pipeline only lowers it now),
     after running the kernels' weight-packing copies on the constant weights (kerneltune.prepack)."""
-    return relax.build(fold_weight_packing(mod), spec.target)
+    with quiet_native_stderr():  # TVM's codegen notes ("Unknown pragma pragma_scope"): not the user's business
+        return relax.build(fold_weight_packing(mod), spec.target)
 
 
 def compile_partition(imported: ImportedModel, part: Partition, spec: TargetSpec,

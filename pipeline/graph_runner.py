@@ -13,6 +13,7 @@ from typing import Callable
 from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
+from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets import TargetSpec, check_name, device_for, parse_target, set_num_threads, tvm_num_threads
 from pipeline.compile import compile_partition, to_device
 from pipeline.partition import partition
@@ -42,7 +43,8 @@ class TvmRunner(GraphRunner):
         if self._spec is None:
             self._spec = parse_target(self.target, self.threads)
         imported = import_model(export_onnx(graph, check=False))
-        compiled = compile_partition(imported, partition(imported.mod), self._spec)
+        with quiet_native_stderr():  # LLVM codegen warns about TOPI's pragmas ("Unknown pragma pragma_scope")
+            compiled = compile_partition(imported, partition(imported.mod), self._spec)
         dev = device_for(self._spec)
         args = to_device(timing_feeds(graph), compiled.input_names, dev)
         main = compiled.vm()["main"]

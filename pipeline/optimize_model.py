@@ -8,7 +8,6 @@ a second size in onnxruntime; :mod:`graphopt.dynamic`), while model.so is built 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -23,7 +22,8 @@ from graphopt.dynamic import dynamic_model
 from graphopt.cost.factory import make_cost_model
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
-from graphopt.fileio import check_output_dir, check_output_file, write_bytes_atomic, write_text_atomic
+from graphopt.fileio import (check_output_dir, check_output_file, display_path, lock_output_dir, write_bytes_atomic,
+                             write_text_atomic)
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, export_onnx, external_data_name, import_onnx, save_model
 from graphopt.validate import check_model
@@ -91,6 +91,12 @@ def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: 
     return StagedGraph(export_onnx(result.graph), result.graph, unfolded)
 
 
+# Every file a build writes in DIR.  A new build drops an older one's, also those it does not write itself (a
+# weights file, a GPU code object, a tuning plot); records.jsonl, the tuning history, and the user's files stay.
+BUILD_FILES = ("optimized.onnx", external_data_name("optimized.onnx"), "model.so", "model.hsaco", "report.json",
+               "report.md", "tuning.png")
+
+
 @dataclass
 class OptimizeResult:
     out_dir: Path
@@ -125,8 +131,10 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
 
     Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
-    model (:func:`graphopt.validate.check_model`); the artifacts are written only after the compiled model
-    matched onnxruntime, each atomically, report.json last (its presence means a complete run)."""
+    model (:func:`graphopt.validate.check_model`); then DIR is locked (another run into it is refused).  The
+    artifacts are written only after the compiled model matched onnxruntime, into a new folder that takes
+    DIR's place in one step (:func:`graphopt.fileio.lock_output_dir`): a run killed at any moment leaves the
+    previous build or this one."""
     tuning = tuning or TuneOptions()
     request = check_name(target)
     out = check_output_dir(out_dir, "-o")
@@ -136,117 +144,117 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         RecordLog(records).check_free()
     model = check_model(model_path, input_shapes, inputs)
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
-    # Deferred: these load TVM (seconds), after every cheap check above has passed.
-    from pipeline.compile import check_outputs, compile_partition
-    from pipeline.layout_search import partition_model
-    from pipeline.partition import select_tasks
-    from pipeline.relax_import import import_model
-    from pipeline.tuning import pick_build, plot_tuning, tune_model
+    with lock_output_dir(out, "-o") as folder:  # one writer per folder until the end, also on an error
+        # Deferred: these load TVM (seconds), after every cheap check above has passed.
+        from pipeline.compile import check_outputs, compile_partition
+        from pipeline.layout_search import partition_model
+        from pipeline.partition import select_tasks
+        from pipeline.relax_import import import_model
+        from pipeline.tuning import pick_build, plot_tuning, tune_model
 
-    original = model.proto
-    spec = parse_target(target, threads)
-    if tuning.enabled:
-        check_can_tune(spec, tuning.rpc)
-    if tuning.enabled and tuning.rpc and not _has_records(records):  # fail in seconds, not after the graph
-        from kerneltune.runner import check_device  # stage; a resume checks when it first needs the device
+        original = model.proto
+        spec = parse_target(target, threads)
+        if tuning.enabled:
+            check_can_tune(spec, tuning.rpc)
+        if tuning.enabled and tuning.rpc and not _has_records(records):  # fail in seconds, not after the graph
+            from kerneltune.runner import check_device  # stage; a resume checks when it first needs the device
 
-        check_device(tuning.rpc)
-    log = StageLog()
-    staged = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
-                         int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
-    optimized = staged.model
+            check_device(tuning.rpc)
+        log = StageLog()
+        staged = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
+                             int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
+        optimized = staged.model
 
-    t0 = time.perf_counter()
-    imported = import_model(optimized)
-    part = partition_model(imported.mod, spec, layout)
-    log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
-            tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
-            layout=part.layout)
+        t0 = time.perf_counter()
+        imported = import_model(optimized)
+        part = partition_model(imported.mod, spec, layout)
+        log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
+                tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
+                layout=part.layout)
 
-    tuned: dict[str, Any] = {}
-    tune_result = None
-    if tuning.enabled:
-        selected = select_tasks(part.tasks, tuning.kernels)
-        tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
-                                 seed, tuning.rpc, progress=tuning.progress)
-        tuned = tune_result.best_configs
-        before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
-        after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
-        log.add("tune", tune_result.seconds, trials=tune_result.trials, measured_now=tune_result.measured_now,
-                scheduler=tune_result.scheduler, searcher=tune_result.searcher, records=str(records),
-                kernel_ms_before=round(before, 4),
-                kernel_ms_after=round(after, 4),
-                tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
-                        "best_ms": t.best_ms, "weight": t.weight} for t in tune_result.tasks])
-    else:
-        log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
+        tuned: dict[str, Any] = {}
+        tune_result = None
+        if tuning.enabled:
+            selected = select_tasks(part.tasks, tuning.kernels)
+            tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
+                                     seed, tuning.rpc, progress=tuning.progress)
+            tuned = tune_result.best_configs
+            before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
+            after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
+            log.add("tune", tune_result.seconds, trials=tune_result.trials, measured_now=tune_result.measured_now,
+                    scheduler=tune_result.scheduler, searcher=tune_result.searcher, records=display_path(records),
+                    kernel_ms_before=round(before, 4),
+                    kernel_ms_after=round(after, 4),
+                    tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
+                            "best_ms": t.best_ms, "weight": t.weight} for t in tune_result.tasks])
+        else:
+            log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
 
-    compiled = compile_partition(imported, part, spec, tuned)
-    if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
-        compiled, choice = pick_build(compiled, imported, part, spec, tuned, records,
-                                      optimized.SerializeToString(), seed, tuning.rpc)
-        log.stages["tune"]["e2e"] = choice.to_json()
-    facts: dict[str, Any] = {"schedules": compiled.schedules}
-    if spec.can_run:
-        # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
-        check = check_outputs(compiled, imported.graph, original, seed, samples=model.samples)
-        facts.update(check.to_dict(), checked="compiled model vs onnxruntime")
-        if not check.ok:
-            raise UserError(f"the compiled model differs from onnxruntime: {check.reason()}; nothing was written - "
-                            f"{mismatch_hint(check)}")
-    else:
-        # The kernels cannot run here; onnxruntime can still check the graph the library was compiled from.
-        check = check_graph(original, optimized, imported.graph, seed, model.samples)
-        facts.update(check.to_dict(), checked="graph only (optimized.onnx vs the input in onnxruntime)",
-                     not_run=spec.note)
-        if not check.ok:
-            raise UserError(f"the optimized graph differs from the input model in onnxruntime: {check.reason()}; "
-                            "nothing was written - rerun with --skip-graph")
-    log.add("compile", compiled.build_s, **facts)
-    t0 = time.perf_counter()
-    pool = int(threads or spec.target.attrs.get("num-cores", 0) or 1)
-    latency = (end_to_end_latency(compiled, imported.graph, original, pool, seed, model.samples)
-               if spec.can_run else {"measured": False, "reason": spec.note})
-    if latency["measured"]:
-        log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
-                onnxruntime_ms=latency["onnxruntime_ms"])
-    t0 = time.perf_counter()
-    shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, seed, model.samples)
-    log.add("dynamic_shapes", time.perf_counter() - t0, optimized_onnx=dynamic.form,
-            restored_nodes=dynamic.restored_nodes)
+        compiled = compile_partition(imported, part, spec, tuned)
+        if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
+            compiled, choice = pick_build(compiled, imported, part, spec, tuned, records,
+                                          optimized.SerializeToString(), seed, tuning.rpc)
+            log.stages["tune"]["e2e"] = choice.to_json()
+        facts: dict[str, Any] = {"schedules": compiled.schedules}
+        if spec.can_run:
+            # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
+            check = check_outputs(compiled, imported.graph, original, seed, samples=model.samples)
+            facts.update(check.to_dict(), checked="compiled model vs onnxruntime")
+            if not check.ok:
+                raise UserError(f"the compiled model differs from onnxruntime: {check.reason()}; nothing was written - "
+                                f"{mismatch_hint(check)}")
+        else:
+            # The kernels cannot run here; onnxruntime can still check the graph the library was compiled from.
+            check = check_graph(original, optimized, imported.graph, seed, model.samples)
+            facts.update(check.to_dict(), checked="graph only (optimized.onnx vs the input in onnxruntime)",
+                         not_run=spec.note)
+            if not check.ok:
+                raise UserError(f"the optimized graph differs from the input model in onnxruntime: {check.reason()}; "
+                                "nothing was written - rerun with --skip-graph")
+        log.add("compile", compiled.build_s, **facts)
+        t0 = time.perf_counter()
+        pool = int(threads or spec.target.attrs.get("num-cores", 0) or 1)
+        latency = (end_to_end_latency(compiled, imported.graph, original, pool, seed, model.samples)
+                   if spec.can_run else {"measured": False, "reason": spec.note})
+        if latency["measured"]:
+            log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
+                    onnxruntime_ms=latency["onnxruntime_ms"])
+        t0 = time.perf_counter()
+        shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, seed, model.samples)
+        log.add("dynamic_shapes", time.perf_counter() - t0, optimized_onnx=dynamic.form,
+                restored_nodes=dynamic.restored_nodes)
 
-    files = {"optimized": "optimized.onnx", "library": "model.so", "report_md": "report.md"}
-    with contextlib.suppress(FileNotFoundError):  # report.json is written last: its presence means complete
-        (out / "report.json").unlink()
-    if len(save_model(shipped, out / "optimized.onnx")) > 1:  # over 2 GB: its weights in a file beside it
-        files["weights"] = external_data_name("optimized.onnx")
-    lib = compiled.export(out / "model.so")
-    if lib.with_suffix(".hsaco").exists():
-        files["code_object"] = lib.with_suffix(".hsaco").name
-    if tune_result is not None:
-        if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
-            write_bytes_atomic(out / "records.jsonl", records.read_bytes())
-        tuned_ids = {t.index for t in tune_result.tasks}
-        plot_tuning(tune_result, out / "tuning.png",
-                    [(t.index, t.name) for t in part.tasks if t.index not in tuned_ids])
-        files.update(records="records.jsonl", tuning_plot="tuning.png")
-    report = {
-        "model": str(model_path), "target": spec.kind, "target_request": request.text,
-        "target_detail": str(spec.target),
-        "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
-        "inputs": str(inputs) if inputs else None,
-        "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
-                                                 if i.name not in imported.graph.initializers]),
-                             tensor_specs(imported.graph.outputs)),
-        "latency": latency,
-        "dynamic_shapes": dynamic.to_json(),
-        "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
-                                        for t in part.tasks],
-        "files": files,
-    }
-    write_text_atomic(out / "report.md", report_markdown(report))
-    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
-    return OptimizeResult(out, report)
+        with folder.replace(BUILD_FILES) as new:  # DIR's contents change in one step, once all is written
+            files = {"optimized": "optimized.onnx", "library": "model.so", "report_md": "report.md"}
+            if len(save_model(shipped, new / "optimized.onnx")) > 1:  # over 2 GB: its weights in a file beside it
+                files["weights"] = external_data_name("optimized.onnx")
+            lib = compiled.export(new / "model.so")
+            if lib.with_suffix(".hsaco").exists():
+                files["code_object"] = lib.with_suffix(".hsaco").name
+            if tune_result is not None:
+                if records.resolve() != (out / "records.jsonl").resolve() and records.exists():
+                    write_bytes_atomic(new / "records.jsonl", records.read_bytes())
+                tuned_ids = {t.index for t in tune_result.tasks}
+                plot_tuning(tune_result, new / "tuning.png",
+                            [(t.index, t.name) for t in part.tasks if t.index not in tuned_ids])
+                files.update(records="records.jsonl", tuning_plot="tuning.png")
+            report = {
+                "model": display_path(model_path), "target": spec.kind, "target_request": request.text,
+                "target_detail": str(spec.target),
+                "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
+                "inputs": display_path(inputs) if inputs else None,
+                "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
+                                                         if i.name not in imported.graph.initializers]),
+                                     tensor_specs(imported.graph.outputs), new),
+                "latency": latency,
+                "dynamic_shapes": dynamic.to_json(),
+                "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
+                                                for t in part.tasks],
+                "files": files,
+            }
+            write_text_atomic(new / "report.md", report_markdown(report))
+            write_text_atomic(new / "report.json", json.dumps(report, indent=2) + "\n")
+        return OptimizeResult(out, report)
 
 
 def _has_records(path: Path) -> bool:

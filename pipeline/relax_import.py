@@ -8,21 +8,34 @@ dtypes and shapes with one-line errors, and is what :mod:`graphopt.feeds` needs 
 Operators TVM's importer lacks (LSTM, GRU, RNN, ReverseSequence) or mishandles (a scalar ConstantOfShape)
 are first rewritten into primitive ops (:func:`pipeline.frontend.legalize_for_tvm`); only what is still
 unsupported after that is an error, one line naming the operators.
+
+Integer division by a tensor (:func:`nonzero_divisors`) never divides by zero in the compiled code: the
+CPU's divide instruction traps, and SIGFPE kills the whole process without a message (onnxruntime raises).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
+import logging
 import os
+import re
+import warnings
 from dataclasses import dataclass
+from typing import Iterator
 
 import onnx
 import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
+from kerneltune.native_log import quiet_native_stderr
 from pipeline.frontend import legalize_for_tvm
+
+log = logging.getLogger(__name__)
 
 # What the frontend raises for a model it cannot convert: TVM 0.27 has no tvm.error.TVMError; C++ failures
 # arrive through tvm_ffi as RuntimeError subclasses (tvm.error.InternalError, OpError, DiagnosticError) or
@@ -56,19 +69,71 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
     shapes = {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
               if i.name not in graph.initializers}
     dtypes = {i.name: i.dtype for i in graph.inputs if i.name not in graph.initializers}
-    try:
-        # The importer prints "Error converting operator ..." with the whole Relax input before raising: the
-        # one-line error below says it, so its print is dropped.
-        with contextlib.redirect_stdout(io.StringIO()):
-            return from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
-    except tvm.error.OpNotImplemented as exc:
-        msg = str(exc).strip().splitlines()[0]
-        raise UserError(f"{msg}; TVM's ONNX importer cannot compile this model - replace those operators "
-                        "in the exporting framework (or export with another opset)") from None
-    except FRONTEND_ERRORS as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise UserError(f"TVM's ONNX importer rejected the model ({type(exc).__name__}: {first}); check the "
-                        "operators and dtypes it uses, or pass --input-shape for dynamic inputs") from None
+    problem = ""
+    with importer_output() as printed:
+        try:
+            mod = from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
+        except tvm.error.OpNotImplemented as exc:
+            problem = (f"{str(exc).strip().splitlines()[0]}; TVM's ONNX importer cannot compile this model - "
+                       "replace those operators in the exporting framework (or export with another opset)")
+        except FRONTEND_ERRORS as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            failed = re.search(r"^Error converting operator (\w+)", printed.getvalue(), re.MULTILINE)
+            where = f" at its {failed.group(1)} node" if failed else ""
+            problem = (f"TVM's ONNX importer rejected the model{where} ({type(exc).__name__}: {first}); check "
+                       "the operators and dtypes it uses, or pass --input-shape for dynamic inputs")
+        if problem:
+            gc.collect()  # the failed conversion's BlockBuilder (its frames, in a cycle) is destroyed in here
+    if problem:
+        raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
+    return nonzero_divisors(mod)
+
+
+@contextlib.contextmanager
+def importer_output() -> Iterator[io.StringIO]:
+    """What TVM's ONNX importer writes, out of the user's way: its Python warnings ("Renaming name input.1
+    to input_1", the ONNX checker's complaints) logged at -v, its stdout (before a failure, "Error
+    converting operator OP" and the whole Relax input) captured in the buffer it yields, and its native log
+    lines ("BlockBuilder destroyed with remaining blocks!" after every If or failed conversion) silenced."""
+    printed = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with contextlib.redirect_stdout(printed), quiet_native_stderr():
+                yield printed
+        finally:
+            for w in caught:
+                log.info("TVM's ONNX importer: %s", " ".join(str(w.message).split())[:300])
+
+
+# Relax's integer divisions: ONNX Div (truncating) and Mod (fmod 0: floor, 1: truncating).
+_DIVISIONS = frozenset({"relax.divide", "relax.floor_divide", "relax.mod", "relax.floor_mod"})
+
+
+@mutator
+class _NonzeroDivisors(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name in _DIVISIONS):
+            return call
+        divisor = call.args[1]
+        dtype = str(getattr(divisor.ty, "dtype", ""))
+        if not dtype.startswith(("int", "uint")) or isinstance(divisor, tvm.ir.Constant):
+            return call  # floats do not trap; a constant divisor with a 0 is refused by the importer
+        safe = relax.op.where(relax.op.equal(divisor, relax.const(0, dtype)), relax.const(1, dtype), divisor)
+        return relax.Call(call.op, [call.args[0], safe], call.attrs)
+
+
+def nonzero_divisors(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every integer Div/Mod by a non-constant tensor divides by 1 where the divisor is 0 (the dividend, or
+    0 for Mod, where onnxruntime raises): a zero divisor must not kill the process with SIGFPE, whether it
+    comes from a random check input, the cost model's timing inputs or a deployed model's caller.  One
+    compare and select per element, fused into the division's kernel."""
+    rewriter = _NonzeroDivisors(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    return rewriter.builder_.get()
 
 
 def import_model(source: str | os.PathLike | onnx.ModelProto,

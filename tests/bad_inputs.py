@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -142,6 +143,20 @@ def npz(d: Path, name: str = "in.npz", **arrays) -> str:
     p = d / name
     np.savez(p, **arrays)
     return str(p)
+
+
+def zeros_npz(d: Path, member: str, shape: tuple[int, ...], name: str = "bomb.npz") -> str:
+    """An .npz holding a compressed all-zero float32 array of ``shape``, written in 4 MB blocks: a 1 GB
+    array makes a ~1 MB file without ever being in memory (the size bomb a reader must refuse from the header)."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False, "shape": shape}
+    left, block = 4 * int(np.prod(shape)), bytes(1 << 22)
+    with zipfile.ZipFile(d / name, "w", zipfile.ZIP_DEFLATED) as z, \
+            z.open(member + ".npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        while left:
+            f.write(block[:min(left, len(block))])
+            left -= min(left, len(block))
+    return str(d / name)
 
 
 # ---- the cases ---------------------------------------------------------------------------------------------
@@ -275,6 +290,7 @@ def _structural() -> list[Case]:
         "matmul-shapes": (lambda: model([h.make_node("MatMul", ["x", "z"], ["y"])], [x, vi("z", [4, 5])], [vi("y", [2, 5])]),
                           ("onnx.checker",)),
         "duplicate-input-names": (lambda: model([add("x", "x", "y")], [x, vi("x", [2, 3])], [y]), ("'x'",)),
+        "duplicate-outputs": (lambda: model([h.make_node("Relu", ["x"], ["y"])], [x], [y, y]), ("'y'", "twice")),
         "duplicate-initializers": (lambda: model([add("x", "w", "y")], [x], [y], [init("w", np.ones((2, 3), np.float32)),
                                                                              init("w", np.ones((2, 3), np.float32))]),
                                    ("not unique",)),
@@ -302,7 +318,8 @@ def _structural() -> list[Case]:
         "dangling-output": opt, "unsorted-nodes": tune, "two-writers": gopt, "writes-an-input": bench,
         "opset-30": opt, "opset-27": tune, "ir-version-14": gopt, "ir-version-99": bench, "custom-domain-op": opt,
         "unknown-onnx-op": tune, "type-mismatch": gopt, "bad-attribute": bench, "matmul-shapes": opt,
-        "duplicate-input-names": opt, "duplicate-initializers": tune, "truncated-weight": bench, "bfloat16": tune,
+        "duplicate-input-names": opt, "duplicate-outputs": opt, "duplicate-initializers": tune,
+        "truncated-weight": bench, "bfloat16": tune,
         "complex64": gopt, "string-input": bench, "sequence-input": opt, "matmul-1e6": tune, "expand-130GB": gopt,
         "constantofshape-4TB": bench,
     }
@@ -475,6 +492,14 @@ def _outputs() -> list[Case]:
              words=("is a file",)),
         Case("models-o-under-dev/models", "output path", "models", lambda d: ["build", "mlp", "-o", "/dev/m.onnx"],
              words=("/dev",)),
+        # A build replaces the -o folder in one step (issue 25): what cannot be replaced so is refused first.
+        Case("o-holds-a-folder/optimize-model", "output path", "optimize-model",
+             lambda d: (d / "out" / "sub").mkdir(parents=True) or [tiny, "-o", _out(d)], words=("holds a folder", "sub")),
+        Case("o-is-the-current-folder/optimize-model", "output path", "optimize-model", lambda d: [tiny, "-o", "."],
+             words=("current folder",)),
+        Case("o-is-a-mount-point/optimize-model", "output path", "optimize-model",
+             lambda d: [tiny, "-o", str(d / "mnt")], words=("mount point",),
+             needs_unshare="mkdir -p {d}/mnt && mount -t tmpfs tmpfs {d}/mnt"),
     ]
 
 
@@ -493,6 +518,8 @@ def _inputs_files() -> list[Case]:
              lambda d: _opt(relu)(d) + ["--inputs", npz(d, x=np.zeros((5, 3), np.float32))], words=("fixes 2",)),
         Case("inputs-pickled/graphopt", "--inputs", "graphopt",
              lambda d: _rt(relu)(d) + ["--inputs", npz(d, x=np.array([{"a": 1}], dtype=object))], words=("npz",)),
+        Case("inputs-npz-bomb/optimize-model", "--inputs", "optimize-model",  # 1 GB of zeros in a 1 MB file
+             lambda d: _opt(relu)(d) + ["--inputs", zeros_npz(d, "x", (2**28, 1))], words=("fixes 2",)),
         Case("inputs-contradict-shape/bench-model", "--inputs", "bench-model",
              lambda d: dyn(d) + ["--inputs", npz(d, x=np.zeros((2, 8), np.float32)), "--input-shape", "x=3,8"],
              words=("contradicts",)),
@@ -501,6 +528,41 @@ def _inputs_files() -> list[Case]:
              lambda d: _rt(reshape_by_input)(d) + ["--inputs", npz(d, x=np.arange(8, dtype=np.float32).reshape(2, 4),
                                                                     s=np.array([4, 2], np.int64))], expect="ok"),
     ]
+
+
+def int_division() -> onnx.ModelProto:
+    """Div and Mod of int64 inputs beside a float MatMul: the graph stage times the Div alone (issue 25)."""
+    w = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
+    nodes = [h.make_node("Div", ["a", "b"], ["c"]), h.make_node("Mod", ["a", "b"], ["m"]),
+             h.make_node("MatMul", ["x", "w"], ["p"]), h.make_node("Relu", ["p"], ["y"])]
+    return model(nodes, [vi("a", [4], T.INT64), vi("b", [4], T.INT64), vi("x", [2, 8])],
+                 [vi("c", [4], T.INT64), vi("m", [4], T.INT64), vi("y", [2, 8])], [init("w", w)])
+
+
+def int_division_samples(d: Path) -> list[str]:
+    """Inputs with no zero divisor (onnxruntime refuses one), negative operands (truncation vs floor)."""
+    return ["--inputs", npz(d, a=np.array([7, -7, 9, -9]), b=np.array([2, 2, -4, -4]), x=np.ones((2, 8), np.float32))]
+
+
+def scatter_elements_max() -> onnx.ModelProto:
+    idx = np.array([[0, 1, 1, 4], [2, 2, 2, -1], [3, 0, 4, 0]], np.int64)
+    return model([h.make_node("ScatterElements", ["x", "idx", "u"], ["y"], axis=1, reduction="max")],
+                 [vi("x", [3, 5]), vi("u", [3, 4])], [vi("y", [3, 5])], [init("idx", idx)], opset=18)
+
+
+def if_outer_scope() -> onnx.ModelProto:
+    """An If whose branches read an outer tensor (what exporters write): TVM's importer warns about it."""
+    branches = {k: h.make_graph([h.make_node(op, ["x"], [k])], k, [], [vi(k, [2, 3])])
+                for k, op in (("then_branch", "Relu"), ("else_branch", "Neg"))}
+    nodes = [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0), h.make_node("Greater", ["s", "z"], ["c"]),
+             h.make_node("If", ["c"], ["y"], **branches)]
+    return model(nodes, [vi("x", [2, 3])], [vi("y", [2, 3])], [init("z", np.float32(0))])
+
+
+def resize_2d() -> onnx.ModelProto:
+    """onnxruntime resizes a 2-D tensor; TVM's importer asserts 3-D to 5-D."""
+    return model([h.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest")], [vi("x", [4, 6])],
+                 [vi("y", [4, 12])], [init("s", np.array([1, 2], np.float32))], opset=18)
 
 
 def _successes() -> list[Case]:
@@ -540,6 +602,18 @@ def _successes() -> list[Case]:
              _opt(lambda: model([], [vi("x", [2, 3])], [vi("x", [2, 3])])), expect="either", before_tvm=False),
         Case("no-nodes/graphopt", "edge case", "graphopt",
              _rt(lambda: model([], [vi("x", [2, 3])], [vi("x", [2, 3])])), expect="ok"),
+        Case("int-div-by-input/optimize-model", "edge case", "optimize-model",  # the graph stage on: it times Div
+             lambda d: [save(int_division(), d), "-o", _out(d), "--no-progress", *int_division_samples(d)],
+             expect="ok", before_tvm=False),
+        Case("int-div-by-input/graphopt", "edge case", "graphopt",
+             lambda d: ["optimize", save(int_division(), d), "-o", str(d / "opt.onnx"), "--no-progress",
+                        *int_division_samples(d)], expect="ok", before_tvm=False),
+        Case("scatter-elements-max/optimize-model", "edge case", "optimize-model", _opt(scatter_elements_max),
+             expect="ok", before_tvm=False),
+        Case("if-outer-scope/optimize-model", "edge case", "optimize-model", _opt(if_outer_scope), expect="ok",
+             before_tvm=False),
+        Case("tvm-importer-refuses/optimize-model", "edge case", "optimize-model", _opt(resize_2d),
+             words=("Resize",), before_tvm=False),
     ]
 
 

@@ -157,3 +157,66 @@ def test_progress_bars_only_on_a_terminal(tmp_path):
         os.close(leader)
     drawn = b"".join(chunks).decode(errors="replace")
     assert "graph search" in drawn and "\r" in drawn, drawn[-1000:]
+
+
+# ---- TVM's own output (issue 25 item 3): its importer's Python warnings and native log lines ---------------
+def _save(nodes, inputs, outputs, inits, path: Path, opset: int = 17) -> Path:
+    g = helper.make_graph(nodes, path.stem, inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+def _if_model(path: Path) -> Path:
+    """An If whose branches read the outer ``x``: the ONNX checker TVM's importer runs warns about it, and
+    the importer's BlockBuilder logs "destroyed with remaining blocks!" natively."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    branch = {k: helper.make_graph([helper.make_node(op, ["x"], [k])], k, [],
+                                   [helper.make_tensor_value_info(k, TensorProto.FLOAT, [2, 3])])
+              for k, op in (("then_branch", "Relu"), ("else_branch", "Neg"))}
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0), helper.make_node("Greater", ["s", "z"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], **branch)]
+    return _save(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                 [numpy_helper.from_array(np.float32(0), "z")], path)
+
+
+def _dotted_names_model(path: Path) -> Path:
+    """PyTorch's names: TVM's importer warns "Renaming name input.1 to input_1"."""
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["input.1", "w"], ["m"]), helper.make_node("Relu", ["m"], ["out.1"])]
+    return _save(nodes, [helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [2, 8])],
+                 [helper.make_tensor_value_info("out.1", TensorProto.FLOAT, [2, 8])], [w], path)
+
+
+@pytest.mark.parametrize("make", [_if_model, _dotted_names_model], ids=["if", "dotted-names"])
+def test_tvm_importer_output_stays_off_stderr_of_a_successful_run(make, tmp_path):
+    """The graph stage (a fresh cost cache: each operator imported alone) and the build, both quiet."""
+    model = make(tmp_path / "m.onnx")
+    env = environment() | {"OPTIMIZE_MODEL_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run(command("optimize-model", str(model), "-o", str(tmp_path / "out"), "-q"), capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
+
+
+def test_tvm_importer_warnings_are_logged_at_v(tmp_path, caplog):
+    from pipeline.relax_import import import_model
+
+    with caplog.at_level(logging.INFO, logger="pipeline.relax_import"):
+        import_model(str(_dotted_names_model(tmp_path / "m.onnx")))
+    assert "Renaming name input.1 to input_1" in caplog.text
+
+
+def test_tvm_importer_refusal_is_one_stderr_line(tmp_path):
+    """A 2-D Resize, which onnxruntime runs and TVM's importer asserts against; its BlockBuilder's native
+    "destroyed with remaining blocks!" came before and after the error line."""
+    resize = helper.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest")
+    model = _save([resize], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 12])],
+                  [numpy_helper.from_array(np.array([1, 2], np.float32), "s")], tmp_path / "m.onnx", opset=18)
+    env = environment() | {"OPTIMIZE_MODEL_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run(command("optimize-model", str(model), "-o", str(tmp_path / "out")), capture_output=True,
+                       text=True, env=env, timeout=600)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    assert lines[0].startswith("error: TVM's ONNX importer rejected the model at its Resize node"), lines[0]

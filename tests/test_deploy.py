@@ -5,6 +5,7 @@ Every run is checked against onnxruntime; the cross-compiled library is checked 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -245,6 +246,131 @@ def test_run_model_on_an_rpc_device_prints_percentiles_and_checks(bert_built, tm
         assert list(got.files) == ["last_hidden_state", "pooler_output"]
         for name, r in zip(got.files, ref):
             np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------- scalar inputs, partial --inputs, integrity
+
+def scaled() -> onnx.ModelProto:
+    """y = x * s, ``s`` a rank-0 (scalar) input (issue 25: every run of such a build failed)."""
+    g = helper.make_graph([helper.make_node("Mul", ["x", "s"], ["y"])], "scaled",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                           helper.make_tensor_value_info("s", TensorProto.FLOAT, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.fixture(scope="module")
+def scalar_built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("scalar") / "built"
+    pipeline.optimize(scaled(), output=out, threads=1, skip_graph=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mlp_built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mlp") / "built"
+    pipeline.optimize(mlp(), output=out, threads=1, skip_graph=True)
+    return out
+
+
+def _scalar_feeds() -> dict[str, np.ndarray]:
+    return {"x": np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5, "s": np.array(1.5, np.float32)}
+
+
+def _copy(built: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(built, tmp_path / "copy"))
+
+
+def _edit_report(directory: Path, edit) -> None:
+    report = json.loads((directory / "report.json").read_text())
+    edit(report["deploy"])
+    (directory / "report.json").write_text(json.dumps(report))
+
+
+def test_a_scalar_input_runs_in_run_model_and_the_api_like_onnxruntime(scalar_built, tmp_path, capsys):
+    feeds = _scalar_feeds()
+    ref = run_ort(scaled(), feeds)[0]
+    np.testing.assert_array_equal(pipeline.load(scalar_built).run(feeds)["y"], ref)
+    np.testing.assert_array_equal(pipeline.load(scalar_built).run([feeds["x"], 1.5])["y"], ref)  # a Python float
+    np.savez(tmp_path / "in.npz", **feeds)
+    assert run_model_main([str(scalar_built), "--inputs", str(tmp_path / "in.npz"), "--repeat", "2", "--check",
+                           "--outputs", str(tmp_path / "out.npz")]) == 0
+    assert "vs onnxruntime: ok" in capsys.readouterr().out
+    with np.load(tmp_path / "out.npz") as got:
+        np.testing.assert_array_equal(got["y"], ref)
+    assert run_model_main([str(scalar_built), "--repeat", "2", "--check"]) == 0  # random inputs, scalar included
+
+
+def test_run_model_draws_the_inputs_a_partial_npz_leaves_out_and_says_so(scalar_built, tmp_path, capsys):
+    """One rule with optimize-model (graphopt.validate.read_inputs): a missing input is drawn at random, and
+    a warning names it."""
+    x = _scalar_feeds()["x"]
+    np.savez(tmp_path / "in.npz", x=x)
+    assert run_model_main([str(scalar_built), "--inputs", str(tmp_path / "in.npz"), "--repeat", "1", "--seed", "3",
+                           "--check", "--outputs", str(tmp_path / "out.npz")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --inputs" in err and "gives no s" in err
+    s = pipeline.load(scalar_built).random_feeds(3)["s"]
+    with np.load(tmp_path / "out.npz") as got:
+        np.testing.assert_array_equal(got["y"], run_ort(scaled(), {"x": x, "s": s})[0])
+
+
+def test_a_truncated_library_is_one_line_not_a_crash(scalar_built, tmp_path):
+    """An interrupted copy: loading a truncated model.so died with SIGBUS."""
+    import subprocess
+    import sys
+
+    d = _copy(scalar_built, tmp_path)
+    lib = d / "model.so"
+    lib.write_bytes(lib.read_bytes()[: lib.stat().st_size // 2])
+    p = subprocess.run([sys.executable, "-c", "import sys; from pipeline.cli import run_model_main; "
+                        "sys.exit(run_model_main())", str(d), "--repeat", "1"], capture_output=True, text=True,
+                       timeout=300, env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(ROOT),
+                                         "TVM_NUM_THREADS": "1", "HOME": str(tmp_path)})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("[")]
+    assert p.returncode == 2 and len(lines) == 1, (p.returncode, p.stderr[-2000:])
+    assert lines[0] == (f"error: {lib} is not the library this build wrote (size/hash differs): copy the folder "
+                        "again or rebuild")
+
+
+def test_a_library_of_another_build_is_one_line(scalar_built, mlp_built, tmp_path):
+    d = _copy(scalar_built, tmp_path)
+    shutil.copyfile(mlp_built / "model.so", d / "model.so")
+    with pytest.raises(UserError, match="model.so is not the library this build wrote"):
+        pipeline.load(d).run(_scalar_feeds())
+
+
+def test_edited_dtypes_in_report_json_are_one_line_and_old_folders_still_load(scalar_built, tmp_path):
+    d = _copy(scalar_built, tmp_path)
+    _edit_report(d, lambda dep: dep["inputs"][1].update(dtype="float64"))
+    with pytest.raises(UserError, match="report.json.*edited"):
+        pipeline.load(d)
+    # a folder written before the hashes: the library itself refuses the edited signature, in one line
+    _edit_report(d, lambda dep: [dep.pop("files"), dep.pop("checksum")])
+    with pytest.raises(UserError, match=r"model.so rejects input 's'.*report.json"):
+        pipeline.load(d).run(_scalar_feeds())
+    _edit_report(d, lambda dep: dep["inputs"][1].update(dtype="no-such-type"))
+    with pytest.raises(UserError, match="report.json.*damaged"):
+        pipeline.load(d)
+    _edit_report(d, lambda dep: dep["inputs"][1].update(dtype="float32"))  # unedited, without hashes: runs
+    np.testing.assert_array_equal(pipeline.load(d).run(_scalar_feeds())["y"], run_ort(scaled(), _scalar_feeds())[0])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"trials": None}, "trials=None"), ({"trials": "0"}, "trials='0'"), ({"trials": True}, "trials=True"),
+    ({"threads": "2"}, "threads='2'"), ({"seed": -1}, "seed=-1"), ({"seed": 1.5}, "seed=1.5"),
+    ({"skip_graph": "yes"}, "skip_graph='yes'"), ({"input_shapes": {"x": "2,16"}}, "input_shapes"),
+    ({"target": None}, "target=None"), ({"scheduler": "fifo"}, "scheduler='fifo'"),
+    ({"searcher": "anneal"}, "searcher='anneal'"), ({"inputs": 3}, "inputs=3"), ({"output": 1}, "output=1"),
+])
+def test_api_arguments_of_a_wrong_type_or_value_are_one_line(kwargs, words, tmp_path):
+    with pytest.raises(UserError, match=re.escape(words)) as info:
+        pipeline.optimize(mlp(), **({"output": tmp_path / "o"} | kwargs))
+    assert "\n" not in str(info.value) and not (tmp_path / "o").exists()
+    with pytest.raises(UserError, match=re.escape("threads='2'")):
+        pipeline.load(tmp_path, threads="2")
 
 
 # ------------------------------------------------------------------------------------------------ rebuilds

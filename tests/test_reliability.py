@@ -91,6 +91,49 @@ def test_no_tvm_before_the_model_is_checked(tmp_path):
     assert p.stdout.strip() == "[2, 2, 2] False", (p.stdout, p.stderr)
 
 
+def test_an_npz_bomb_is_refused_from_its_header_without_decompressing(tmp_path):
+    """A 1 MB --inputs file holding 1 GB of compressed zeros took 1 GB of memory to be refused for a shape its
+    128-byte header shows (issue 25): refused now from the header, or by the memory check of the shape it
+    declares, with the memory a model check needs (tracemalloc follows numpy's buffers)."""
+    import tracemalloc
+
+    from graphopt.validate import check_model
+
+    bomb = B.zeros_npz(tmp_path, "x", (2**28, 1))  # 1 GB of float32
+    static = B.save(B.relu(), tmp_path)  # x is [2, 3]
+    free_rows = B.save(B.model([h.make_node("Relu", ["x"], ["y"])], [B.vi("x", ["N", 1])], [B.vi("y", ["N", 1])]),
+                       tmp_path, "n.onnx")
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match="has 268435456 at axis 0 where the model fixes 2"):
+            check_model(static, None, bomb)
+        with pytest.raises(UserError, match=r"tensor 'x' of shape \[268435456, 1\].*memory"):
+            check_model(free_rows, None, bomb, memory_limit=2**28)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**26, f"{peak / 2**20:.0f} MiB allocated to refuse the file"
+
+
+def test_a_partial_npz_draws_the_rest_at_random_with_one_warning(tmp_path, caplog):
+    """optimize-model's rule, the same code as run-model's (tests/test_deploy.py): an input the file leaves
+    out is drawn at random, and one warning line names it."""
+    from graphopt.feeds import sample_feeds
+    from graphopt.validate import check_model
+
+    m = B.model([h.make_node("Add", ["x", "z"], ["y"])], [B.vi("x", [2, 3]), B.vi("z", [2, 3])], [B.vi("y", [2, 3])])
+    path = B.save(m, tmp_path)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with caplog.at_level("WARNING"):
+        model = check_model(path, None, B.npz(tmp_path, x=x))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: --inputs {tmp_path / 'in.npz'} gives no z: random values (the --seed draw) are used for it"]
+    feeds = sample_feeds(import_onnx(m), model.samples, 5)
+    np.testing.assert_array_equal(feeds["x"], x)
+    np.testing.assert_array_equal(feeds["z"], random_inputs(import_onnx(m), 5)["z"])
+    np.testing.assert_array_equal(run_ort(m, feeds)[0], x + feeds["z"])
+
+
 # ---- the output comparison -------------------------------------------------------------------------------------
 
 def _softmax(z: np.ndarray) -> np.ndarray:

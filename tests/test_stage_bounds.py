@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -17,7 +21,7 @@ from graphopt.console import version
 from graphopt.cost import measured as measured_mod
 from graphopt.cost.cache import cpu_id
 from graphopt.cost.measured import MeasuredCost
-from graphopt.cost.runners import OrtRunner
+from graphopt.cost.runners import OrtRunner, timing_feeds
 from graphopt.feeds import random_inputs, run_ort
 from graphopt.ir import Graph
 from graphopt.onnx_io import import_onnx
@@ -27,6 +31,7 @@ from pipeline.cli import graphopt_main, optimize_model_main
 from test_e2e_check import TimedLaunchCost
 from test_match import merge_bias, merge_matmul, three_projections
 
+ROOT = Path(__file__).resolve().parents[1]
 HAND = [merge_matmul(2), merge_matmul(3), merge_bias(2), merge_bias(3)]
 
 
@@ -290,3 +295,75 @@ def test_optimize_model_on_an_opset9_zoo_graph(tmp_path, monkeypatch, capsys):
     graph = json.loads((out / "report.json").read_text())["stages"]["graph"]
     assert graph["frozen_weights"] == 5 and graph["pricing_failures"] == {} and graph["stop_reason"] == "complete"
     _ort_equal(zoo_opset9(), onnx.load(str(out / "optimized.onnx")))
+
+
+# ---- integer division by a tensor (issue 25 item 1): SIGFPE killed the process, exit 136, no message --------
+def int_division_model() -> onnx.ModelProto:
+    """c = a / b and d = a mod b on int64 inputs, beside a float MatMul-Relu the graph stage prices."""
+    w = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
+    nodes = [helper.make_node("Div", ["a", "b"], ["c"]), helper.make_node("Mod", ["a", "b"], ["d"]),
+             helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])]
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [4]) for n in ("a", "b", "c", "d")]
+    g = helper.make_graph(nodes, "intdiv", [*ints[:2], helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                          [*ints[2:], helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_timing_inputs_are_never_zero_divisors_and_indices_stay_valid():
+    """The cost model times each operator alone on :func:`timing_feeds`: all-zero integers made every
+    integer Div a division by zero (SIGFPE in TVM's code, an error in onnxruntime's)."""
+    table = numpy_helper.from_array(np.ones((1, 4), np.float32), "table")  # an axis of size 1: only 0 indexes it
+    nodes = [helper.make_node("Div", ["a", "b"], ["c"]), helper.make_node("Gather", ["table", "ids"], ["e"])]
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [3]) for n in ("a", "b", "ids")]
+    g = helper.make_graph(nodes, "g", ints,
+                          [helper.make_tensor_value_info("c", TensorProto.INT64, [3]),
+                           helper.make_tensor_value_info("e", TensorProto.FLOAT, [3, 4])], [table])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    graph = import_onnx(m)
+    feeds = timing_feeds(graph)
+    assert (feeds["b"] != 0).all() and (feeds["ids"] == 0).all()
+    OrtRunner(1).prepare(graph)()  # raised "Integer division by zero" before
+
+
+def test_integer_division_by_an_input_through_graphopt_and_optimize_model(tmp_path):
+    """Each command in its own process (SIGFPE kills it: exit 136, no message), a fresh cost cache so that
+    the Div is timed: the outputs equal onnxruntime's, and the built model survives a zero divisor, where
+    onnxruntime raises."""
+    src = tmp_path / "intdiv.onnx"
+    onnx.save(int_division_model(), str(src))
+    samples = {"a": np.array([7, -7, 9, -9]), "b": np.array([2, 2, -4, -4]),
+               "x": np.random.default_rng(6).standard_normal((2, 8)).astype(np.float32)}
+    np.savez(tmp_path / "in.npz", **samples)
+    np.savez(tmp_path / "zero.npz", **dict(samples, b=np.array([2, 0, -4, 0])))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(ROOT), TVM_NUM_THREADS="1", OPTIMIZE_MODEL_CACHE=str(tmp_path / "cache"))
+
+    def run(command: str, *args: str) -> None:
+        main = {"graphopt": "graphopt_main", "optimize-model": "optimize_model_main", "run-model": "run_model_main"}
+        code = f"import sys; from pipeline.cli import {main[command]}; sys.exit({main[command]}())"
+        p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+        assert p.returncode == 0, (command, p.returncode, p.stderr[-2000:])
+
+    expected = run_ort(int_division_model(), samples)
+    run("graphopt", "optimize", str(src), "-o", str(tmp_path / "g.onnx"), "--inputs", str(tmp_path / "in.npz"),
+        "--no-progress")
+    for got, want in zip(run_ort(onnx.load(str(tmp_path / "g.onnx")), samples), expected):
+        np.testing.assert_array_equal(got, want)
+    run("optimize-model", str(src), "-o", str(tmp_path / "out"), "--inputs", str(tmp_path / "in.npz"),
+        "--skip-tune", "--no-progress", "--threads", "1")
+
+    def built_outputs(inputs: str) -> dict[str, np.ndarray]:
+        out = tmp_path / f"got-{inputs}"
+        run("run-model", str(tmp_path / "out"), "--inputs", str(tmp_path / inputs), "--repeat", "1", "--outputs", str(out))
+        with np.load(out) as got:
+            return {k: got[k] for k in got.files}
+
+    got = built_outputs("in.npz")
+    np.testing.assert_array_equal(got["c"], expected[0])
+    np.testing.assert_array_equal(got["d"], expected[1])
+    np.testing.assert_allclose(got["y"], expected[2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(built_outputs("zero.npz")["c"], [3, -7, -2, -9])  # b = 0: divided by 1

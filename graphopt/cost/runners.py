@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from graphopt.feeds import ort_session
+from graphopt.feeds import _PASS_THROUGH, ort_session
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
 
@@ -37,9 +37,37 @@ class GraphRunner(ABC):
         """A callable that runs ``graph`` once on fixed inputs; raises when the engine cannot run it."""
 
 
+# Operand positions that index into another tensor: 0 is a valid index for any axis, 1 is not (size 1).
+_INDEX_OPERANDS = {"Gather": 1, "GatherElements": 1, "GatherND": 1, "ScatterElements": 1, "Scatter": 1,
+                  "ScatterND": 1, "OneHot": 0}
+
+
+def _only_indexes(graph: Graph, name: str) -> bool:
+    """Whether integer input ``name`` (directly or through value-preserving ops) is used as an index and
+    as nothing else: only then is 0 a safe timing value (any other integer may be a divisor)."""
+    consumers = graph.consumers()
+    frontier, seen, indexes = [name], set(), False
+    while frontier:
+        t = frontier.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for n in consumers.get(t, []):
+            position = _INDEX_OPERANDS.get(n.op_type)
+            if n.op_type in _PASS_THROUGH and n.inputs[0] == t:
+                frontier.extend(n.outputs)
+            elif position is not None and len(n.inputs) > position and n.inputs[position] == t:
+                indexes = True
+            else:
+                return False
+    return indexes
+
+
 def timing_feeds(graph: Graph) -> dict[str, np.ndarray]:
-    """Fixed inputs for timing runs: seeded floats in [-1, 1), zeros for integers (a valid index or mask
-    for any gather-like op).  Values do not matter for timing, only that every run sees the same ones."""
+    """Fixed inputs for timing runs: seeded floats in [-1, 1); integers 1, or 0 where they only index (a
+    valid index for any axis).  Never 0 elsewhere: an integer Div or Mod by a zero tensor kills the process
+    with SIGFPE in TVM's code (the measured cost model times every Div it prices).  Values do not matter
+    for timing, only that every run sees the same ones."""
     rng = np.random.default_rng(0)
     feeds = {}
     for i in graph.inputs:
@@ -47,7 +75,7 @@ def timing_feeds(graph: Graph) -> dict[str, np.ndarray]:
         if np.issubdtype(dt, np.floating):
             feeds[i.name] = rng.uniform(-1, 1, size=i.shape).astype(dt)
         else:
-            feeds[i.name] = np.zeros(i.shape, dtype=dt)
+            feeds[i.name] = np.full(i.shape, 0 if _only_indexes(graph, i.name) else 1, dtype=dt)
     return feeds
 
 
