@@ -1,6 +1,7 @@
 """``bench-model``: onnxruntime vs the TVM-compiled model, in one process.
 
-Engines: onnxruntime, TVM with default schedules, TVM + graphopt, TVM + graphopt + our tuning, TVM +
+Engines: onnxruntime, OpenVINO (when the optional package is installed: the ``[bench]`` extra), TVM with default
+schedules, TVM + graphopt, TVM + graphopt + our tuning, TVM +
 MetaSchedule (the last two with the same ``--trials``).  All run the same seeded inputs with the same
 thread count, timed by :func:`graphopt.timing.time_blocks`: alternating blocks of back-to-back runs with
 an idle gap between engines, so each engine runs as it would alone (no other engine's threads spinning
@@ -35,6 +36,7 @@ from pipeline.relax_import import import_model
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
 ENGINES = {
     "ort": "onnxruntime (CPU EP)",
+    "openvino": "OpenVINO (CPU, f32)",
     "tvm": "TVM default schedules",
     "graphopt": "TVM + graphopt",
     "tuned": "TVM + graphopt + our tuning",
@@ -56,7 +58,7 @@ class BenchResult:
     @property
     def errors(self) -> dict[str, float]:
         """TVM engine key -> max abs err vs onnxruntime."""
-        return {k: c.max_abs_err for k, c in self.checks.items()}
+        return {k: c.max_abs_err for k, c in self.checks.items() if k != "openvino"}
 
     @property
     def max_abs_err(self) -> float:
@@ -93,6 +95,10 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
     engines: dict[str, Callable[[], object]] = {"ort": lambda: sess.run(None, ort_feeds)}
     checks: dict[str, Comparison] = {}
     spec = None
+    on_cpu = bool(compiled) and all(cm.spec.kind == "llvm" and cm.spec.can_run for cm in compiled.values())
+    peer = openvino_runner(imported.onnx_model, threads, sets, references, feeds) if on_cpu else None
+    if peer is not None:
+        engines["openvino"], checks["openvino"] = peer
     for key, cm in compiled.items():
         spec = cm.spec
         dev = device_for(cm.spec)
@@ -105,6 +111,31 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
         engines[key] = model_runner(cm, feeds)
     times = time_blocks(engines, runs)
     return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials, tuned_choice)
+
+
+def openvino_runner(model, threads: int, sets: list, references: list, feeds: dict):
+    """OpenVINO's CPU plugin on the same model, as a user who picks it instead would run it: f32 precision,
+    latency mode, the same threads (the CPU runtime to beat beside onnxruntime).  ``(runner, check)``, or None
+    when the optional package is missing (``pip install optimize-model[bench]``) or the target is not the
+    CPU.  Its outputs are checked against onnxruntime like ours; one that differs is reported, not timed."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model.SerializeToString(), b""), "CPU",
+                                  {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+                                   "INFERENCE_NUM_THREADS": int(threads)})
+    request = compiled.create_infer_request()
+    names = [p.get_any_name() for p in compiled.inputs]
+
+    def run_set(f: dict):
+        return [request.infer({n: f[n] for n in names})[o].copy() for o in compiled.outputs]
+
+    check = compare_runs([(ref, run_set(f)) for f, ref in zip(sets, references)])
+    if not check.ok:
+        return None
+    return (lambda: request.infer({n: feeds[n] for n in names})), check
 
 
 @dataclass

@@ -38,7 +38,7 @@ from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use_threads
 from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
-from pipeline.optimize_model import TuneOptions, optimize_model
+from pipeline.optimize_model import TuneOptions, optimize_model, slower_warning
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
         log.warning("note: %s", note)
+    slower = slower_warning(res.report["latency"], tuned=not res.report["stages"]["tune"].get("skipped"))
+    if slower:
+        log.warning("%s", slower)
     dynamic = res.report["dynamic_shapes"]
     if dynamic["reason"]:  # the input had symbolic sizes the optimized graph could not keep
         log.warning("note: %s", dynamic["reason"])

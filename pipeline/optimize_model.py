@@ -320,7 +320,20 @@ def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, t
     return {"measured": True, "compiled_ms": _round_ms(c.median_ms), "onnxruntime_ms": _round_ms(o.median_ms),
             "compiled_min_ms": _round_ms(c.min_ms), "onnxruntime_min_ms": _round_ms(o.min_ms),
             "speedup": round(o.median_ms / c.median_ms, 3) if c.median_ms > 0 else None, "runs": LATENCY_RUNS,
-            "threads": threads, "timer": "median of alternating blocks (graphopt.timing.time_blocks)"}
+            "threads": threads, "timer": "median of alternating blocks (graphopt.timing.time_blocks)",
+            # slower by the median and by the best run alike: a noisy neighbour alone does not say it
+            "slower_than_onnxruntime": c.median_ms > o.median_ms and c.min_ms > o.min_ms}
+
+
+def slower_warning(latency: dict[str, Any], tuned: bool) -> str | None:
+    """The one line optimize-model prints when the build it ships is slower than onnxruntime end to end
+    (never silently slower), with what to try."""
+    if not latency.get("slower_than_onnxruntime"):
+        return None
+    hint = ("tune longer (more --trials) or try --layout nchwc" if tuned else
+            "tune it (--trials 500 is a start) or try --layout nchwc for a CNN")
+    return (f"warning: this build runs {latency['compiled_ms']} ms per inference, onnxruntime "
+            f"{latency['onnxruntime_ms']} ms: slower than onnxruntime on this CPU; {hint}")
 
 
 # report.json facts that are times, by name: the unit report.md prints them in.

@@ -116,6 +116,22 @@ def test_report_md_gives_units_and_the_end_to_end_latency(built):
     assert not re.search(rf"\b(\w+_)?(ms|cost)(_\w+)?={number}(?! ms)", md)
 
 
+def test_a_build_slower_than_onnxruntime_says_so_in_one_line(built):
+    """Never silently slower: report.json says whether the shipped build lost to onnxruntime (by its median and
+    its best run alike) and optimize-model prints one warning line with both figures and what to try."""
+    from pipeline.optimize_model import slower_warning
+
+    lat = built[1].report["latency"]
+    slower = lat["compiled_ms"] > lat["onnxruntime_ms"] and lat["compiled_min_ms"] > lat["onnxruntime_min_ms"]
+    assert lat["slower_than_onnxruntime"] is slower
+    lost = {"compiled_ms": 12.5, "onnxruntime_ms": 10.0, "slower_than_onnxruntime": True}
+    line = slower_warning(lost, tuned=False)
+    assert line.startswith("warning: ") and "\n" not in line
+    assert "12.5 ms" in line and "10.0 ms" in line and "--trials" in line
+    assert slower_warning({**lost, "slower_than_onnxruntime": False}, tuned=False) is None
+    assert slower_warning({"measured": False}, tuned=True) is None
+
+
 def test_report_md_converts_the_graph_stage_costs_and_tuned_tasks():
     from pipeline.optimize_model import report_markdown
 
