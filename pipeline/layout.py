@@ -36,7 +36,7 @@ it implies) is :mod:`pipeline.layout_search` (``--layout auto``); :func:`heurist
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import tvm
@@ -653,7 +653,65 @@ def to_nchwc(mod: tvm.IRModule, lanes: int, narrow_groups: str = "nchw",
     mod = prepare(mod, report)
     graph = analyze(mod)
     plans = planner(graph) if planner is not None else heuristic_plans(graph, lanes, narrow_groups)
-    return realize(mod, plans, report)
+    return realize_locally(mod, graph, plans, report)
+
+
+# What ConvertLayout raises when its layout inference cannot carry a blocked layout through an operator.
+REALIZE_ERRORS = (tvm.error.InternalError, ValueError)
+# Realizations tried while narrowing a plan that ConvertLayout rejects (each is one ConvertLayout run).
+MAX_REALIZE_TRIES = 40
+KEPT_BY_CONVERT = "kept NCHW: ConvertLayout could not carry its blocked layout through a neighbouring operator"
+
+
+def realize_locally(mod: tvm.IRModule, graph: LayoutGraph, plans: _Plans,
+                    report: LayoutReport) -> tuple[tvm.IRModule, LayoutReport]:
+    """:func:`realize`, and where ConvertLayout rejects the plan, the same plan with as few convs as possible
+    left in NCHW instead of the whole model: the blocked convs are bisected in program order for the first
+    one whose blocked layout breaks it (ConvertLayout then converts only what that layout reaches), it is
+    kept NCHW, and the rest is tried again.  One operator TVM cannot carry (a 5-D channel shuffle, an op
+    whose inference is broken) costs the convs next to it, not the model's whole layout.  Raises the first
+    error when even that fails, or after :data:`MAX_REALIZE_TRIES` realizations."""
+    base = replace(report, kept_nchw=list(report.kept_nchw))  # the report as prepare left it
+
+    def attempt(blocked: list[ConvSite]) -> tuple[tvm.IRModule, LayoutReport]:
+        keep = {_key(s.weight) for s in blocked}
+        narrowed = _Plans()
+        for site in graph.convs:
+            p = plans.get(site.weight)
+            narrowed.set(site.weight, p if not isinstance(p, ConvPlan) or _key(site.weight) in keep
+                         else KEPT_BY_CONVERT)
+        return realize(mod, narrowed, replace(base, kept_nchw=list(base.kept_nchw)))
+
+    try:
+        return realize(mod, plans, report)
+    except REALIZE_ERRORS as exc:
+        first = exc
+    blocked = [s for s in graph.convs if isinstance(plans.get(s.weight), ConvPlan)]
+    tries = 0
+
+    def works(sites: list[ConvSite]):
+        nonlocal tries
+        tries += 1
+        if tries > MAX_REALIZE_TRIES:
+            raise first
+        try:
+            return attempt(sites)
+        except REALIZE_ERRORS:
+            return None
+
+    while blocked:
+        lo, hi = 0, len(blocked)  # blocking blocked[:lo] works (nothing blocked always does), blocked[:hi] fails
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if works(blocked[:mid]) is not None:
+                lo = mid
+            else:
+                hi = mid
+        del blocked[hi - 1]  # the first conv whose blocked layout ConvertLayout cannot carry
+        done = works(blocked)
+        if done is not None:
+            return done
+    raise first
 
 
 def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm.IRModule, LayoutReport]:

@@ -208,10 +208,11 @@ def convert(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto",
 def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> Partition:
     """:func:`convert` then :func:`pipeline.partition.partition`; the partition carries the layout report.
 
-    The blocked layout is an optimization: where TVM's ``ConvertLayout`` rejects a graph (an internal check
+    The blocked layout is an optimization: where TVM's ``ConvertLayout`` rejects a plan (an internal check
     in its layout inference, or a ValueError from type-checking the IR its layout inference wrote, as its
-    ``split`` did), the model runs as imported, in NCHW, and the report says why, rather than the user
-    getting no model at all."""
+    ``split`` did), the convs whose blocked layout it cannot carry stay NCHW (:func:`layout.realize_locally`);
+    only when even that fails (or any other step of the stage) does the model run as imported, in NCHW, and
+    the report says why, rather than the user getting no model at all."""
     try:
         converted, report = convert(mod, spec, mode)
     except (tvm.error.InternalError, ValueError) as exc:

@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import onnx
 import tvm
 from tvm import relax
@@ -33,6 +34,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
+from kerneltune.templates.cpu import vector_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.frontend import legalize_for_tvm
 
@@ -87,7 +89,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
             gc.collect()  # the failed conversion's BlockBuilder (its frames, in a cycle) is destroyed in here
     if problem:
         raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
-    return small_powers(nonzero_divisors(mod))
+    return padded_weights(small_powers(nonzero_divisors(mod)))
 
 
 @contextlib.contextmanager
@@ -154,6 +156,32 @@ def small_powers(mod: tvm.IRModule) -> tvm.IRModule:
     scalar ``powf`` call per element, which no vectorizer crosses.  GPT-2's tanh-GELU computes ``x ** 3`` on
     every MLP activation: its fused elementwise kernel took 4 ms per layer (128 x 3072 floats)."""
     return _rewrite(mod, _SmallPowers)
+
+
+@mutator
+class _PaddedWeights(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul"):
+            return call
+        w = call.args[1]
+        if not isinstance(w, tvm.ir.Constant) or len(w.value.shape) != 2 or not str(w.value.dtype).startswith("float"):
+            return call
+        n = int(w.value.shape[1])
+        wide = vector_padding(n)
+        if wide is None:
+            return call
+        value = w.value.numpy()
+        padded = np.pad(value, ((0, 0), (0, wide - n)))
+        y = self.builder_.emit(relax.op.matmul(call.args[0], relax.const(padded), out_dtype=call.attrs.out_dtype))
+        return relax.op.strided_slice(y, axes=[-1], begin=[0], end=[n])
+
+
+def padded_weights(mod: tvm.IRModule) -> tvm.IRModule:
+    """A matmul by a constant weight whose column count no vector width divides (GPT-2's 768 x 50257 LM head)
+    multiplies by the weight padded with zero columns, then drops them: the kernel's vector axis then splits
+    into whole vectors (:func:`kerneltune.templates.cpu.vector_padding`); the slice is one copy of the output."""
+    return _rewrite(mod, _PaddedWeights)
 
 
 def _rewrite(mod: tvm.IRModule, mutator_cls) -> tvm.IRModule:

@@ -325,6 +325,33 @@ def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeyp
     assert compare_outputs(run_ort(imported.onnx_model, feeds, 2), got).ok
 
 
+def test_an_operator_convertlayout_rejects_costs_only_the_convs_next_to_it(monkeypatch):
+    """ConvertLayout failing on one conv's blocked layout keeps that conv in NCHW, not the whole model: the
+    blocked convs are bisected for the culprit (here a simulated failure of the 4th conv's layout)."""
+    realize = layout.realize
+    culprit, calls = [], []
+
+    def failing_realize(mod, plans, report):
+        calls.append(1)
+        if culprit and isinstance(plans.get(culprit[0]), layout.ConvPlan):
+            raise tvm.error.InternalError("Check failed: simulated layout inference failure")
+        return realize(mod, plans, report)
+
+    def planner(graph):
+        culprit.append(graph.convs[3].weight)
+        return layout.heuristic_plans(graph, vector_lanes(LLVM.target, "float32"))
+
+    imported = import_model(cnn())
+    lanes = vector_lanes(LLVM.target, "float32")
+    _, whole = layout.to_nchwc(imported.mod, lanes)
+    monkeypatch.setattr(layout, "realize", failing_realize)
+    mod, report = layout.to_nchwc(imported.mod, lanes, planner=planner)
+    assert report.failed is None and report.convs == 7 and report.blocked == whole.blocked - 1 >= 4
+    assert report.kept_nchw.count(layout.KEPT_BY_CONVERT) == 1
+    assert len(calls) <= 2 + 2 * 3  # the full plan, a bisection over 7 convs, the narrowed plan
+    compiled_matches_onnxruntime(imported, mod, LLVM)
+
+
 # ------------------------------------------------------------------------------------------------ prices
 
 def test_prices_are_measured_once_then_read_from_the_cache(tmp_path):

@@ -283,6 +283,32 @@ def test_small_constant_powers_become_products_and_match_onnxruntime(llvm):
         np.testing.assert_allclose(g_, r, rtol=1e-6, atol=0)
 
 
+def test_a_weight_no_vector_width_divides_is_padded_and_sliced(llvm):
+    """GPT-2's LM head (768 x 50257): split as 50272 columns inside the kernel, the mask on the vector lanes
+    made LLVM emit scalar code (67 vs 211 GFLOP/s); the weight gets zero columns in the graph instead."""
+    from pipeline.compile import compile_partition, run, to_device
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+    from kerneltune.targets import device_for
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 53)).astype(np.float32)  # 53 is prime
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "head",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 24])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 53])],
+                          [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    imported = import_model(model)
+    text = imported.mod["main"].script()
+    assert "R.strided_slice" in text and "(2, 5, 64)" in text  # the product with the padded weight
+    x = rng.standard_normal((2, 5, 24)).astype(np.float32)
+    compiled = compile_partition(imported, partition(imported.mod), llvm)
+    got = run(compiled.vm(), to_device({"x": x}, compiled.input_names, device_for(llvm)))[0]
+    assert got.shape == (2, 5, 53)
+    np.testing.assert_allclose(got, run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
 def test_scalar_constant_of_shape_compiles_after_legalization(llvm):
     assert compile_and_check(_scalar_constant_of_shape_model(), llvm) == 0.0
 

@@ -62,10 +62,21 @@ def padded_extents(task: Task) -> dict[str, int]:
         e = task.axis(rows).extent
         if e > ROW_PAD and _largest_divisor_at_most(e, 16) < MIN_ROW_TILE:
             out[rows] = -(-e // ROW_PAD) * ROW_PAD
-    e = task.axis(task.vector_axis).extent
-    if e > VECTOR_PAD and _largest_divisor_at_most(e, VECTOR_PAD) < VECTOR_PAD // 2:
-        out[task.vector_axis] = -(-e // VECTOR_PAD) * VECTOR_PAD
+    wide = vector_padding(task.axis(task.vector_axis).extent)
+    if wide:
+        out[task.vector_axis] = wide
     return out
+
+
+def vector_padding(extent: int) -> int | None:
+    """The length a vector axis of ``extent`` is split as, when no vector width divides it (else None).
+    The mask such a split needs falls on the vector lanes, and LLVM then emits scalar code: GPT-2's LM head
+    (50257 columns) ran at 67 GFLOP/s, 211 once its weight was padded to 50272 columns.  So constant weights
+    are padded in the graph instead (:func:`pipeline.relax_import.padded_weights`); an activation (ViT's
+    197 x 197 attention scores) still gets the masked split, 4x faster than one lane wide."""
+    if extent > VECTOR_PAD and _largest_divisor_at_most(extent, VECTOR_PAD) < VECTOR_PAD // 2:
+        return -(-extent // VECTOR_PAD) * VECTOR_PAD
+    return None
 
 
 def space(task: Task) -> SearchSpace:
@@ -185,6 +196,10 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     ``RemoveWeightLayoutRewriteBlock`` (tuning) and ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (build)."""
     nb = _panel_width(task, factors)
     packed = sch.cache_read(anchor, _vector_operand(sch, anchor, task), "global")
+    if task.axis(task.vector_axis).extent % nb:
+        # a vector axis split past its end: the panels would need padding, which RemoveWeightLayoutRewriteBlock
+        # (tuning's strip) cannot take; constant weights arrive padded (pipeline.relax_import.padded_weights)
+        raise InvalidConfig(f"prepack needs panels of {nb} that divide the weight's {task.vector_axis} axis")
     if task.dims.get("tb"):   # B[.., j, k]
         sch.transform_layout(packed, ("write", 0), lambda *i: (*i[:-2], i[-2] // nb, i[-1], i[-2] % nb))
     else:                     # B[.., k, j]
@@ -265,7 +280,7 @@ def default_config(task: Task, target: tvm.target.Target):
     values["s1_order"] = "reversed" if pack else "axis"
     values["pack"] = "panel" if pack else "none"
     knob = {k.name: k for k in sp.knobs}.get("pack")
-    if knob is not None and "panel" not in knob.values:  # matrix-vector: the weight as panels
+    if knob is not None and "panel" not in knob.values and vec not in padded:  # matrix-vector: weight as panels
         values["pack"] = "prepack"
     # A padding pad block has bounds checks (if_then_else) that cost ~10x inside the conv's inner loop; a
     # pad of 0 is a plain copy, better inlined.
