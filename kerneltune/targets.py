@@ -212,8 +212,11 @@ def vector_lanes(target: "tvm.target.Target", dtype: str) -> int:
 # TVM pins each worker to one core and spins ~300k iterations at every barrier before it sleeps.  On a
 # server whose cores are all busy, a pinned worker waits for its core's time slice while the others spin at
 # the barrier: bert_tiny's p99 was 264 ms against onnxruntime's 6.2 ms with two busy processes on two cores.
-# Unpinned workers go wherever the scheduler has room (onnxruntime does not pin either), and a short spin
-# gives the core back soon.  Measured by bench/contention.py.
+# Unpinned workers can go wherever the scheduler has room (onnxruntime does not pin either); a short spin
+# gives a shared core back sooner.  bench/contention.py (Intel Xeon, 2 cores): this keeps the quiet p50
+# (bert_tiny 0.82 ms, MobileNet-v2 3.49) but leaves the contended tail erratic (p99 2-190 ms); no spin at all
+# holds the tail near onnxruntime's (bert_tiny 2.0/8.7 ms with 1/2 busy processes) at twice the quiet p50.
+# The cause is the pool's static fork-join: each parallel loop waits for its slowest, descheduled worker.
 POOL_ENVIRONMENT = {"TVM_BIND_THREADS": "0", "TVM_THREAD_POOL_SPIN_COUNT": "2000"}
 
 

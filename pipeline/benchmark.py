@@ -54,6 +54,7 @@ class BenchResult:
     checks: dict[str, Comparison]  # TVM engine key -> its outputs vs onnxruntime's
     trials: int = 0
     tuned_choice: tuning.BuildChoice | None = None  # which build the tuned engine is (the one optimize-model ships)
+    stage_seconds: dict[str, float] | None = None  # wall time per stage of compile_engines (graph, layout...)
 
     @property
     def errors(self) -> dict[str, float]:
@@ -73,7 +74,8 @@ class BenchResult:
         out.update(max_abs_err=self.max_abs_err, errors=self.errors, trials=self.trials, model=self.model,
                    target=self.target, threads=self.threads, runs=self.runs, cpu=host_model_name(),
                    mcpu=host_cpu(), checks={k: c.to_dict() for k, c in self.checks.items()},
-                   tuned_choice=self.tuned_choice.to_json() if self.tuned_choice else None)
+                   tuned_choice=self.tuned_choice.to_json() if self.tuned_choice else None,
+                   stage_seconds=self.stage_seconds)
         return out
 
 
@@ -252,26 +254,36 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
     if not isinstance(model, ModelInput):
         model = check_model(model, input_shapes)
     input_shapes = model.input_shapes
-    imported = import_model(model.proto, input_shapes)
-    base = partition_model(imported.mod, spec, opts.layout)
-    engines = {"tvm": compile_partition(imported, base, spec)}
+    seconds: dict[str, float] = {}
+
+    def timed(stage: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - t0, 2)
+        return out
+
+    imported = timed("import", import_model, model.proto, input_shapes)
+    base = timed("layout_partition", partition_model, imported.mod, spec, opts.layout)
+    engines = {"tvm": timed("compile", compile_partition, imported, base, spec)}
     graph_part, graph_imported, graph_proto = base, imported, model.proto
     choice = None
     if not opts.skip_graph:
-        optimized = graph_stage(model.proto, input_shapes, False, StageLog(), spec.kind, threads,
-                                opts.progress).model
-        graph_imported, graph_proto = import_model(optimized), optimized
-        graph_part = partition_model(graph_imported.mod, spec, opts.layout)
-        engines["graphopt"] = compile_partition(graph_imported, graph_part, spec)
+        optimized = timed("graph", graph_stage, model.proto, input_shapes, False, StageLog(), spec.kind, threads,
+                          opts.progress).model
+        graph_imported, graph_proto = timed("import", import_model, optimized), optimized
+        graph_part = timed("layout_partition", partition_model, graph_imported.mod, spec, opts.layout)
+        engines["graphopt"] = timed("compile", compile_partition, graph_imported, graph_part, spec)
     if opts.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
-        result = tuning.tune_model(select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
-                            work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
-        engines["tuned"], choice = tuning.pick_build(
-            compile_partition(graph_imported, graph_part, spec, result.best_configs), graph_imported, graph_part,
-            spec, result.best_configs, work / "records.jsonl", graph_proto.SerializeToString(), seed)
+        result = timed("tuning", tuning.tune_model, select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
+                       work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
+        engines["tuned"], choice = timed("tuning", tuning.pick_build,
+                                         timed("compile", compile_partition, graph_imported, graph_part, spec,
+                                               result.best_configs), graph_imported, graph_part,
+                                         spec, result.best_configs, work / "records.jsonl",
+                                         graph_proto.SerializeToString(), seed)
         if not opts.skip_metaschedule:  # TVM's own tuner on the model as imported (no layout stage)
             plain = partition(imported.mod)
-            ms_mod = metaschedule.tune(plain, spec, opts.trials, work / "metaschedule", seed)
-            engines["metaschedule"] = compile_partition(imported, plain, spec, base=ms_mod)
-    return imported, engines, choice
+            ms_mod = timed("metaschedule", metaschedule.tune, plain, spec, opts.trials, work / "metaschedule", seed)
+            engines["metaschedule"] = timed("compile", compile_partition, imported, plain, spec, base=ms_mod)
+    return imported, engines, choice, seconds

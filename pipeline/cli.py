@@ -185,9 +185,11 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
                                   args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
-    imported, engines, choice = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts, args.seed)
+    imported, engines, choice, seconds = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts,
+                                                                   args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
                           args.trials, model.samples, choice)
+    res.stage_seconds = seconds
     print(benchmark.format_table(res))
     if args.json:
         benchmark.write_json(res, args.json)

@@ -101,6 +101,21 @@ def test_dense_matches_numpy(spec):
 
 
 @pytest.mark.parametrize("spec", [
+    ConvSpec(1, 16, 19, 19, 16, 3, 3, ic_block=16, oc_block=16),  # 17 wide: split as 18
+    ConvSpec(1, 16, 17, 17, 16, 1, 7, pad=(0, 3, 0, 3), ic_block=16, oc_block=8),  # Inception's 1x7
+    ConvSpec(1, 8, 13, 13, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=8, oc_block=16),  # 13 wide: split as 14
+], ids=["17-wide", "1x7-17-wide", "13-wide-padded"])
+def test_prime_widths_split_past_their_end_match_numpy(spec):
+    """Inception-v3's 17- and 71-wide maps gave 1-column register tiles; the x axis is split as if padded."""
+    from kerneltune.templates.cpu_nchwc import padded_width
+
+    task = check_against_numpy(spec, n_random=3)
+    assert padded_width(task) > spec.out_w
+    cfg = dict(zip(templates.space_for(task, LLVM).names, templates.default_config(task, LLVM)))
+    assert cfg["tile_x"][1] >= 4
+
+
+@pytest.mark.parametrize("spec", [
     ConvSpec(1, 3, 11, 11, 10, 3, 3, stride=(2, 2), pad=(1, 1, 1, 1), ic_block=3, oc_block=5),  # RGB stem
     ConvSpec(1, 10, 8, 8, 12, 3, 3, pad=(1, 1, 1, 1), ic_block=8, oc_block=8),  # blocks do not divide
     ConvSpec(1, 20, 6, 6, 7, 1, 1, ic_block=16, oc_block=4),

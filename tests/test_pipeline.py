@@ -354,8 +354,9 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
     monkeypatch.setattr(tuning, "tune_model", lambda *a, **k: real(*a, **k, measure_factory=FakeMeasurer))
     opts = benchmark.BenchOptions(trials=16, skip_graph=True, skip_metaschedule=True, kernels="matmul",
                                   searcher="random", work_dir=str(tmp_path), progress=False)
-    imported, engines, choice = benchmark.compile_engines(str(BERT_TINY), llvm, 2, None, opts)
+    imported, engines, choice, seconds = benchmark.compile_engines(str(BERT_TINY), llvm, 2, None, opts)
     assert set(engines) == {"tvm", "tuned"}
+    assert set(seconds) == {"import", "layout_partition", "compile", "tuning"} and min(seconds.values()) >= 0
     # the tuned engine is the build optimize-model ships: tuned schedules only if they won end to end
     assert ("tuned" in engines["tuned"].schedules.values()) == (choice.kept == "tuned")
     assert choice.status == "measured" and 3 <= len(choice.ratios) <= 7
