@@ -201,6 +201,12 @@ def vector_bits(target: "tvm.target.Target") -> int:
     return 128
 
 
+def vector_registers(target: "tvm.target.Target") -> int:
+    """Architectural vector registers: 32 with AVX-512 (zmm0-31), 16 with AVX2/SSE (ymm/xmm0-15).  The
+    templates size their register tiles by it: a tile of accumulators for 32 registers spills on 16."""
+    return 32 if vector_bits(target) == 512 else 16
+
+
 def vector_lanes(target: "tvm.target.Target", dtype: str) -> int:
     """Lanes of ``dtype`` in the target's widest vector register."""
     import tvm

@@ -31,7 +31,7 @@ from tvm import s_tir
 
 from ..prepack import PREPROC
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
-from ..targets import vector_lanes
+from ..targets import vector_lanes, vector_registers
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
 from .cpu import _largest_divisor_at_most, has_producers
@@ -226,6 +226,7 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     dw = depthwise(task)
     ob2 = 2 if not dw and nvec == 1 and ob_ext % 2 == 0 else 1
     budget, max_x = (8, 8) if dw else (24, 14)
+    budget = budget * vector_registers(target) // 32  # sized for AVX-512's 32 registers; AVX2 has 16
     width = max(1, budget // (ob2 * nvec))
     x1 = _largest_divisor_at_most(ow, min(width, max_x))
     y2 = _largest_divisor_at_most(oh, max(1, width // x1)) if x1 < 8 else 1
