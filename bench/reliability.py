@@ -3,11 +3,13 @@
 Every case runs as a real subprocess of this checkout's console scripts (``optimize-model``, ``bench-model``,
 ``graphopt``, ``tune-kernels``, ``python -m models``), with its own time limit, and is judged as in
 ``tests/test_reliability.py``: ``clean`` (a one-line refusal naming the problem, or a success whose
-artifact was recomputed and found right), ``internal``, ``hang``, ``wrong success`` or ``unexpected``.
+artifact was recomputed and found right), ``internal``, ``hang``, ``wrong success``, ``unexpected`` or
+``signal`` (the process was killed by one: SIGFPE, SIGSEGV, SIGBUS; the user saw no message).
 
     python bench/reliability.py --json bench/results/reliability.json
 
-prints the counts as JSON ({"cases", "clean", "internal", "hangs", "wrong_successes", "unexpected"}) and
+prints the counts as JSON ({"cases", "clean", "internal", "hangs", "wrong_successes", "unexpected",
+"signals"}) and
 writes them with every case's verdict to ``--json``.  The counts do not depend on the machine's load
 (only the time does, and it is not written), so the JSON is committed.
 """
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {**counts, "skipped_without_unshare": skipped,
                "categories": sorted({c.category for c in B.all_cases()}), "outcomes": by_case}
         write_text_atomic(args.json, json.dumps(doc, indent=1) + "\n")
-    bad = counts["internal"] + counts["hangs"] + counts["wrong_successes"] + counts["unexpected"]
+    bad = counts["internal"] + counts["hangs"] + counts["wrong_successes"] + counts["unexpected"] + counts["signals"]
     return 1 if bad else 0
 
 

@@ -9,6 +9,7 @@ line naming the problem and the fix.  An outcome is
   artifact :func:`verify` finds correct - recomputed here with TVM and onnxruntime, not read from our report);
 * ``internal``: an ``error: internal ...`` line, a traceback, another exit code, or more than one line;
 * ``hang``: still running at the case's time limit;
+* ``signal``: killed by a signal (exit code -N, or 128+N from a shell): SIGFPE, SIGSEGV, SIGBUS;
 * ``wrong success``: exit 0 where the input had to be refused, or an artifact that is wrong;
 * ``unexpected``: a clean refusal of a case that should have gone through, or one missing the words.
 
@@ -640,7 +641,7 @@ def all_cases() -> list[Case]:
 @dataclass
 class Outcome:
     case: str
-    verdict: str  # clean | internal | hang | wrong success | unexpected
+    verdict: str  # clean | internal | hang | wrong success | unexpected | signal
     rc: int | None
     stderr: str
     seconds: float
@@ -757,6 +758,10 @@ def judge(case: Case, d: Path, args: list[str], rc: int | None, stdout: str, std
             return "wrong success", "exit 0 for an input that must be refused"
         problem = verify(case, d, args, stdout)
         return ("wrong success", problem) if problem else ("clean", "verified")
+    if rc < 0 or rc > 128:  # killed by a signal (SIGFPE, SIGSEGV, SIGBUS...): no message reached the user
+        number = -rc if rc < 0 else rc - 128
+        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else str(number)
+        return "signal", f"killed by {name}: {(lines or [''])[-1][:300]}"
     return "internal", f"exit code {rc}: {(lines or [''])[-1][:300]}"
 
 
@@ -884,4 +889,5 @@ class Summary:
     def counts(self) -> dict[str, int]:
         v = [o.verdict for o in self.outcomes]
         return {"cases": len(v), "clean": v.count("clean"), "internal": v.count("internal"), "hangs": v.count("hang"),
-                "wrong_successes": v.count("wrong success"), "unexpected": v.count("unexpected")}
+                "wrong_successes": v.count("wrong success"), "unexpected": v.count("unexpected"),
+                "signals": v.count("signal")}

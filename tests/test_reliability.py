@@ -413,3 +413,12 @@ def test_sigkill_during_tuning_leaves_no_traceback_and_no_temporary_folder(tmp_p
     subprocess.run(B.command_line("tune-kernels", ["--op", "matmul", "--shape", "8,8,8", "--trials", "0"]),
                    capture_output=True, env=env, timeout=120)  # refused at once, but starts as every run does
     assert [d.name for d in base.iterdir() if d.name.startswith("optimize-model-")] == []
+
+
+def test_a_process_killed_by_a_signal_is_its_own_verdict():
+    """SIGFPE, SIGSEGV, SIGBUS: the user saw no message; the corpus counts them apart (issue 25)."""
+    case = B.all_cases()[0]
+    assert B.judge(case, Path("."), [], -8, "", "")[0] == "signal"
+    assert "SIGFPE" in B.judge(case, Path("."), [], 136, "", "")[1]
+    assert B.judge(case, Path("."), [], 3, "", "error: boom")[0] == "internal"
+    assert B.Summary([B.Outcome(case.name, "signal", -8, "", 0.0)]).counts()["signals"] == 1
