@@ -224,16 +224,16 @@ def rows_axis(task: Task) -> str | None:
     return cands[-1] if cands else None
 
 
-def default_config(task: Task, target: tvm.target.Target):
+def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None = None):
     """Heuristic tiles without tuning, from interleaved best-of-N sweeps on this Zen 5 (noisy, shared).
 
     * vector axis: S3 = whole vectors (up to 4: 64 fp32 lanes with AVX-512), else the largest divisor that
       fits one vector (a 56-wide conv row: 4 x 14 lanes, 105 GFLOP/s, vs 7 x 8 lanes 69, vs 2 x 28 lanes 7);
     * rows axis: S3 = accumulators / (vectors x conv rows), accumulators = half the vector registers (16 of
       32 zmm with AVX-512, 8 of 16 ymm with AVX2).  Matmuls repeat the
-      register tile 4x down the rows inside one k-block (S2 = 4) so the 64x64 B block is reused from L1
-      (1 thread, 128x768x768: 157 vs 135 GFLOP/s for S2 = 2; on an Intel Xeon, 2 threads, S2 = 2 was ~10%
-      faster: a per-CPU choice still to be made).  Convs take 2 output rows (y) and 8 filters,
+      register tile down the rows inside one k-block (S2) so the B block is reused from L1: 4x on this Zen 5
+      (1 thread, 128x768x768: 157 vs 135 GFLOP/s for S2 = 2), 1-2x on an Intel Xeon, so it is measured once
+      per CPU (``row_repeat``: :func:`kerneltune.calibrate.row_repeat`).  Convs take 2 output rows (y) and 8 filters,
       so each weight broadcast feeds 2 FMAs (52 vs 44 GFLOP/s for 16 filters x 1 row; NCHW stays load-bound);
     * reductions: R1 (inner) = 64 deep along ``k`` / ``rc*ry*rx`` so operand panels stay in L1;
     * parallel: prime factors move from S1 (then S2, S3) of the outer axes to S0 until every core has work;
@@ -241,6 +241,10 @@ def default_config(task: Task, target: tvm.target.Target):
       inlined; unroll 64.
     """
     sp = space(task)
+    if row_repeat is None and task.kind != "conv2d":
+        from kerneltune.calibrate import row_repeat as calibrated
+
+        row_repeat = calibrated(target)
     lanes = vector_lanes(target, task.dtype)
     # half the vector registers hold accumulators, the rest the operands: 16 of AVX-512's 32, 8 of AVX2's 16
     # (x86-64-v3 on an Intel Xeon, 128x768x3072: 2 rows x 4 vectors 148 GFLOP/s, 4 x 4 spilled: 110)
@@ -269,7 +273,7 @@ def default_config(task: Task, target: tvm.target.Target):
             s3 = vec_s3
         elif a.role == rows:
             s3 = _largest_divisor_at_most(e, max(1, accumulators // (nvec * y_s3)))
-            s2 = _largest_divisor_at_most(e // s3, 4) if task.kind != "conv2d" else 1
+            s2 = _largest_divisor_at_most(e // s3, row_repeat) if task.kind != "conv2d" else 1
         elif task.kind == "conv2d" and a.role == "y":
             s3 = y_s3
         else:
