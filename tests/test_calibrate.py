@@ -1,29 +1,34 @@
-"""The per-CPU calibration of the matmul template's rows tile: measured once, cached, read back; a target this
-machine cannot run gets the static choice without measuring."""
+"""The per-CPU calibration of template defaults (the matmul rows tile): measured once, cached, read back; a
+target this machine cannot run gets the static choice without measuring."""
 from __future__ import annotations
 
 import tvm
 
 from kerneltune import calibrate
 from kerneltune.targets import llvm_target
+from kerneltune.templates import cpu
 
 
 def test_the_rows_tile_is_measured_once_then_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMIZE_MODEL_CACHE", str(tmp_path))
-    calibrate._measured_row_repeat.cache_clear()
+    monkeypatch.setattr(calibrate, "_VALUES", {})
     calls = []
-    real = calibrate._measure
-    monkeypatch.setattr(calibrate, "_measure", lambda *a: calls.append(a) or real(*a))
+
+    def measure(target):
+        calls.append(target)
+        return cpu.time_row_repeats(target)
+
     target = llvm_target(2)
-    first = calibrate.row_repeat(target)
-    assert first in calibrate.ROW_REPEATS and len(calls) == 1
-    calibrate._measured_row_repeat.cache_clear()  # a new process: the file answers
-    assert calibrate.row_repeat(target) == first and len(calls) == 1
-    assert list(tmp_path.glob("calibration-*.json"))
-    calibrate._measured_row_repeat.cache_clear()
+    first = calibrate.calibrated("matmul_row_repeat", target, cpu.STATIC_ROW_REPEAT, measure)
+    assert first in cpu.ROW_REPEATS and len(calls) == 1
+    monkeypatch.setattr(calibrate, "_VALUES", {})  # a new process: the file answers
+    assert calibrate.calibrated("matmul_row_repeat", target, cpu.STATIC_ROW_REPEAT, measure) == first
+    assert len(calls) == 1 and list(tmp_path.glob("calibration-*.json"))
 
 
-def test_a_target_that_cannot_run_here_gets_the_static_choice(monkeypatch):
-    monkeypatch.setattr(calibrate, "_measure", lambda *a: (_ for _ in ()).throw(AssertionError("measured")))
+def test_a_target_that_cannot_run_here_gets_the_static_choice():
+    def measure(target):
+        raise AssertionError("measured a target that cannot run here")
+
     cross = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"})
-    assert calibrate.row_repeat(cross) == calibrate.STATIC_ROW_REPEAT
+    assert calibrate.calibrated("matmul_row_repeat", cross, cpu.STATIC_ROW_REPEAT, measure) == cpu.STATIC_ROW_REPEAT

@@ -26,6 +26,7 @@ import tvm
 from tvm import s_tir
 
 from ..space import ChoiceKnob, SearchSpace, divisors, prime_factors
+from ..calibrate import calibrated
 from ..targets import num_cores, vector_lanes, vector_registers
 from ..prepack import PREPROC
 from ..task import Task, root_blocks
@@ -233,7 +234,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
       32 zmm with AVX-512, 8 of 16 ymm with AVX2).  Matmuls repeat the
       register tile down the rows inside one k-block (S2) so the B block is reused from L1: 4x on this Zen 5
       (1 thread, 128x768x768: 157 vs 135 GFLOP/s for S2 = 2), 1-2x on an Intel Xeon, so it is measured once
-      per CPU (``row_repeat``: :func:`kerneltune.calibrate.row_repeat`).  Convs take 2 output rows (y) and 8 filters,
+      per CPU (``row_repeat``: :func:`time_row_repeats`).  Convs take 2 output rows (y) and 8 filters,
       so each weight broadcast feeds 2 FMAs (52 vs 44 GFLOP/s for 16 filters x 1 row; NCHW stays load-bound);
     * reductions: R1 (inner) = 64 deep along ``k`` / ``rc*ry*rx`` so operand panels stay in L1;
     * parallel: prime factors move from S1 (then S2, S3) of the outer axes to S0 until every core has work;
@@ -242,9 +243,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     """
     sp = space(task)
     if row_repeat is None and task.kind != "conv2d":
-        from kerneltune.calibrate import row_repeat as calibrated
-
-        row_repeat = calibrated(target)
+        row_repeat = calibrated("matmul_row_repeat", target, STATIC_ROW_REPEAT, time_row_repeats)
     lanes = vector_lanes(target, task.dtype)
     # half the vector registers hold accumulators, the rest the operands: 16 of AVX-512's 32, 8 of AVX2's 16
     # (x86-64-v3 on an Intel Xeon, 128x768x3072: 2 rows x 4 vectors 148 GFLOP/s, 4 x 4 spilled: 110)
@@ -295,6 +294,53 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     # pad of 0 is a plain copy, better inlined.
     values["pad"] = "stage" if "if_then_else" in task.func.script() else "inline"
     return tuple(values[name] for name in sp.names)
+
+
+# The matmul rows tile (S2) without a measurement (tuned on a Zen 5), the candidates (preferred first on
+# ties), the shapes they are timed on (BERT-base's and ViT-B/16's first MLP matmul), and the margin a
+# candidate must win by over the static choice.
+STATIC_ROW_REPEAT, ROW_REPEATS = 4, (4, 2, 1)
+ROW_REPEAT_SHAPES = ((128, 768, 3072), (197, 768, 3072))
+ROW_REPEAT_MARGIN, ROW_REPEAT_ROUNDS = 0.03, 3
+
+
+def time_row_repeats(target: tvm.target.Target) -> int:
+    """The matmul rows tile S2 this CPU runs best: the register tile repeated S2 times down the rows inside
+    one k-block trades L1 reuse of the B block against the A rows it streams and against how the rows split
+    between the cores, and the best S2 differs between cores of the same vector width and register count: 4 on
+    a Zen 5 (128x768x768, 1 thread: 157 vs 135 GFLOP/s for 2), 1 on an Intel Xeon (2 threads, cold weights:
+    ViT-B/16's 197-token MLP matmuls 242-262 vs 185-209 GFLOP/s for 4; the model untuned 168 vs 204 ms, BERT-
+    base 104 vs 108).  Each candidate of :data:`ROW_REPEATS` is timed on :data:`ROW_REPEAT_SHAPES` with cold
+    weights, in interleaved rounds (min over rounds of each round's median); one replaces the static choice
+    only when faster by more than :data:`ROW_REPEAT_MARGIN` on the geometric mean."""
+    import math
+
+    import numpy as np
+
+    from ..prepack import pack_inputs, strip
+    from ..task import build_func, make_task
+
+    dev = tvm.cpu()
+    timers: dict[int, list] = {s2: [] for s2 in ROW_REPEATS}
+    for m, k, n in ROW_REPEAT_SHAPES:
+        task = make_task("matmul", f"{m},{k},{n}")
+        inputs = task.make_inputs(0)
+        for s2 in ROW_REPEATS:
+            sch = schedule(task, default_config(task, target, s2), target)
+            func, packings = strip(sch.mod["main"].with_attr("tirx.is_scheduled", True))
+            lib = build_func(func, target)
+            args = ([tvm.runtime.tensor(x, dev) for x in pack_inputs(inputs, packings)]
+                    + [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs])
+            timers[s2].append((lib.time_evaluator("main", dev, number=1, repeat=9,
+                                                  f_preproc="cache_flush_cpu_non_first_arg"), args))
+    best: dict[int, list[float]] = {s2: [math.inf] * len(ROW_REPEAT_SHAPES) for s2 in ROW_REPEATS}
+    for _ in range(ROW_REPEAT_ROUNDS):  # interleaved: a noisy moment slows every candidate alike
+        for s2 in ROW_REPEATS:
+            for i, (timer, args) in enumerate(timers[s2]):
+                best[s2][i] = min(best[s2][i], float(np.median(timer(*args).results)))
+    score = {s2: math.exp(float(np.mean(np.log(best[s2])))) for s2 in ROW_REPEATS}
+    pick = min(ROW_REPEATS, key=lambda s2: (score[s2], ROW_REPEATS.index(s2)))
+    return pick if score[pick] < score[STATIC_ROW_REPEAT] * (1 - ROW_REPEAT_MARGIN) else STATIC_ROW_REPEAT
 
 
 def _vector_tile(extent: int, lanes: int) -> int:
