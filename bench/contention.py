@@ -7,7 +7,7 @@ contended, bert_tiny's p99 was 264 ms against onnxruntime's 6.2 ms (42x).  See
 
 Each model is built once (``optimize-model --skip-graph --skip-tune`` into a temporary folder); each engine
 then runs in a fresh subprocess per load level (its thread pool starts under the load, as a server's would),
-``--runs`` timed runs after 10 warm-up runs, every run timed on its own.  The engines alternate per level,
+``--runs`` timed runs after the warm-up, every run timed on its own (:func:`graphopt.timing.latency`).  The engines alternate per level,
 ours first.  ``--env KEY=VALUE`` (repeatable) sets the environment of our engine's process, to compare pool
 settings (e.g. ``--env TVM_BIND_THREADS=1 --env TVM_THREAD_POOL_SPIN_COUNT=300000``, TVM's defaults).
 
@@ -24,9 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -34,7 +33,6 @@ if str(ROOT) not in sys.path:
 
 from graphopt.fileio import write_text_atomic  # noqa: E402
 
-WARMUP = 10
 LOADS = (0, 1, 2)
 BUSY = "import time\nend = time.time() + {s}\nwhile time.time() < end:\n    pass\n"
 
@@ -51,28 +49,20 @@ def model_file(name: str, work: Path) -> tuple[Path, list[str]]:
 
 
 def child(engine: str, folder: str, onnx_path: str, threads: int, runs: int) -> None:
-    """Run in a subprocess: time ``runs`` single inferences of one engine, print them (ms) as JSON."""
+    """Run in a subprocess: the latency distribution of ``runs`` single inferences of one engine, timed by
+    the project's per-call timer (:func:`graphopt.timing.latency`, what run-model reports), as JSON."""
     import pipeline
     from graphopt.feeds import ort_session
+    from graphopt.timing import latency
 
     model = pipeline.load(folder, threads=threads)
     feeds = model.random_feeds(0)  # seeded: both engines get the same inputs
     if engine == "ours":
-        def run():
-            return model.run(feeds)
+        result = model.latency(feeds, runs)
     else:
         sess = ort_session(onnx_path, threads)
-
-        def run():
-            return sess.run(None, feeds)
-    for _ in range(WARMUP):
-        run()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps(times))
+        result = latency(lambda: sess.run(None, feeds), runs)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(result).items()}))
 
 
 @contextlib.contextmanager
@@ -87,17 +77,11 @@ def busy(n: int, seconds: float):
             p.wait()
 
 
-def measure(engine: str, folder: Path, onnx_path: Path, threads: int, runs: int, env: dict) -> list[float]:
+def measure(engine: str, folder: Path, onnx_path: Path, threads: int, runs: int, env: dict) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", engine, str(folder), str(onnx_path),
                           "--threads", str(threads), "--runs", str(runs)], capture_output=True, text=True,
                          env={**os.environ, **(env if engine == "ours" else {})}, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def summary(times: list[float]) -> dict:
-    a = np.asarray(times)
-    return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p99_ms": round(float(np.percentile(a, 99)), 3),
-            "max_ms": round(float(a.max()), 3), "runs": len(times)}
 
 
 def main() -> int:
@@ -128,7 +112,7 @@ def main() -> int:
                 level = {}
                 with busy(n, 600):
                     for engine in ("ours", "onnxruntime"):
-                        level[engine] = summary(measure(engine, folder, onnx_path, args.threads, args.runs, env))
+                        level[engine] = measure(engine, folder, onnx_path, args.threads, args.runs, env)
                 level["p99_ratio"] = round(level["ours"]["p99_ms"] / level["onnxruntime"]["p99_ms"], 3)
                 row["levels"][f"busy{n}"] = level
                 print(f"{name:14s} busy={n}  ours p50 {level['ours']['p50_ms']:8.3f} p99 {level['ours']['p99_ms']:8.3f}"

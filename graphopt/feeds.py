@@ -40,22 +40,27 @@ def _index_bound(graph: Graph, n, t: str) -> int | None:
     return None
 
 
-def _int_bound(graph: Graph, name: str) -> int:
-    """Exclusive upper bound for a valid value of integer input ``name`` (2 when nothing tells us)."""
+def value_uses(graph: Graph, name: str):
+    """``(node, tensor)`` for every use of tensor ``name``'s values, seen through the value-preserving ops of
+    :data:`_PASS_THROUGH` (a Cast or Reshape of an input is followed to its own uses)."""
     consumers = graph.consumers()
-    frontier, seen, bound = [name], set(), None
+    frontier, seen = [name], set()
     while frontier:
         t = frontier.pop()
         if t in seen:
             continue
         seen.add(t)
         for n in consumers.get(t, []):
-            b = _index_bound(graph, n, t)
-            if b is not None and b > 0:
-                bound = b if bound is None else min(bound, b)
-            elif n.op_type in _PASS_THROUGH and n.inputs and n.inputs[0] == t:
+            if n.op_type in _PASS_THROUGH and n.inputs and n.inputs[0] == t:
                 frontier.extend(n.outputs)
-    return bound if bound is not None else 2
+            else:
+                yield n, t
+
+
+def _int_bound(graph: Graph, name: str) -> int:
+    """Exclusive upper bound for a valid value of integer input ``name`` (2 when nothing tells us)."""
+    bounds = [b for n, t in value_uses(graph, name) if (b := _index_bound(graph, n, t)) is not None and b > 0]
+    return min(bounds) if bounds else 2
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:

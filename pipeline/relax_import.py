@@ -9,9 +9,10 @@ Operators TVM's importer lacks (LSTM, GRU, RNN, ReverseSequence) or mishandles (
 are first rewritten into primitive ops (:func:`pipeline.frontend.legalize_for_tvm`); only what is still
 unsupported after that is an error, one line naming the operators.
 
-Integer division by a tensor (:func:`nonzero_divisors`) never divides by zero in the compiled code: the
-CPU's divide instruction traps, and SIGFPE kills the whole process without a message (onnxruntime raises).
-Small constant powers become products (:func:`small_powers`): ``power`` is a scalar libm call per element.
+Then a few rewrites of the Relax module (:func:`import_rewrites`): integer division by a tensor never divides by
+zero in the compiled code (the CPU's divide instruction traps, and SIGFPE kills the whole process without a
+message; onnxruntime raises), small constant powers become products (``power`` is a scalar libm call per
+element), and constant weights no vector width divides get padded columns.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
             gc.collect()  # the failed conversion's BlockBuilder (its frames, in a cycle) is destroyed in here
     if problem:
         raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
-    return padded_weights(small_powers(nonzero_divisors(mod)))
+    return import_rewrites(mod)
 
 
 @contextlib.contextmanager
@@ -109,84 +110,68 @@ def importer_output() -> Iterator[io.StringIO]:
                 log.info("TVM's ONNX importer: %s", " ".join(str(w.message).split())[:300])
 
 
-# Relax's integer divisions: ONNX Div (truncating) and Mod (fmod 0: floor, 1: truncating).
-_DIVISIONS = frozenset({"relax.divide", "relax.floor_divide", "relax.mod", "relax.floor_mod"})
-
-
-@mutator
-class _NonzeroDivisors(PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
-        call = super().visit_call_(call)
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name in _DIVISIONS):
-            return call
-        divisor = call.args[1]
-        dtype = str(getattr(divisor.ty, "dtype", ""))
-        if not dtype.startswith(("int", "uint")) or isinstance(divisor, tvm.ir.Constant):
-            return call  # floats do not trap; a constant divisor with a 0 is refused by the importer
-        safe = relax.op.where(relax.op.equal(divisor, relax.const(0, dtype)), relax.const(1, dtype), divisor)
-        return relax.Call(call.op, [call.args[0], safe], call.attrs)
-
-
-def nonzero_divisors(mod: tvm.IRModule) -> tvm.IRModule:
-    """Every integer Div/Mod by a non-constant tensor divides by 1 where the divisor is 0 (the dividend, or
-    0 for Mod, where onnxruntime raises): a zero divisor must not kill the process with SIGFPE, whether it
+def _nonzero_divisor(call: relax.Call, builder) -> relax.Expr | None:
+    """An integer Div/Mod by a non-constant tensor divides by 1 where the divisor is 0 (the dividend, or 0
+    for Mod, where onnxruntime raises): a zero divisor must not kill the process with SIGFPE, whether it
     comes from a random check input, the cost model's timing inputs or a deployed model's caller.  One
     compare and select per element, fused into the division's kernel."""
-    return _rewrite(mod, _NonzeroDivisors)
+    divisor = call.args[1]
+    dtype = str(getattr(divisor.ty, "dtype", ""))
+    if not dtype.startswith(("int", "uint")) or isinstance(divisor, tvm.ir.Constant):
+        return None  # floats do not trap; a constant divisor with a 0 is refused by the importer
+    safe = relax.op.where(relax.op.equal(divisor, relax.const(0, dtype)), relax.const(1, dtype), divisor)
+    return relax.Call(call.op, [call.args[0], safe], call.attrs)
 
 
-@mutator
-class _SmallPowers(PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
-        call = super().visit_call_(call)
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.power"):
-            return call
-        x, exponent = call.args
-        if not isinstance(exponent, tvm.ir.Constant) or not str(getattr(x.ty, "dtype", "")).startswith("float"):
-            return call
-        values = exponent.value.numpy().ravel()
-        if values.size != 1 or float(values[0]) not in (2.0, 3.0):
-            return call
-        out = relax.op.multiply(x, x)
-        return relax.op.multiply(out, x) if float(values[0]) == 3.0 else out
-
-
-def small_powers(mod: tvm.IRModule) -> tvm.IRModule:
+def _small_power(call: relax.Call, builder) -> relax.Expr | None:
     """``x ** 2`` and ``x ** 3`` (a float tensor, a constant exponent) as products: TVM lowers ``power`` to a
     scalar ``powf`` call per element, which no vectorizer crosses.  GPT-2's tanh-GELU computes ``x ** 3`` on
     every MLP activation: its fused elementwise kernel took 4 ms per layer (128 x 3072 floats)."""
-    return _rewrite(mod, _SmallPowers)
+    x, exponent = call.args
+    if not isinstance(exponent, tvm.ir.Constant) or not str(getattr(x.ty, "dtype", "")).startswith("float"):
+        return None
+    values = exponent.value.numpy().ravel()
+    if values.size != 1 or float(values[0]) not in (2.0, 3.0):
+        return None
+    out = relax.op.multiply(x, x)
+    return relax.op.multiply(out, x) if float(values[0]) == 3.0 else out
 
 
-@mutator
-class _PaddedWeights(PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
-        call = super().visit_call_(call)
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul"):
-            return call
-        w = call.args[1]
-        if not isinstance(w, tvm.ir.Constant) or len(w.value.shape) != 2 or not str(w.value.dtype).startswith("float"):
-            return call
-        n = int(w.value.shape[1])
-        wide = vector_padding(n)
-        if wide is None:
-            return call
-        value = w.value.numpy()
-        padded = np.pad(value, ((0, 0), (0, wide - n)))
-        y = self.builder_.emit(relax.op.matmul(call.args[0], relax.const(padded), out_dtype=call.attrs.out_dtype))
-        return relax.op.strided_slice(y, axes=[-1], begin=[0], end=[n])
-
-
-def padded_weights(mod: tvm.IRModule) -> tvm.IRModule:
+def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
     """A matmul by a constant weight whose column count no vector width divides (GPT-2's 768 x 50257 LM head)
     multiplies by the weight padded with zero columns, then drops them: the kernel's vector axis then splits
     into whole vectors (:func:`kerneltune.templates.cpu.vector_padding`); the slice is one copy of the output."""
-    return _rewrite(mod, _PaddedWeights)
+    w = call.args[1]
+    if not isinstance(w, tvm.ir.Constant) or len(w.value.shape) != 2 or not str(w.value.dtype).startswith("float"):
+        return None
+    n = int(w.value.shape[1])
+    wide = vector_padding(n)
+    if wide is None:
+        return None
+    padded = np.pad(w.value.numpy(), ((0, 0), (0, wide - n)))
+    y = builder.emit(relax.op.matmul(call.args[0], relax.const(padded), out_dtype=call.attrs.out_dtype))
+    return relax.op.strided_slice(y, axes=[-1], begin=[0], end=[n])
 
 
-def _rewrite(mod: tvm.IRModule, mutator_cls) -> tvm.IRModule:
-    """Every Relax function of ``mod`` through one of the rewrites above."""
-    rewriter = mutator_cls(mod)
+# Relax op -> its rewrite (None: left as it is).  Divisions: ONNX Div (truncating) and Mod (fmod 0: floor,
+# 1: truncating).
+_REWRITES = {"relax.divide": _nonzero_divisor, "relax.floor_divide": _nonzero_divisor,
+             "relax.mod": _nonzero_divisor, "relax.floor_mod": _nonzero_divisor,
+             "relax.power": _small_power, "relax.matmul": _padded_weight}
+
+
+@mutator
+class _ImportRewrites(PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
+        call = super().visit_call_(call)
+        rewrite = _REWRITES.get(call.op.name) if isinstance(call.op, tvm.ir.Op) else None
+        out = rewrite(call, self.builder_) if rewrite is not None else None
+        return call if out is None else out
+
+
+def import_rewrites(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every Relax function of ``mod`` with the rewrites of :data:`_REWRITES` applied, in one traversal."""
+    rewriter = _ImportRewrites(mod)
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))

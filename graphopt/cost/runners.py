@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from graphopt.feeds import _PASS_THROUGH, ort_session
+from graphopt.feeds import ort_session, value_uses
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
 
@@ -45,22 +45,9 @@ _INDEX_OPERANDS = {"Gather": 1, "GatherElements": 1, "GatherND": 1, "ScatterElem
 def _only_indexes(graph: Graph, name: str) -> bool:
     """Whether integer input ``name`` (directly or through value-preserving ops) is used as an index and
     as nothing else: only then is 0 a safe timing value (any other integer may be a divisor)."""
-    consumers = graph.consumers()
-    frontier, seen, indexes = [name], set(), False
-    while frontier:
-        t = frontier.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        for n in consumers.get(t, []):
-            position = _INDEX_OPERANDS.get(n.op_type)
-            if n.op_type in _PASS_THROUGH and n.inputs[0] == t:
-                frontier.extend(n.outputs)
-            elif position is not None and len(n.inputs) > position and n.inputs[position] == t:
-                indexes = True
-            else:
-                return False
-    return indexes
+    uses = list(value_uses(graph, name))
+    return bool(uses) and all((p := _INDEX_OPERANDS.get(n.op_type)) is not None and len(n.inputs) > p
+                              and n.inputs[p] == t for n, t in uses)
 
 
 def timing_feeds(graph: Graph) -> dict[str, np.ndarray]:

@@ -73,7 +73,7 @@ def vector_padding(extent: int) -> int | None:
     """The length a vector axis of ``extent`` is split as, when no vector width divides it (else None).
     The mask such a split needs falls on the vector lanes, and LLVM then emits scalar code: GPT-2's LM head
     (50257 columns) ran at 67 GFLOP/s, 211 once its weight was padded to 50272 columns.  So constant weights
-    are padded in the graph instead (:func:`pipeline.relax_import.padded_weights`); an activation (ViT's
+    are padded in the graph instead (:func:`pipeline.relax_import._padded_weight`); an activation (ViT's
     197 x 197 attention scores) still gets the masked split, 4x faster than one lane wide."""
     if extent > VECTOR_PAD and _largest_divisor_at_most(extent, VECTOR_PAD) < VECTOR_PAD // 2:
         return -(-extent // VECTOR_PAD) * VECTOR_PAD
@@ -199,7 +199,7 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     packed = sch.cache_read(anchor, _vector_operand(sch, anchor, task), "global")
     if task.axis(task.vector_axis).extent % nb:
         # a vector axis split past its end: the panels would need padding, which RemoveWeightLayoutRewriteBlock
-        # (tuning's strip) cannot take; constant weights arrive padded (pipeline.relax_import.padded_weights)
+        # (tuning's strip) cannot take; constant weights arrive padded (pipeline.relax_import._padded_weight)
         raise InvalidConfig(f"prepack needs panels of {nb} that divide the weight's {task.vector_axis} axis")
     if task.dims.get("tb"):   # B[.., j, k]
         sch.transform_layout(packed, ("write", 0), lambda *i: (*i[:-2], i[-2] // nb, i[-1], i[-2] % nb))
