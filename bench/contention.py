@@ -1,9 +1,10 @@
 """Tail latency on a busy server: p50/p99 of our built model and of onnxruntime, quiet and with 1 and 2 busy
 processes (pure-Python spin loops, one core each) on this machine.
 
-Why: servers share cores.  TVM's thread pool pins its workers and spins at barriers; with every core
-contended, bert_tiny's p99 was 264 ms against onnxruntime's 6.2 ms (42x).  See
-:data:`kerneltune.targets.POOL_ENVIRONMENT` for what the shipped model does about it.
+Why: servers share cores.  TVM's thread pool gives task i of every parallel loop to worker i and waits for
+all of them; with every core contended, bert_tiny's p99 was 264 ms against onnxruntime's 6.2 ms (42x).  The
+shipped model.so carries its own launcher (:mod:`pipeline.cpu_pool`); ``ours_tvm_pool`` runs the same library
+on TVM's pool, to show the difference.
 
 Each model is built once (``optimize-model --skip-graph --skip-tune`` into a temporary folder); each engine
 then runs in a fresh subprocess per load level (its thread pool starts under the load, as a server's would),
@@ -32,8 +33,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from graphopt.fileio import write_text_atomic  # noqa: E402
+from pipeline.cpu_pool import POOL_VARIABLE  # noqa: E402
 
 LOADS = (0, 1, 2)
+# ours: the shipped model.so with its own parallel launcher (pipeline.cpu_pool); ours_tvm_pool: the same
+# library on TVM's runtime pool (OPTIMIZE_MODEL_POOL=tvm), what every build shipped before it
+ENGINES = ("ours", "ours_tvm_pool", "onnxruntime")
 BUSY = "import time\nend = time.time() + {s}\nwhile time.time() < end:\n    pass\n"
 
 
@@ -57,7 +62,7 @@ def child(engine: str, folder: str, onnx_path: str, threads: int, runs: int) -> 
 
     model = pipeline.load(folder, threads=threads)
     feeds = model.random_feeds(0)  # seeded: both engines get the same inputs
-    if engine == "ours":
+    if engine.startswith("ours"):
         result = model.latency(feeds, runs)
     else:
         sess = ort_session(onnx_path, threads)
@@ -80,7 +85,8 @@ def busy(n: int, seconds: float):
 def measure(engine: str, folder: Path, onnx_path: Path, threads: int, runs: int, env: dict) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", engine, str(folder), str(onnx_path),
                           "--threads", str(threads), "--runs", str(runs)], capture_output=True, text=True,
-                         env={**os.environ, **(env if engine == "ours" else {})}, cwd=ROOT, check=True)
+                         env={**os.environ, **(env if engine.startswith("ours") else {}),
+                              **({POOL_VARIABLE: "tvm"} if engine == "ours_tvm_pool" else {})}, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -111,13 +117,13 @@ def main() -> int:
             for n in LOADS:
                 level = {}
                 with busy(n, 600):
-                    for engine in ("ours", "onnxruntime"):
+                    for engine in ENGINES:
                         level[engine] = measure(engine, folder, onnx_path, args.threads, args.runs, env)
                 level["p99_ratio"] = round(level["ours"]["p99_ms"] / level["onnxruntime"]["p99_ms"], 3)
                 row["levels"][f"busy{n}"] = level
-                print(f"{name:14s} busy={n}  ours p50 {level['ours']['p50_ms']:8.3f} p99 {level['ours']['p99_ms']:8.3f}"
-                      f"  | onnxruntime p50 {level['onnxruntime']['p50_ms']:8.3f} p99 "
-                      f"{level['onnxruntime']['p99_ms']:8.3f}  | p99 ratio {level['p99_ratio']:.2f}", flush=True)
+                print(f"{name:14s} busy={n}  " + "  | ".join(
+                    f"{e} p50 {level[e]['p50_ms']:8.3f} p99 {level[e]['p99_ms']:8.3f}" for e in ENGINES)
+                    + f"  | p99 ratio {level['p99_ratio']:.2f}", flush=True)
             rows.append(row)
     out = {"cpu": host_model_name(), "mcpu": host_cpu(), "threads": args.threads, "cores": os.cpu_count(),
            "env": env, "busy_processes": list(LOADS), "rows": rows}

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -41,6 +42,7 @@ from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, write_bytes_atomic
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets import arch_of, host_arch, missing_cpu_features, use_threads
+from pipeline import cpu_pool
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,9 @@ class Model:
         self.device_type = str(dep["device"])
         self.requested_threads = threads
         self.threads: int | None = None  # the pool's size once loaded
-        self._main = self._dev = self._vm = self._session = None
+        self._main = self._dev = self._vm = self._session = self._lib = None
+        self._local = threading.local()  # this thread's VM (see _entry)
+        self._remote_lock = threading.Lock()  # one call at a time over the --rpc session
 
     def _load(self) -> None:
         """Load model.so on the device: a UserError when this machine cannot run it."""
@@ -172,7 +176,21 @@ class Model:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise UserError(f"cannot load {self.directory / LIBRARY} ({first}); rebuild it with optimize-model for "
                             "this machine") from None
-        self._main = relax.VirtualMachine(lib, self._dev)["main"]
+        if self.device_type == "cpu":  # the library's own launcher, where it has one (pipeline.cpu_pool)
+            cpu_pool.install(self.directory / LIBRARY, self.threads)
+        self._lib = lib
+        self._main = self._entry()
+
+    def _entry(self):
+        """The VM entry point for the calling thread.  A Relax VM keeps its frames in the VM object, so two
+        threads calling one VM corrupt each other's registers (a TVM InternalError); each thread gets its own
+        VM over the one loaded library, as a web server's request threads need."""
+        main = getattr(self._local, "main", None)
+        if main is None:
+            from tvm import relax
+
+            main = self._local.main = relax.VirtualMachine(self._lib, self._dev)["main"]
+        return main
 
     def _load_remote(self) -> None:
         """Upload model.so (and a GPU code object beside it) to the --rpc device and load it there."""
@@ -245,11 +263,12 @@ class Model:
         args = self._arguments(feeds)
         try:
             if self._vm is not None:  # over RPC: the stateful calls (a tuple result cannot come back directly)
-                self._vm.set_input("main", *args)
-                self._vm.invoke_stateful("main")
-                values = outputs_numpy(self._vm.get_outputs("main"))
+                with self._remote_lock:
+                    self._vm.set_input("main", *args)
+                    self._vm.invoke_stateful("main")
+                    values = outputs_numpy(self._vm.get_outputs("main"))
             else:
-                values = outputs_numpy(self._main(*args))
+                values = outputs_numpy(self._entry()(*args))
         except ValueError as exc:
             raise self._signature_error(exc) from None
         return {t.name: v for t, v in zip(self.outputs, values)}
@@ -284,7 +303,7 @@ class Model:
         :mod:`graphopt.timing` (this machine only: over RPC each call would include the network)."""
         if self.rpc is not None:
             raise UserError("a per-call runner times the network too on an --rpc device: use Model.latency")
-        args, main, dev = self._arguments(feeds), self._main, self._dev
+        args, main, dev = self._arguments(feeds), self._entry(), self._dev
 
         def once() -> object:
             out = main(*args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
 from kerneltune.targets import TargetSpec, device_for
+from pipeline import cpu_pool
 from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
@@ -61,12 +63,15 @@ class CompiledModel:
         which is what a ROCm runtime loads and what shows the build really targeted an AMD GPU."""
         p = Path(path)
         fcompile = None
-        if self.spec.cross is not None:  # another CPU architecture: its gcc links (LLVM emitted the objects)
+        compiler = self.spec.cross.compiler if self.spec.cross is not None else None
+        if compiler is not None:  # another CPU architecture: its gcc links (LLVM emitted the objects)
             from tvm.support import cc
 
-            fcompile = cc.cross_compiler(self.spec.cross.compiler)
-        with atomic_path(p) as tmp, quiet_native_stderr():  # one 'Scope Saving' warning per kernel otherwise
-            self.executable.export_library(str(tmp), fcompile=fcompile)
+            fcompile = cc.cross_compiler(compiler)
+        with tempfile.TemporaryDirectory() as work, atomic_path(p) as tmp, quiet_native_stderr():
+            # a CPU library carries its own parallel launcher (pipeline.cpu_pool): tail latency on shared cores
+            launcher = cpu_pool.object_file(Path(work), compiler) if self.spec.kind == "llvm" else None
+            self.executable.export_library(str(tmp), fcompile=fcompile, addons=[str(launcher)] if launcher else None)
         if self.spec.kind == "rocm":
             objs = amdgpu_code_objects(p.read_bytes())
             if objs:
