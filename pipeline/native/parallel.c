@@ -29,16 +29,21 @@ typedef struct {
 } TVMParallelGroupEnv;
 typedef int (*FTVMParallelLambda)(int task_id, TVMParallelGroupEnv* penv, void* cdata);
 
-/* One parallel loop: the generation (32 bits) | its chunk count (16) | the next chunk to claim (16) share
- * one word, so a worker that wakes late can never claim a chunk of a later loop with an earlier loop's
+/* One parallel loop is cut into ``g_chunks`` chunks per thread; thread t owns the contiguous chunks
+ * [t * g_chunks, (t + 1) * g_chunks) and claims them in order (on a quiet machine each thread runs the
+ * contiguous share TVM's static partition would give it), then takes unclaimed chunks of the others.
+ * Each owner's cursor is one word: the loop's generation (32 bits) | the end of its range (16) | its next
+ * chunk (16), so a thread that wakes late can never claim a chunk of a later loop with an earlier loop's
  * closure: its compare-and-swap fails once the generation moved on. */
-static _Atomic uint64_t g_job;
+#define MAX_THREADS 256
+static _Atomic uint64_t g_cursor[MAX_THREADS];
 static _Atomic uint32_t g_generation; /* futex word: bumped once per loop */
 static _Atomic int32_t g_done;        /* chunks finished in the current loop */
 static _Atomic int32_t g_failed;      /* a chunk returned nonzero */
 static _Atomic int32_t g_sleepers;
 static FTVMParallelLambda g_lambda;
 static void* g_cdata;
+static int32_t g_total; /* chunks of the current loop */
 
 static int g_threads = 1;   /* the caller + (g_threads - 1) workers */
 static int g_chunks = 4;    /* chunks per thread of every loop */
@@ -60,26 +65,35 @@ static long futex(_Atomic uint32_t* addr, int op, uint32_t val) {
   return syscall(SYS_futex, (uint32_t*)addr, op, val, NULL, NULL, 0);
 }
 
-/* Claim and run chunks of the loop of ``generation`` until none are left; returns how many ran. */
-static int run_chunks(uint32_t generation) {
-  int ran = 0;
+/* Claim one chunk from owner ``t``'s cursor for the loop of ``generation``; -1 when none is left. */
+static int claim(int t, uint32_t generation) {
+  uint64_t cur = atomic_load_explicit(&g_cursor[t], memory_order_acquire);
   for (;;) {
-    uint64_t job = atomic_load_explicit(&g_job, memory_order_acquire);
-    uint32_t gen = (uint32_t)(job >> 32);
-    uint32_t total = (uint32_t)((job >> 16) & 0xffff), next = (uint32_t)(job & 0xffff);
-    if (gen != generation || next >= total) return ran;
-    if (!atomic_compare_exchange_weak_explicit(&g_job, &job, job + 1, memory_order_acq_rel,
-                                               memory_order_acquire))
-      continue;
-    TVMParallelGroupEnv env = {NULL, (int32_t)total};
-    if (g_lambda((int)next, &env, g_cdata) != 0) atomic_store(&g_failed, 1);
-    atomic_fetch_add_explicit(&g_done, 1, memory_order_acq_rel);
-    ++ran;
+    uint32_t gen = (uint32_t)(cur >> 32);
+    uint32_t end = (uint32_t)((cur >> 16) & 0xffff), next = (uint32_t)(cur & 0xffff);
+    if (gen != generation || next >= end) return -1;
+    if (atomic_compare_exchange_weak_explicit(&g_cursor[t], &cur, cur + 1, memory_order_acq_rel,
+                                              memory_order_acquire))
+      return (int)next;
+  }
+}
+
+/* Run thread ``self``'s chunks of the loop of ``generation``, then the others' unclaimed ones. */
+static void run_chunks(int self, uint32_t generation) {
+  int n = g_threads;
+  for (int k = 0; k < n; ++k) {
+    int owner = (self + k) % n;
+    int chunk;
+    while ((chunk = claim(owner, generation)) >= 0) {
+      TVMParallelGroupEnv env = {NULL, g_total};
+      if (g_lambda(chunk, &env, g_cdata) != 0) atomic_store(&g_failed, 1);
+      atomic_fetch_add_explicit(&g_done, 1, memory_order_acq_rel);
+    }
   }
 }
 
 static void* worker(void* arg) {
-  (void)arg;
+  int self = (int)(intptr_t)arg;
   t_in_loop = 1; /* a loop inside a chunk runs inline */
   uint32_t seen = atomic_load(&g_generation);
   for (;;) {
@@ -96,7 +110,7 @@ static void* worker(void* arg) {
       spins = 0;
     }
     seen = gen;
-    run_chunks(gen);
+    run_chunks(self, gen);
   }
   return NULL;
 }
@@ -113,7 +127,7 @@ static void start_workers(void) {
     }
     for (int i = 1; i < g_threads; ++i) {
       pthread_t tid;
-      if (pthread_create(&tid, NULL, worker, NULL) == 0) pthread_detach(tid);
+      if (pthread_create(&tid, NULL, worker, (void*)(intptr_t)i) == 0) pthread_detach(tid);
     }
     g_started = 1;
   }
@@ -128,21 +142,25 @@ int optm_parallel_launch(FTVMParallelLambda flambda, void* cdata, int num_task) 
     return flambda(0, &env, cdata);
   }
   if (!g_started) start_workers();
-  uint32_t total = (uint32_t)(g_threads * g_chunks);
-  if (total > 0xffff) total = 0xffff;
+  int n = g_threads, per = g_chunks;
+  if (n * per > 0xffff) per = 0xffff / n;
+  int32_t total = n * per;
   g_lambda = flambda;
   g_cdata = cdata;
+  g_total = total;
   atomic_store_explicit(&g_done, 0, memory_order_relaxed);
   atomic_store_explicit(&g_failed, 0, memory_order_relaxed);
   uint32_t gen = atomic_load_explicit(&g_generation, memory_order_relaxed) + 1;
-  atomic_store_explicit(&g_job, ((uint64_t)gen << 32) | ((uint64_t)total << 16), memory_order_release);
+  for (int t = 0; t < n; ++t)
+    atomic_store_explicit(&g_cursor[t], ((uint64_t)gen << 32) | ((uint64_t)((t + 1) * per) << 16) | (uint64_t)(t * per),
+                          memory_order_release);
   atomic_store_explicit(&g_generation, gen, memory_order_release);
   if (atomic_load(&g_sleepers) > 0) futex(&g_generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
   t_in_loop = 1;
-  run_chunks(gen);
+  run_chunks(0, gen);
   t_in_loop = 0;
   /* A worker still runs a chunk it claimed: wait, yielding the core (it may be the one it needs). */
-  for (int spins = 0; atomic_load_explicit(&g_done, memory_order_acquire) < (int32_t)total; ++spins) {
+  for (int spins = 0; atomic_load_explicit(&g_done, memory_order_acquire) < total; ++spins) {
     if (spins < 2000) cpu_relax();
     else sched_yield();
   }
@@ -151,11 +169,10 @@ int optm_parallel_launch(FTVMParallelLambda flambda, void* cdata, int num_task) 
   return failed ? -1 : 0;
 }
 
-/* Size the pool (before its first loop): threads including the caller, chunks per thread, spin count. */
+/* Configure the pool: threads including the caller (before its first loop only), chunks per thread and the
+ * workers' spin count (any time: read per loop). */
 void optm_parallel_config(int threads, int chunks, int spin) {
-  if (!g_started) {
-    g_threads = threads > 0 ? threads : 1;
-    g_chunks = chunks > 0 ? chunks : 1;
-    g_spin = spin >= 0 ? spin : 0;
-  }
+  if (!g_started) g_threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+  g_chunks = chunks > 0 ? chunks : 1;
+  g_spin = spin >= 0 ? spin : 0;
 }
