@@ -461,6 +461,93 @@ def vad(size: str) -> Built:
                  sample_inputs=samples)
 
 
+def _silero(both_rates: bool) -> Callable[[str], Built]:
+    """A replica of Silero VAD's released ONNX (v5: https://github.com/snakers4/silero-vad), structure kept,
+    weights random: audio ``input`` [batch, samples] with both axes symbolic, an int64 scalar ``sr`` and the
+    LSTM ``state`` [2, batch, hidden] in, speech probability [batch, 1] and the new state out.  Per sample
+    rate: a reflect pad of ``sr // 250`` samples of context on the left (Silero's 64 at 16 kHz, 32 at 8 kHz)
+    and the rest of a fixed 128-sample margin on the right, so the exported ``Pad`` has pads computed from
+    ``sr`` while the frame count depends on the chunk length alone (torch.export cannot unroll an LSTM over
+    a length it only knows at run time); a Conv1d "STFT" (fixed basis as weights, stride = hop) and its
+    magnitude ``sqrt(re^2 + im^2)``; Conv1d+ReLU encoder blocks, some strided; an ``nn.LSTM`` over the
+    frames; the decoder (ReLU, 1x1 Conv1d, Sigmoid, mean over time).
+
+    ``both_rates`` is v5's layout: the 16 kHz and 8 kHz graphs under an ``If`` on ``sr == 16000`` (a
+    ``torch.cond`` for the dynamo exporter).  Without it, the 16 kHz graph alone (still reading ``sr``):
+    the LSTM is then a top-level node whose input shape depends on the pads, hence on ``sr``'s value.
+    Both exports were failures of issue 25: the LSTM's input ``(unk, unk, C)`` after ``--input-shape``,
+    and TVM's importer's "Dynamic pads are not supported yet" inside the ``If``."""
+
+    def build(size: str) -> Built:
+        torch = _torch()
+        nn = torch.nn
+        torch.manual_seed(0)
+        ch, hidden, strides = _pick(size, ((16, 16, 16), 16, (1, 2, 1)), ((128, 64, 64, 128), 128, (1, 2, 2, 1)))
+        windows = _pick(size, {16000: 64, 8000: 32}, {16000: 256, 8000: 128})
+        samples, margin, batch = 576, 128, 4  # Silero v5's 16 kHz chunk: 512 samples + 64 of context
+
+        class RateGraph(nn.Module):
+            """One sample rate's model: pad, STFT magnitude, encoder, LSTM, decoder."""
+
+            def __init__(self, window: int):
+                super().__init__()
+                self.bins, self.margin = window // 2 + 1, margin
+                self.stft = nn.Conv1d(1, 2 * self.bins, window, stride=window // 2, bias=False)
+                blocks: list[Any] = []
+                for c_in, c_out, s in zip((self.bins,) + ch[:-1], ch, strides):
+                    blocks += [nn.Conv1d(c_in, c_out, 3, stride=s, padding=1), nn.ReLU()]
+                self.encoder = nn.Sequential(*blocks)
+                self.lstm = nn.LSTM(ch[-1], hidden, batch_first=True)
+                self.decoder = nn.Sequential(nn.ReLU(), nn.Conv1d(hidden, 1, 1), nn.Sigmoid())
+
+            def forward(self, x, sr, state):
+                if torch.jit.is_scripting():
+                    context = int(sr // 250)
+                else:  # torch.export: a size from a tensor's value, bounded so the output length is known
+                    context = (sr // 250).item()
+                    torch._check(context >= 0)
+                    torch._check(context <= self.margin)
+                x = torch.nn.functional.pad(x.unsqueeze(1), [context, self.margin - context], mode="reflect")
+                spec = self.stft(x)
+                re, im = spec[:, :self.bins], spec[:, self.bins:]
+                feats = self.encoder(torch.sqrt(re * re + im * im))
+                y, (h, c) = self.lstm(feats.permute(0, 2, 1), (state[0:1], state[1:2]))  # permute: scripted
+                prob = self.decoder(y.permute(0, 2, 1)).mean(dim=2)  # graphs lose ranks, transpose needs one
+                return prob, torch.cat([h, c])
+
+        class TwoRates(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rate16, self.rate8 = RateGraph(windows[16000]), RateGraph(windows[8000])
+
+            def forward(self, input, sr, state):  # noqa: A002 - Silero's input name; torch.export maps by name
+                if torch.jit.is_scripting():  # the TorchScript exporter needs a scripted If
+                    if bool(sr == 16000):
+                        return self.rate16(input, sr, state)
+                    return self.rate8(input, sr, state)
+                return torch.cond(sr == 16000, self.rate16, self.rate8, (input, sr, state))
+
+        class OneRate(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rate16 = RateGraph(windows[16000])
+
+            def forward(self, input, sr, state):  # noqa: A002
+                return self.rate16(input, sr, state)
+
+        g = torch.Generator().manual_seed(0)
+        example = (torch.randn(2, samples, generator=g) * 0.1, torch.tensor(16000, dtype=torch.int64),
+                   torch.zeros(2, 2, hidden))  # batch 2: torch.export specializes a dimension of size 1
+        samples_in = {"input": (torch.randn(batch, samples, generator=g) * 0.1).numpy(),
+                      "sr": np.array(16000, dtype=np.int64), "state": np.zeros((2, batch, hidden), np.float32)}
+        axes = {"input": {0: "batch", 1: "samples"}, "state": {1: "batch"}}
+        return Built((TwoRates() if both_rates else OneRate()).eval(), example, ["input", "sr", "state"],
+                     ["output", "stateN"], axes, {"input": (batch, samples), "state": (2, batch, hidden)},
+                     sample_inputs=samples_in)
+
+    return build
+
+
 # ---------------------------------------------------------------------------------------------- the corpus
 
 CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
@@ -497,6 +584,12 @@ CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
     CorpusSpec("bigru_lm", "rnn", "word LM, bidirectional 2-layer nn.GRU", _rnn_lm("GRU", True)),
     CorpusSpec("vad", "control", "Silero-VAD-like: audio + int64 sample rate (8000|16000, an If) + LSTM state",
                vad),
+    CorpusSpec("vad_real", "control", "Silero VAD v5 replica: If on int64 sr over 16k/8k graphs (pads from sr, "
+               "Conv1d STFT, nn.LSTM), dynamic [batch, samples]", _silero(True)),
+    # The dynamo exporter (torch 2.13) writes a rank-4 type for the top-level LSTM's Y_h output, which the
+    # ONNX checker rejects; under the If of vad_real its types are right.
+    CorpusSpec("vad_real_16k", "control", "Silero VAD replica, 16 kHz graph alone: a top-level nn.LSTM behind "
+               "pads computed from sr", _silero(False), ("torchscript",)),
 ]}
 
 

@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -51,22 +51,32 @@ LIBRARY, GRAPH, REPORT, REPORT_MD = "model.so", "optimized.onnx", "report.json",
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output of the compiled model: its shape is the compiled one (None: not known)."""
+    """One input or output of the compiled model: its shape is the compiled one (None: not known); ``value``
+    the only value an input may take when the build is specialized on it (:mod:`graphopt.specialize`), as
+    JSON (a number or nested lists), else None."""
 
     name: str
     dtype: str
     shape: tuple[int | None, ...] | None
+    value: Any = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "TensorSpec":
         shape = d.get("shape")
-        return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
+        return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape), d.get("value"))
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape) if self.shape is not None else None}
+        return out if self.value is None else out | {"value": self.value}
 
 
-def tensor_specs(infos: Sequence[Any]) -> list[TensorSpec]:
-    """graphopt IR ``TensorInfo`` s -> specs (symbolic dims become None)."""
+def tensor_specs(infos: Sequence[Any], values: Mapping[str, np.ndarray] | None = None) -> list[TensorSpec]:
+    """graphopt IR ``TensorInfo`` s -> specs (symbolic dims become None); ``values``: the inputs the build is
+    specialized on."""
+    values = values or {}
     return [TensorSpec(t.name, t.dtype, None if t.shape is None else tuple(d if isinstance(d, int) else None
-                                                                             for d in t.shape)) for t in infos]
+                                                                             for d in t.shape),
+                       np.asarray(values[t.name]).tolist() if t.name in values else None) for t in infos]
 
 
 def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
@@ -78,8 +88,8 @@ def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tensor
     section = {
         "library": LIBRARY, "device": spec.device, "triple": spec.triple, "arch": arch_of(spec.triple),
         "runs_on_build_machine": bool(spec.can_run),
-        "inputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in inputs],
-        "outputs": [asdict(t) | {"shape": list(t.shape) if t.shape is not None else None} for t in outputs],
+        "inputs": [t.to_json() for t in inputs],
+        "outputs": [t.to_json() for t in outputs],
         "shapes_note": "model.so is compiled for these input shapes only (rebuild with --input-shape for "
                        "others); optimized.onnx keeps the input model's symbolic dimensions where it can "
                        "(report.json's dynamic_shapes says which, and how that was checked)",
@@ -254,9 +264,20 @@ class Model:
                 raise UserError(f"input {t.name!r} has shape {list(value.shape)}, model.so is compiled for "
                                 f"{list(t.shape)}; rebuild with --input-shape {t.name}="
                                 f"{','.join(map(str, value.shape))} for other sizes")
+            if t.value is not None and not np.array_equal(value, np.asarray(t.value, dtype=t.dtype)):
+                raise self._specialized_error(t, value)
             # order="C", not np.ascontiguousarray: that makes a rank-0 (scalar) input 1-d, which the VM refuses
             args.append(tvm.runtime.tensor(np.asarray(value, order="C"), self._dev))
         return args
+
+    def _specialized_error(self, spec: TensorSpec, value: np.ndarray) -> UserError:
+        """The one line refusing a value other than the one the build is specialized on: what that value
+        decides (report.json's ``specialized``) and the rebuild that serves the new one."""
+        why = ((self.report.get("specialized") or {}).get("why") or {}).get(spec.name)
+        given = value.tolist()
+        return UserError(f"input {spec.name!r} is {given}, but {self.directory} is built for {spec.name}={spec.value} "
+                         f"only ({'it decides ' + why if why else 'the build is specialized on it'}); rebuild with "
+                         f"optimize-model --inputs FILE.npz holding {spec.name}={given} to run that value")
 
     def run(self, feeds: Mapping[str, Any] | Sequence[Any]) -> dict[str, np.ndarray]:
         """One inference: inputs by name (or in order), outputs by name in the model's output order."""
@@ -331,10 +352,12 @@ class Model:
 
     def random_feeds(self, seed: int = 0) -> dict[str, np.ndarray]:
         """Seeded inputs of the compiled shapes, integer inputs within the ranges the model indexes with (the
-        same draw as optimize-model's checks, :func:`graphopt.feeds.random_inputs`)."""
+        same draw as optimize-model's checks, :func:`graphopt.feeds.random_inputs`); an input the build is
+        specialized on takes its value."""
         from graphopt.feeds import random_inputs
 
-        return random_inputs(self._graph()[1], seed)
+        fixed = {t.name: np.asarray(t.value, dtype=t.dtype) for t in self.inputs if t.value is not None}
+        return random_inputs(self._graph()[1], seed) | fixed  # a specialized input takes its one value
 
     def read_inputs(self, path: str | os.PathLike, seed: int = 0) -> dict[str, np.ndarray]:
         """``run-model --inputs FILE.npz``: checked against the signature by optimize-model's rules

@@ -22,11 +22,13 @@ from graphopt.compare import Comparison, compare_runs
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
 from graphopt.fileio import save_figure, write_text_atomic
+from graphopt.specialize import specialize_model
 from graphopt.validate import ModelInput, check_model
 from graphopt.timing import Timing, time_blocks
 from kerneltune.targets import device_for, host_cpu, host_model_name
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_device
+from pipeline.frontend import BRANCH_BLOCKERS
 from pipeline.optimize_model import StageLog, graph_stage
 from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
@@ -249,7 +251,8 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
 
     The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
     serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
-    model (:func:`graphopt.validate.check_model`) or a path, checked here.
+    model (:func:`graphopt.validate.check_model`) or a path, checked here; every engine compiles it specialized
+    on the control inputs whose value a build needs, as optimize-model does (:mod:`graphopt.specialize`).
     """
     if not isinstance(model, ModelInput):
         model = check_model(model, input_shapes)
@@ -262,13 +265,14 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - t0, 2)
         return out
 
-    imported = timed("import", import_model, model.proto, input_shapes)
+    proto = timed("import", specialize_model, model, BRANCH_BLOCKERS)[0]
+    imported = timed("import", import_model, proto, input_shapes)
     base = timed("layout_partition", partition_model, imported.mod, spec, opts.layout)
     engines = {"tvm": timed("compile", compile_partition, imported, base, spec)}
-    graph_part, graph_imported, graph_proto = base, imported, model.proto
+    graph_part, graph_imported, graph_proto = base, imported, proto
     choice = None
     if not opts.skip_graph:
-        optimized = timed("graph", graph_stage, model.proto, input_shapes, False, StageLog(), spec.kind, threads,
+        optimized = timed("graph", graph_stage, proto, input_shapes, False, StageLog(), spec.kind, threads,
                           opts.progress).model
         graph_imported, graph_proto = timed("import", import_model, optimized), optimized
         graph_part = timed("layout_partition", partition_model, graph_imported.mod, spec, opts.layout)

@@ -129,6 +129,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     slower = slower_warning(res.report["latency"], tuned=not res.report["stages"]["tune"].get("skipped"))
     if slower:
         log.warning("%s", slower)
+    for name, value in ((res.report.get("specialized") or {}).get("values") or {}).items():
+        log.warning("note: model.so is built for %s=%s only (it decides %s); run-model and pipeline.load refuse "
+                    "other values", name, value, res.report["specialized"]["why"][name])
     dynamic = res.report["dynamic_shapes"]
     if dynamic["reason"]:  # the input had symbolic sizes the optimized graph could not keep
         log.warning("note: %s", dynamic["reason"])

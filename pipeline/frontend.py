@@ -5,8 +5,11 @@ missing from the importer's converter table, read from the installed TVM so the 
 plus :data:`MISHANDLED`, converters that exist but fail on a case graphopt rewrites.  Whatever is still
 unsupported after :func:`graphopt.legalize.legalize` is a one-line error naming the op types.
 
-Shape arithmetic on static shapes is folded first (:func:`graphopt.cleanup.fold_shapes`): the importer
-converts it into symbolic shape expressions that its Expand and Reshape converters then reject.
+Shape arithmetic on static shapes is folded (:func:`graphopt.cleanup.fold_shapes`): the importer converts it
+into symbolic shape expressions that its Expand and Reshape converters then reject.  It is folded before the
+lowerings too when a node to lower has no static input shape yet: an LSTM behind a Reshape to a computed
+shape (``x.view(t // 8, b, 8)`` exports Shape -> Gather -> Div -> Concat, which ONNX shape inference does
+not evaluate) is unrolled only once the user's input shapes reached it.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from graphopt.legalize import LOWERINGS, Legalized, legalize
 # Converters TVM has but that fail on a case graphopt rewrites (its lowering declines every other case):
 # ConstantOfShape with an empty shape, i.e. a scalar, which TorchScript exports of HF transformers contain.
 MISHANDLED = frozenset({"ConstantOfShape"})
+# Op types that cannot stay inside an If branch: graphopt rewrites them for TVM at the top level only, so an If
+# holding one is folded to its branch on the value of its condition (graphopt.specialize).
+BRANCH_BLOCKERS = frozenset(LOWERINGS)
 
 
 def _tvm_converters() -> frozenset[str] | None:
@@ -37,15 +43,29 @@ def frontend_gaps(graph: Graph) -> set[str]:
     return lacking | (ops & MISHANDLED)
 
 
+def _unshaped_lowering(graph: Graph, ops: set[str]) -> bool:
+    """A node of ``ops`` that graphopt lowers reads a tensor whose shape is not static (yet)."""
+    return any(n.op_type in ops and n.op_type in LOWERINGS and n.domain in ("", "ai.onnx")
+               and not all(graph.tensor(t) is not None and graph.tensor(t).is_static for t in n.inputs if t)
+               for n in graph.nodes)
+
+
 def legalize_for_tvm(graph: Graph) -> Legalized:
     """Rewrite what TVM's importer cannot take into primitive ops and fold static shape arithmetic (module
     docstring); UserError naming what still cannot be imported."""
+    source, before = graph, 0
+    if _unshaped_lowering(graph, frontend_gaps(graph)):
+        graph = graph.copy()  # the caller's graph is not modified
+        before = fold_shapes(graph)
     result = legalize(graph, frontend_gaps(graph))
-    if any(n.op_type in ("Shape", "Size") for n in result.graph.nodes):
-        g = result.graph.copy()  # neither the caller's graph nor the unfolded one is modified
-        folded = fold_shapes(g)
-        if folded:
-            result = Legalized(g, result.lowered, folded, unfolded=result.graph)
+    lowered, after = result.graph, 0
+    if any(n.op_type in ("Shape", "Size") for n in lowered.nodes):
+        g = lowered.copy()  # neither the caller's graph nor the unfolded one is modified
+        after = fold_shapes(g)
+        if after:
+            result = Legalized(g, result.lowered)
+    if before or after:  # dynamic_model restores the folded constants from the graph they were computed in
+        result = Legalized(result.graph, result.lowered, before + after, unfolded=source if before else lowered)
     missing = sorted(frontend_gaps(result.graph) - MISHANDLED)
     if missing:
         domains = {n.op_type: n.domain for n in result.graph.nodes if n.op_type in missing}

@@ -27,11 +27,12 @@ from graphopt.fileio import (check_output_dir, check_output_file, display_path, 
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, export_onnx, external_data_name, import_onnx, save_model
 from graphopt.validate import check_model
+from graphopt.specialize import specialize_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.records import RecordLog
 from kerneltune.targets import check_can_tune, check_name, parse_target
 from pipeline.artifact import deployment, tensor_specs
-from pipeline.frontend import legalize_for_tvm
+from pipeline.frontend import BRANCH_BLOCKERS, legalize_for_tvm
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,9 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
 
     Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
-    model (:func:`graphopt.validate.check_model`); then DIR is locked (another run into it is refused).  The
+    model (:func:`graphopt.validate.check_model`) and the control inputs whose value the build needs
+    (:func:`graphopt.specialize.specialize_model`: the build is specialized on their ``inputs`` values, and
+    report.json's signature records them); then DIR is locked (another run into it is refused).  The
     artifacts are written only after the compiled model matched onnxruntime, into a new folder that takes
     DIR's place in one step (:func:`graphopt.fileio.lock_output_dir`): a run killed at any moment leaves the
     previous build or this one."""
@@ -143,6 +146,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         check_output_file(records, "--records")
         RecordLog(records).check_free()
     model = check_model(model_path, input_shapes, inputs)
+    source, specialized = specialize_model(model, BRANCH_BLOCKERS)  # the model as compiled
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
     with lock_output_dir(out, "-o") as folder:  # one writer per folder until the end, also on an error
         # Deferred: these load TVM (seconds), after every cheap check above has passed.
@@ -161,7 +165,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
 
             check_device(tuning.rpc)
         log = StageLog()
-        staged = graph_stage(original, model.input_shapes, skip_graph, log, request.text,
+        staged = graph_stage(source, model.input_shapes, skip_graph, log, request.text,
                              int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
         optimized = staged.model
 
@@ -244,8 +248,10 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                 "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
                 "inputs": display_path(inputs) if inputs else None,
                 "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
-                                                         if i.name not in imported.graph.initializers]),
+                                                         if i.name not in imported.graph.initializers],
+                                                        specialized.values if specialized else None),
                                      tensor_specs(imported.graph.outputs), new),
+                "specialized": specialized.to_json() if specialized else None,
                 "latency": latency,
                 "dynamic_shapes": dynamic.to_json(),
                 "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}

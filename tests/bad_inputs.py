@@ -134,6 +134,17 @@ def reshape_by_input() -> onnx.ModelProto:
                  [vi("y", ["a", "b"])])
 
 
+def pads_from_sample_rate() -> onnx.ModelProto:
+    """Silero VAD's front end: the audio padded by ``sr // 250`` samples, so the shapes depend on the value of an
+    int64 scalar input (issue 25); the build needs that value (graphopt.specialize)."""
+    nodes = [h.make_node("Div", ["sr", "k250"], ["ctx"]), h.make_node("Unsqueeze", ["ctx", "zero"], ["ctx1"]),
+             h.make_node("Concat", ["zeros3", "ctx1"], ["pads"], axis=0),
+             h.make_node("Pad", ["x", "pads"], ["y"], name="pad", mode="reflect")]
+    return model(nodes, [vi("x", [1, 200]), vi("sr", [], T.INT64)], [vi("y", [1, None])],
+                 [init("k250", np.array(250, np.int64)), init("zero", np.array([0], np.int64)),
+                  init("zeros3", np.zeros(3, np.int64))])
+
+
 def opset9_weights_as_inputs() -> onnx.ModelProto:
     w = np.random.default_rng(4).standard_normal((3, 5)).astype(np.float32)
     nodes = [h.make_node("MatMul", ["x", "w"], ["m"]), h.make_node("Relu", ["m"], ["y"])]
@@ -528,6 +539,11 @@ def _inputs_files() -> list[Case]:
         Case("inputs-make-it-work/graphopt", "--inputs", "graphopt",
              lambda d: _rt(reshape_by_input)(d) + ["--inputs", npz(d, x=np.arange(8, dtype=np.float32).reshape(2, 4),
                                                                     s=np.array([4, 2], np.int64))], expect="ok"),
+        Case("value-sets-pads/optimize-model", "--inputs", "optimize-model", _opt(pads_from_sample_rate),
+             words=("'sr'", "pads of Pad node 'pad'", "--inputs")),
+        Case("value-sets-pads-given/optimize-model", "--inputs", "optimize-model",
+             lambda d: _opt(pads_from_sample_rate)(d) + ["--inputs", npz(d, sr=np.array(16000, np.int64))],
+             expect="ok", before_tvm=False),
     ]
 
 
