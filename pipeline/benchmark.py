@@ -239,6 +239,7 @@ class BenchOptions:
     work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
     progress: bool = True
     layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
+    target: str = "llvm"  # --target as given: the graph stage prices for it (its -mcpu/-mattr too), as optimize-model's
 
 
 def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
@@ -272,7 +273,7 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
     graph_part, graph_imported, graph_proto = base, imported, proto
     choice = None
     if not opts.skip_graph:
-        optimized = timed("graph", graph_stage, proto, input_shapes, False, StageLog(), spec.kind, threads,
+        optimized = timed("graph", graph_stage, proto, input_shapes, False, StageLog(), opts.target, threads,
                           opts.progress).model
         graph_imported, graph_proto = timed("import", import_model, optimized), optimized
         graph_part = timed("layout_partition", partition_model, graph_imported.mod, spec, opts.layout)

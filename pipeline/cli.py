@@ -187,7 +187,8 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
-                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout)
+                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout,
+                                  args.target)
     imported, engines, choice, seconds = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts,
                                                                    args.seed)
     res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),

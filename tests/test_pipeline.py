@@ -365,6 +365,28 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
     assert out["tuned_ms"] > 0 and res.max_abs_err <= 1e-4 and out["tuned_choice"]["kept"] == choice.kept
 
 
+def test_bench_models_graph_stage_prices_for_the_target_given_with_its_mcpu(monkeypatch, tmp_path):
+    """bench-model's graph stage is handed --target as given (its -mcpu too), as optimize-model's is; it was
+    handed the kind alone ("llvm"), so it priced the host CPU whatever -mcpu the user asked for."""
+    from pipeline import benchmark
+    from pipeline.cli import bench_model_main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(model, shapes, skip, log, target, *rest, **kw):
+        seen.append(target)
+        raise Stop()
+
+    monkeypatch.setattr(benchmark, "graph_stage", spy)
+    target = '{"kind": "llvm", "mcpu": "x86-64-v3"}'
+    # the spy stops the run at the graph stage (bench-model reports that as an internal error)
+    assert bench_model_main([str(BERT_TINY), "--target", target, "--skip-metaschedule", "--runs", "2", "-q"]) != 0
+    assert seen == [target]
+
+
 # ------------------------------------------------------------------------------------------------ tuning stage
 
 class FakeMeasurer(BaseFake):
