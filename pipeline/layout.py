@@ -44,6 +44,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune import conv_nchwc
+from kerneltune.native_log import quiet_native_stderr
 
 CONV = "relax.nn.conv2d"
 
@@ -633,7 +634,8 @@ def prepare(mod: tvm.IRModule, report: LayoutReport) -> tvm.IRModule:
     layout needs."""
     T = relax.transform
     mod = _ConvertLayoutWorkarounds(T.DecomposeOpsForInference()(mod)).transform()
-    mod = tvm.transform.Sequential([T.CanonicalizeBindings(), T.FoldConstant()])(mod)
+    with quiet_native_stderr():  # FoldConstant legalizes constant Gathers: TOPI's fast take warns at each
+        mod = tvm.transform.Sequential([T.CanonicalizeBindings(), T.FoldConstant()])(mod)
     mod = _Lift(mod, report).transform()
     mod = _ConstantRanks(mod, report).transform()
     return T.DeadCodeElimination()(mod)
@@ -720,8 +722,9 @@ def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm
     T = relax.transform
     mod = _MergeGroups(mod, plans, report).transform()
     mod = T.ConvertLayout({}, _layout_callback(plans, report))(mod)
-    mod = tvm.transform.Sequential([T.FoldConstant(), T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
-                                    T.DeadCodeElimination()])(mod)
+    with quiet_native_stderr():  # as in prepare: TOPI's fast take warns at each constant Gather folded
+        mod = tvm.transform.Sequential([T.FoldConstant(), T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
+                                        T.DeadCodeElimination()])(mod)
     report.transforms = count_transforms(mod)
     mod = _LowerBlockedConvs(mod).transform()
     mod = T.DeadCodeElimination()(mod)
