@@ -14,6 +14,7 @@ inlined only while its expression is cheap; otherwise it stays a loop nest of it
 """
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import Expr, TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -188,7 +189,9 @@ class LaneReduction(CPUScheduleRule):
     a whole block: ResNet-50's global average pool in NCHW16c took 0.64 ms (1 thread) for 100K elements.
     Here the lanes stay innermost and vectorized (one vector of partial sums per output pixel), the
     reductions run around them and the outer spatial axes are parallel; an elementwise epilogue (the
-    mean's division) follows per output chunk.
+    mean's division) follows per output chunk.  A padded pool's padding block is inlined into the reduction
+    (a bounds check per tap, uniform across the lanes): left to the fallback, ResNet-50's 3x3 stride-2 max
+    pool over 1x4x112x112x16 took 0.51 ms of a 35 ms model (2 threads, Intel Xeon).
     """
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
@@ -201,9 +204,13 @@ class LaneReduction(CPUScheduleRule):
         reductions = [b for b in infos if not b.is_injective()]
         if len(reductions) != 1 or not all(b.is_injective() for b in infos[infos.index(reductions[0]) + 1:]):
             return None
-        if infos.index(reductions[0]) != 0:  # producers (pads) first: leave them to the other rules
-            return None
         red = reductions[0]
+        for info in infos[:infos.index(red)]:  # producers (a pool's padding): read through, in the reduction
+            try:
+                sch.compute_inline(info.block_rv)
+            except tvm.error.TVMError:
+                return None
+        infos = infos[infos.index(red):]
         kinds = red.dom_kind()
         n_s = len(kinds) - len(kinds.lstrip("S"))
         if n_s < 2 or kinds != "S" * n_s + "R" * (len(kinds) - n_s):

@@ -59,13 +59,33 @@ def test_spatial_mean_of_a_blocked_tensor_is_vectorized_over_lanes_and_exact(sha
     assert "T.vectorized" in mod[part.tasks[0].names[0]].script()
 
 
-def test_blocked_max_pool_matches_numpy():
+def test_blocked_max_pool_with_padding_is_vectorized_over_lanes_and_matches_numpy():
     x = np.random.default_rng(1).standard_normal((1, 2, 9, 9, 16)).astype(np.float32)
-    out, _, _ = run_relax(lambda v: relax.op.nn.max_pool2d(v, 3, 2, 1, layout="NCHW16c"), x)
+    out, part, _ = run_relax(lambda v: relax.op.nn.max_pool2d(v, 3, 2, 1, layout="NCHW16c"), x)
+    from pipeline.compile import schedule
+
+    mod, _ = schedule(part, LLVM)
+    script = mod[part.tasks[0].names[0]].script()
+    assert "T.vectorized" in script and "T.parallel" in script
     pad = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-np.inf)
     ref = np.stack([np.stack([pad[:, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3].max(axis=(2, 3)) for j in range(5)], 2)
                     for i in range(5)], 2)
     np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("include_pad", [False, True])
+def test_blocked_avg_pool_with_padding_matches_numpy(include_pad):
+    """Inception's 3x3 stride-1 average pools (padding 1, not counted): the padding is read through inside
+    the reduction, the divisor still counts only the taps inside (or, with count_include_pad, all 9)."""
+    x = np.random.default_rng(2).standard_normal((1, 2, 6, 7, 16)).astype(np.float32)
+    out, _, _ = run_relax(lambda v: relax.op.nn.avg_pool2d(v, 3, 1, 1, layout="NCHW16c",
+                                                          count_include_pad=include_pad), x)
+    pad = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1), (0, 0)))
+    ones = np.pad(np.ones_like(x), ((0, 0), (0, 0), (1, 1), (1, 1), (0, 0)))
+    win = lambda a, i, j: a[:, :, i:i + 3, j:j + 3].sum(axis=(2, 3))  # noqa: E731
+    ref = np.stack([np.stack([win(pad, i, j) / (9 if include_pad else win(ones, i, j)) for j in range(7)], 2)
+                    for i in range(6)], 2)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_nchwc_space_only_holds_register_tiles_that_fit():
