@@ -155,6 +155,29 @@ def test_depthwise_epilogues_match_numpy(epilogue):
     check_against_numpy(spec, epilogue, n_random=1)
 
 
+def test_both_parallel_orders_match_numpy_and_the_default_keeps_the_smaller_operand_apart():
+    """``s0_order``: the parallel loop fuses output-channel blocks outside rows (each core writes its own
+    channels and reads every weight once between the cores) or rows outside channel blocks (each core keeps
+    its own rows of the activations from one conv to the next, and reads every weight).  Both compute the
+    same conv; the default splits rows where the weights are the smaller operand (ResNet-50's 56x56 convs),
+    channels where they are larger (its 7x7 2048->512)."""
+    spec = ConvSpec(1, 32, 10, 10, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16)
+    task = make_task(spec, "relu")
+    inputs = task.make_inputs(seed=1)
+    named = {s.name: x for s, x in zip(task.inputs, inputs)}
+    want = np_epilogue(np_conv(from_blocked(named["data"], spec.c), named["weight"], spec), "relu", named)
+    space = templates.space_for(task, LLVM)
+    default = space.as_dict(templates.default_config(task, LLVM))
+    for order in ("oc_outer", "y_outer"):
+        config = space.from_dict(default | {"s0_order": order})
+        got = from_blocked(run_config(task, config, inputs), spec.f)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+    wide = make_task(ConvSpec(1, 64, 56, 56, 64, 3, 3, pad=(1, 1, 1, 1)), "relu")
+    deep = make_task(ConvSpec(1, 2048, 7, 7, 512, 1, 1), "relu")
+    pick = lambda t: templates.space_for(t, LLVM).as_dict(templates.default_config(t, LLVM))["s0_order"]  # noqa: E731
+    assert (pick(wide), pick(deep)) == ("y_outer", "oc_outer")
+
+
 def test_merged_groups_are_the_same_convolution():
     rng = np.random.default_rng(0)
     spec = ConvSpec(1, 32, 6, 6, 32, 3, 3, pad=(1, 1, 1, 1), groups=8)  # ResNeXt-like: 4 channels a group
