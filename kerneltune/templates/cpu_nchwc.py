@@ -235,12 +235,22 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     nvec = -(-d // lanes)
     ob_ext, oh, ow = _extent(task, "ob"), _extent(task, "y"), padded_width(task)
     dw = depthwise(task)
-    ob2 = 2 if not dw and nvec == 1 and ob_ext % 2 == 0 else 1
     budget, max_x = (8, 8) if dw else (24, 14)
     budget = budget * vector_registers(target) // 32  # sized for AVX-512's 32 registers; AVX2 has 16
-    width = max(1, budget // (ob2 * nvec))
-    x1 = _largest_divisor_at_most(ow, min(width, max_x))
-    y2 = _largest_divisor_at_most(oh, max(1, width // x1)) if x1 < 8 else 1
+
+    def spatial(ob2: int) -> tuple[int, int]:
+        width = max(1, budget // (ob2 * nvec))
+        x1 = _largest_divisor_at_most(ow, min(width, max_x))
+        return x1, (_largest_divisor_at_most(oh, max(1, width // x1)) if x1 < 8 else 1)
+
+    ob2 = 2 if not dw and nvec == 1 and ob_ext % 2 == 0 else 1
+    x1, y2 = spatial(ob2)
+    if ob2 == 2 and 2 * x1 * y2 * nvec < budget // 2:
+        # Two output blocks left no room for a row of a prime-wide map (AVX2's 12 accumulators, 7x7: 2 x 1
+        # tiles, 2 accumulators; ResNet-50's 512 3x3 conv at 3.86 ms where 64 trials found 1.57 with one
+        # block and 7 outputs): one block, the whole row.
+        ob2 = 1
+        x1, y2 = spatial(1)
     return {
         "tile_ob": (ob_ext // ob2, 1, ob2),
         "tile_y": (oh // y2, 1, y2),
