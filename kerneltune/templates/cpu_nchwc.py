@@ -14,12 +14,12 @@ Ansor's SSRSRS tiling, Zheng et al., OSDI'20, applied to the blocked axes)::
 
 Knobs: ``tile_ob`` (F/d -> ob0, ob1, ob2: ``oc_bn`` = ob2 x d), ``tile_y`` (OH -> y0, y1, y2), ``tile_x``
 (OW -> x0, ``reg_n``), ``tile_ic`` (input blocks per group -> ic0, ic1: ``ic_bn`` = ic1 x a), ``unroll_kw``,
-``s1_order``, ``s0_order`` (which axis the cores split: output channels, or rows), ``pad`` (the zero padding as a parallel copy of the input, a copy of the rows each parallel
-chunk reads, or inlined with bounds checks), ``unroll``
-(``pragma_auto_unroll_max_step`` of the rest).  ``a`` and ``d``, the data and output blocks, are the graph's
-choice (the task's layouts); the template's ``ic_bn``/``oc_bn`` are its register and reduction tiles in
-multiples of them, and the weights (constants) are packed into ``OIHW[ic_bn]i[oc_bn]o`` panels in the order
-the loop nest reads them, at build time (:mod:`kerneltune.prepack`).
+``s1_order``, ``s0_order`` (which axis the cores split: output channels, or rows), ``pad`` (the zero
+padding as a parallel copy of the input, a copy of the rows each parallel chunk reads, or inlined with bounds
+checks), ``unroll`` (``pragma_auto_unroll_max_step`` of the rest).  ``a`` and ``d``, the data and output
+blocks, are the graph's choice (the task's layouts); the template's ``ic_bn``/``oc_bn`` are its register
+and reduction tiles in multiples of them, and the weights (constants) are packed into ``OIHW[ic_bn]i[oc_bn]o``
+panels in the order the loop nest reads them, at build time (:mod:`kerneltune.prepack`).
 
 Depthwise convs have no ``ic`` loops: each output lane reads its own input lane, the weight vector of a tap
 is reused by the ``y2 x reg_n`` outputs of the register tile.
