@@ -223,6 +223,9 @@ def vector_lanes(target: "tvm.target.Target", dtype: str) -> int:
 # (bert_tiny 0.82 ms, MobileNet-v2 3.49) but leaves the contended tail erratic (p99 2-190 ms); no spin at all
 # holds the tail near onnxruntime's (bert_tiny 2.0/8.7 ms with 1/2 busy processes) at twice the quiet p50.
 # The cause is the pool's static fork-join: each parallel loop waits for its slowest, descheduled worker.
+# So a shipped CPU model.so carries its own launcher (pipeline/cpu_pool.py) and runs on it once loaded by
+# optimize-model's loader; these settings still govern TVM's pool, which builds, tuning and timings in this
+# process use, as does a model.so loaded by plain TVM.
 POOL_ENVIRONMENT = {"TVM_BIND_THREADS": "0", "TVM_THREAD_POOL_SPIN_COUNT": "2000"}
 
 

@@ -258,20 +258,16 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
         "tile_ic": (_extent(task, "rco"), 1),
         "unroll_kw": True,
         "s1_order": "oc_outer",
-        "s0_order": "y_outer" if _weight_bytes(task) < _input_bytes(task) else "oc_outer",
+        "s0_order": "y_outer" if _weights_smaller_than_input(task) else "oc_outer",
         "pad": "inline" if dw else "stage",
         "unroll": 512 if not dw and task.dims["KH"] == task.dims["KW"] == 1 and ow <= 8 else 16,
     }
 
 
-def _weight_bytes(task: Task) -> int:
+def _weights_smaller_than_input(task: Task) -> bool:
+    """Whether the conv's weight holds fewer elements than its input (both of the task's dtype)."""
     d = task.dims
-    return d["F"] * (d["C"] // d["G"]) * d["KH"] * d["KW"] * 4
-
-
-def _input_bytes(task: Task) -> int:
-    d = task.dims
-    return d["N"] * d["C"] * d["H"] * d["W"] * 4
+    return d["F"] * (d["C"] // d["G"]) * d["KH"] * d["KW"] < d["N"] * d["C"] * d["H"] * d["W"]
 
 
 __all__ = ["space", "schedule", "default_config", "InvalidConfig"]
