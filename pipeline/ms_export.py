@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
 import tvm
 from tvm import relax
 
@@ -49,7 +50,7 @@ from kerneltune.task import Task
 from kerneltune.tune import ResultCache
 from kerneltune.space import SearchSpace
 from pipeline.partition import Partition, call_sites
-from pipeline.relax_import import ImportedModel
+from pipeline.relax_import import ImportedModel, importer_output
 
 TVM_FUSION = ("LegalizeOps", "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR")
 FILES = ("database_workload.json", "database_tuning_record.json")
@@ -104,6 +105,15 @@ def tvm_fusion(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
         return tvm.transform.Sequential(dispatch + [getattr(relax.transform, p)() for p in TVM_FUSION])(mod)
 
 
+def _as_tvm_imports(model: onnx.ModelProto) -> tvm.IRModule:
+    """``model`` (the model.onnx written) as TVM's own ONNX importer makes it for a user, without the
+    pipeline's import rewrites (constant folding, padded weights): its kernels' names are the database's."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    with importer_output():
+        return from_onnx(model, keep_params_in_input=False)
+
+
 def _signature(task: Task) -> tuple:
     return task.kind, tuple(task.dims.items()), task.dtype
 
@@ -133,7 +143,7 @@ def export_metaschedule(imported: ImportedModel, part: Partition, spec: TargetSp
                         "run used")
     normalize = tvm.get_global_func("tvm.s_tir.meta_schedule.normalize_mod")
     ours = anchor_kernels(part.mod)
-    theirs = anchor_kernels(tvm_fusion(imported.mod, target))
+    theirs = anchor_kernels(tvm_fusion(_as_tvm_imports(imported.converted or imported.onnx_model), target))
     aligned = [_signature(t) for _, t in ours] == [_signature(t) for _, t in theirs]
     site_of = {name: k for k, (name, _) in reversed(list(enumerate(ours)))}  # first call of each kernel
     export = Export(out)

@@ -35,7 +35,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
-from kerneltune.templates.cpu import vector_padding
+from kerneltune.templates.cpu import weight_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.frontend import legalize_for_tvm
 
@@ -90,6 +90,10 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
             gc.collect()  # the failed conversion's BlockBuilder (its frames, in a cycle) is destroyed in here
     if problem:
         raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
+    # constants computed in the graph (an unrolled GRU's weights: a transpose of a Gather of an initializer)
+    # become constants first, so that the rewrites see them (the weight padding)
+    with quiet_native_stderr():
+        mod = relax.transform.FoldConstant()(mod)
     return import_rewrites(mod)
 
 
@@ -140,12 +144,12 @@ def _small_power(call: relax.Call, builder) -> relax.Expr | None:
 def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
     """A matmul by a constant weight whose column count no vector width divides (GPT-2's 768 x 50257 LM head)
     multiplies by the weight padded with zero columns, then drops them: the kernel's vector axis then splits
-    into whole vectors (:func:`kerneltune.templates.cpu.vector_padding`); the slice is one copy of the output."""
+    into whole vectors (:func:`kerneltune.templates.cpu.weight_padding`); the slice is one copy of the output."""
     w = call.args[1]
     if not isinstance(w, tvm.ir.Constant) or len(w.value.shape) != 2 or not str(w.value.dtype).startswith("float"):
         return None
     n = int(w.value.shape[1])
-    wide = vector_padding(n)
+    wide = weight_padding(n)
     if wide is None:
         return None
     padded = np.pad(w.value.numpy(), ((0, 0), (0, wide - n)))

@@ -463,3 +463,33 @@ def test_tune_kernels_model_list(capsys):
     assert len(lines) >= 10 and lines[0].split()[0] == "0"
     assert any(" matmul " in ln and "fused_matmul" in ln for ln in lines)
     assert main([str(BERT_TINY)]) == 2  # without --list: one-line hint, exit 2
+
+
+def _gemm_by_padded_weight(n: int) -> onnx.ModelProto:
+    """Y = X @ W + b as ONNX Gemm with transB=1 (the weight reaches Relax transposed, a constant only after
+    folding) for a 35-token LM's shapes scaled down: 35 rows, ``n`` columns."""
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array(rng.standard_normal((n, 24)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")
+    g = helper.make_graph([helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)], "gemm",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [35, 24])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [35, n])], [w, b])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_weight_columns_padded_to_whole_vectors_match_onnxruntime(llvm):
+    """An LSTM's 2600 gate columns (here 250: 16 lanes do not divide it) multiply a weight padded with zero
+    columns to whole vectors (256), even when the weight reaches Relax as a transpose; the output is sliced back
+    and equals onnxruntime's."""
+    from pipeline.compile import check_outputs, compile_partition
+    from pipeline.partition import partition
+    from pipeline.relax_import import import_model
+
+    imported = import_model(_gemm_by_padded_weight(250))
+    part = partition(imported.mod)
+    (task,) = [t.task for t in part.tasks if t.task is not None]
+    assert task.axis(task.vector_axis).extent == 256
+    res = check_outputs(compile_partition(imported, part, llvm), imported.graph, imported.onnx_model)
+    assert res.ok and res.max_abs_err <= 1e-4

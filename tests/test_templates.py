@@ -70,6 +70,30 @@ def test_prime_extents_are_split_past_their_end_and_stay_exact(kind, shape):
         np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
 
 
+def test_weight_padding_rounds_columns_up_to_whole_vectors_when_cheap():
+    from kerneltune.templates.cpu import weight_padding
+
+    # 4 vectors (64 lanes) when the zero columns add at most 1/32, else one vector at most 1/16
+    assert [weight_padding(n) for n in (2600, 10000, 1000, 1950, 250, 650)] == [2624, 10048, 1024, 1984, 256, 656]
+    assert [weight_padding(n) for n in (768, 3072, 64, 40, 100)] == [None] * 5  # divisible, or too costly
+    assert weight_padding(50257) == 50272  # no divisor near a vector: padded whatever the cost
+
+
+@pytest.mark.parametrize("shape,rows,width", [("35,650,10048", 7, 32), ("128,768,3072", 4, 64),
+                                              ("35,650,10000", 7, 16)])
+def test_default_register_tile_fills_the_accumulators(shape, rows, width):
+    """35-row matmuls (an LM over 35 tokens) took the widest vector tile and so one row: 2 vectors x 7 rows
+    fills 14 of 16 accumulators.  The vector tile is never halved to feed the cores (10000 columns: 25 x 25
+    chunks of 16 lanes, not 2 chunks of 8)."""
+    from kerneltune.templates import cpu
+
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})  # any host
+    task = make_task("matmul", shape)
+    cfg = dict(zip(cpu.space(task).names, cpu.default_config(task, avx512, row_repeat=1)))
+    assert (cfg["tile_i"][3], cfg["tile_j"][3]) == (rows, width)
+    assert cfg["tile_i"][0] * cfg["tile_j"][0] >= 2
+
+
 def _np_conv(x, w, stride, pad, groups):
     n, c, h, wd = x.shape
     f, cg, kh, kw = w.shape
