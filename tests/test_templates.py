@@ -79,19 +79,21 @@ def test_weight_padding_rounds_columns_up_to_whole_vectors_when_cheap():
     assert weight_padding(50257) == 50272  # no divisor near a vector: padded whatever the cost
 
 
-@pytest.mark.parametrize("shape,rows,width", [("35,650,10048", 7, 32), ("128,768,3072", 4, 64),
-                                              ("35,650,10000", 7, 16)])
-def test_default_register_tile_fills_the_accumulators(shape, rows, width):
+@pytest.mark.parametrize("shape,rows,width,split", [("35,650,10048", 7, 32, "j"), ("128,768,3072", 4, 64, "j"),
+                                                    ("35,650,10000", 7, 16, "j"), ("128,768,50272", 8, 32, "j"),
+                                                    ("3072,768,128", 4, 64, "i")])
+def test_default_register_tile_fills_the_accumulators(shape, rows, width, split):
     """35-row matmuls (an LM over 35 tokens) took the widest vector tile and so one row: 2 vectors x 7 rows
     fills 14 of 16 accumulators.  The vector tile is never halved to feed the cores (10000 columns: 25 x 25
-    chunks of 16 lanes, not 2 chunks of 8)."""
+    chunks of 16 lanes, not 2 chunks of 8).  The cores split the larger operand: B's columns when N > M (an
+    LM head's 1571 column tiles, not its 128 rows), else A's rows."""
     from kerneltune.templates import cpu
 
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})  # any host
     task = make_task("matmul", shape)
     cfg = dict(zip(cpu.space(task).names, cpu.default_config(task, avx512, row_repeat=1)))
     assert (cfg["tile_i"][3], cfg["tile_j"][3]) == (rows, width)
-    assert cfg["tile_i"][0] * cfg["tile_j"][0] >= 2
+    assert cfg[f"tile_{split}"][0] >= 2 and cfg[f"tile_{'ij'[split == 'i']}"][0] == 1
 
 
 def _np_conv(x, w, stride, pad, groups):
