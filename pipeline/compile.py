@@ -39,7 +39,7 @@ from kerneltune.prepack import fold_weight_packing
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
 from kerneltune.targets import TargetSpec, device_for
 from pipeline import cpu_pool
-from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback
+from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback, RowReduction
 from pipeline.partition import FusedTask, Partition
 from pipeline.relax_import import ImportedModel
 
@@ -101,7 +101,7 @@ def _cpu_rules() -> list:
     # Injective first: it declines any kernel with a reduction, and dlight's rules start by inlining every
     # block (try_inline), which recomputes reused values exponentially before they decline an elementwise
     # kernel (see pipeline.cpu_rules).
-    return [Injective(), LaneReduction(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
+    return [Injective(), LaneReduction(), RowReduction(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
 
 
 def _gpu_rules() -> list:

@@ -181,6 +181,77 @@ class ParallelFallback(CPUScheduleRule):
         return sch
 
 
+class RowReduction(CPUScheduleRule):
+    """Reductions along the last axis with their elementwise neighbours (softmax, layer norm, RMS norm): one
+    parallel loop over the rows, every block of a row computed inside it, each reduction split into vector
+    partial sums (``rfactor``: 16 lanes of partial maxima or sums, then 16 scalar steps) and each elementwise
+    block vectorized.
+
+    dlight's CPU Reduction rule leaves the reductions scalar (one dependent add per element, the FP adder's
+    latency per step): on an Intel Xeon (2 threads) BERT-base's layer norm over 128 x 768 took 0.10 ms and
+    its softmax over 12 x 128 x 128 0.17 ms; here 0.013 and 0.053 ms.  A row length that no vector width
+    divides (ViT's 197 tokens) keeps scalar reductions: ``rfactor`` over a split past the row's end summed
+    the masked lanes.
+    """
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        try:
+            return self._schedule(s_tir.Schedule(func), target)
+        except tvm.error.TVMError:  # a form the primitives refuse (a reducer rfactor cannot split): dlight's
+            return None
+
+    def _schedule(self, sch: s_tir.Schedule, target: Target) -> s_tir.Schedule | None:
+        infos = normalize_prim_func(sch)
+        if not infos or all(b.is_injective() for b in infos):
+            return None
+        infos = inline_without_blowup(sch, infos)
+        kinds = [b.dom_kind() for b in infos]
+        n = len(kinds[-1])
+        if n < 2 or kinds[-1] != "S" * n:
+            return None
+        rows = [get_extent(sch, lp) for lp in sch.get_loops(infos[-1].block_rv)[:n - 1]]
+        if not all(isinstance(e, int) for e in rows):
+            return None
+        for info, kind in zip(infos, kinds):  # every block: the same rows, then one spatial or reduced column
+            if kind not in ("S" * n, "S" * (n - 1) + "R", "S" * (n - 1)):
+                return None
+            if [get_extent(sch, lp) for lp in sch.get_loops(info.block_rv)[:n - 1]] != rows:
+                return None
+        lanes = max(vector_bits(target) // _out_bits(sch, infos[-1].block_rv), 1)
+        partial = []
+        for info, kind in zip(infos, kinds):
+            column = get_extent(sch, sch.get_loops(info.block_rv)[-1])
+            if kind.endswith("R") and isinstance(column, int) and column >= 2 * lanes and column % lanes == 0:
+                _, lane = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, lanes])
+                partial.append(sch.get(sch.rfactor(lane, n - 1)).name_hint)
+        out = infos[-1].block_rv
+        loops = sch.get_loops(out)
+        row = sch.fuse(*loops[:n - 1]) if n > 2 else loops[0]
+        if int(target.attrs.get("num-cores", 1)) > 1:
+            sch.parallel(row)
+        names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+        output = sch.get(out).name_hint
+        producers = [name for name in names if name != output]
+        for name in reversed(producers):  # consumers first: each producer lands before its first consumer
+            sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=False)
+        for name in producers + [output]:
+            block = sch.get_sblock(name)
+            loops = sch.get_loops(block)
+            if len(loops) < 2:
+                continue
+            if name in partial:  # loops (lanes, column blocks): the lanes go innermost, as one vector
+                sch.reorder(loops[-1], loops[-2])
+                sch.vectorize(loops[-2])
+                continue
+            column = get_extent(sch, loops[-1])
+            reduces = any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
+            if not reduces and isinstance(column, int) and column >= lanes and column % lanes == 0:
+                sch.vectorize(sch.split(loops[-1], factors=[None, lanes])[1])
+        return sch
+
+
 class LaneReduction(CPUScheduleRule):
     """A reduction over middle axes whose innermost axis is spatial: a pool or spatial mean of a blocked
     NCHW[x]c tensor (the channel lanes are innermost and contiguous).

@@ -111,3 +111,27 @@ def test_nchwc_space_only_holds_register_tiles_that_fit():
         batch = searcher.propose(8)
         assert batch and all(space.valid(c) for c in batch)
         searcher.observe(batch, [rng.uniform(1, 100) for _ in batch])
+
+
+@pytest.mark.parametrize("columns", [128, 197, 768])
+def test_softmax_and_layer_norm_reduce_in_vectors_and_match_numpy(columns):
+    """Reductions along the last axis (softmax, layer norm) are summed in vector partials (an ``_rf`` block,
+    vectorized) when 16 lanes divide the row, and stay exact either way (197: scalar reductions)."""
+    from pipeline.compile import schedule
+
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, 5, columns)) * 4).astype(np.float32)
+    gamma, beta = rng.standard_normal(columns).astype(np.float32), rng.standard_normal(columns).astype(np.float32)
+    out, part, _ = run_relax(lambda v: relax.op.nn.softmax(v, axis=-1), x)
+    e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(out, e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    mod, _ = schedule(part, LLVM)
+    script = mod[part.tasks[0].names[0]].script()
+    assert ("_rf" in script) == (columns % 16 == 0) and "T.parallel" in script
+
+    out, part, _ = run_relax(lambda v, g, b: relax.op.nn.layer_norm(v, g, b, axes=[-1]), x, gamma, beta)
+    mean = x.mean(axis=-1, keepdims=True, dtype=np.float64)
+    ref = (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + 1e-5) * gamma + beta
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    mod, _ = schedule(part, LLVM)
+    assert ("_rf" in mod[part.tasks[0].names[0]].script()) == (columns % 16 == 0)
