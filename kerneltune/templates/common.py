@@ -58,17 +58,24 @@ class Prepared:
     producers_left: list  # producer blocks that could not be inlined (the GPU template schedules pads)
 
 
-def prepare(task: Task, inline_producers: bool) -> Prepared:
-    """Inline producers (pads) if asked, inline the epilogue chain, and make the local write-back block."""
+def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None = None) -> Prepared:
+    """Inline producers (pads) if asked, inline the epilogue chain, and make the local write-back block.
+
+    ``einsum_padding`` (a multiple per anchor iterator) first pads the anchor's computation with
+    ``pad_einsum``: padded copies of its inputs (kept as stages: inlined, their bounds check would sit in the
+    inner loop again) and a crop of its output, which joins the epilogue."""
     sch = s_tir.Schedule(task.func)
     anchor = sch.get_sblock(task.anchor)
     root = sch.get_sblock(task.func.body.block.name_hint)
+    before = {sch.get(b).name_hint for b in sch.get_child_blocks(root)}
+    if einsum_padding:
+        sch.pad_einsum(anchor, einsum_padding)
     children = sch.get_child_blocks(root)
     names = [sch.get(b).name_hint for b in children]
     pos = names.index(task.anchor)
     producers_left = []
     for name in names[:pos]:
-        if inline_producers:
+        if inline_producers and name in before:
             try:
                 sch.compute_inline(sch.get_sblock(name))
                 continue
