@@ -4,7 +4,7 @@ For each shape a one-node ONNX model (Conv, random weights) is run by
 
 * ``ort``: onnxruntime (2 threads; its NCHWc transformer reorders the input/output around MLAS' kernel);
 * ``tvm_nchw``: our pipeline with the NCHW conv template's default config;
-* ``tvm_nchwc``: our pipeline after :func:`pipeline.layout.to_nchwc` (transforms at the model's edges, which
+* ``tvm_nchwc``: our pipeline after :func:`pipeline.layout.nchwc.to_nchwc` (transforms at the model's edges, which
   a one-conv model is all edge: this is the pessimistic number; narrow groups stay NCHW there);
 * ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph; narrow
   groups merged to fill the blocks);
@@ -88,7 +88,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     from graphopt.feeds import ort_session, random_inputs
     from graphopt.timing import time_blocks
     from kerneltune.targets import device_for, parse_target, vector_lanes
-    from pipeline import layout
+    from pipeline.layout import nchwc
     from pipeline.compile import compile_partition, outputs_numpy, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
@@ -101,7 +101,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     ref = sess.run(None, feeds)
     engines = {"ort": lambda: sess.run(None, feeds)}
     errors = {}
-    blocked, report = layout.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
+    blocked, report = nchwc.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
     for key, part in (("tvm_nchw", partition(imported.mod)), ("tvm_nchwc", partition(blocked))):
         cm = compile_partition(imported, part, spec)
         main, dev = cm.vm()["main"], device_for(spec)
@@ -118,7 +118,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
 
 def bench_model(path: str, runs: int, threads: int) -> dict:
     from kerneltune.targets import vector_lanes
-    from pipeline import layout
+    from pipeline.layout import nchwc
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
     from pipeline.partition import partition
@@ -127,7 +127,7 @@ def bench_model(path: str, runs: int, threads: int) -> dict:
 
     imported = import_model(path)
     spec = parse_target("llvm", threads=threads)
-    blocked, report = layout.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
+    blocked, report = nchwc.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
     compiled = {"tvm_nchw": compile_partition(imported, partition(imported.mod), spec),
                 "tvm_nchwc": compile_partition(imported, partition(blocked), spec)}
     res = bench(imported, compiled, runs, threads, model_name=Path(path).stem)

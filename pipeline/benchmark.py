@@ -30,7 +30,7 @@ from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_device
 from pipeline.frontend import BRANCH_BLOCKERS
 from pipeline.optimize_model import StageLog, graph_stage
-from pipeline.layout_search import partition_model
+from pipeline.layout.search import partition_model
 from pipeline.partition import partition, select_tasks
 from pipeline.relax_import import import_model
 
@@ -238,7 +238,7 @@ class BenchOptions:
     searcher: str = "opevo"
     work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
     progress: bool = True
-    layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
+    layout: str = "auto"  # conv layouts of our engines (pipeline.layout.search); MetaSchedule gets the import
     target: str = "llvm"  # --target as given: the graph stage prices for it (its -mcpu/-mattr too), as optimize-model's
 
 

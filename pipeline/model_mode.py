@@ -15,7 +15,7 @@ from graphopt.validate import check_model, check_threads
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.targets import check_name, default_threads, parse_target, set_num_threads
-from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
+from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def run_model(args: argparse.Namespace) -> int:
     threads = check_threads(args.threads) or default_threads()
     set_num_threads(threads)  # before TVM's pool starts: the layout stage times kernels with it
     # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
-    from pipeline.layout_search import partition_model
+    from pipeline.layout.search import partition_model
     from pipeline.partition import format_tasks
     from pipeline.relax_import import import_model
 

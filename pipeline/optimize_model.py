@@ -129,7 +129,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                    graph_time_limit: float = 60.0) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
     report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
-    ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
+    ``layout`` the conv layouts (:mod:`pipeline.layout.search`).
 
     Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
     model (:func:`graphopt.validate.check_model`) and the control inputs whose value the build needs
@@ -151,7 +151,7 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
     with lock_output_dir(out, "-o") as folder:  # one writer per folder until the end, also on an error
         # Deferred: these load TVM (seconds), after every cheap check above has passed.
         from pipeline.compile import check_outputs, compile_partition
-        from pipeline.layout_search import partition_model
+        from pipeline.layout.search import partition_model
         from pipeline.partition import select_tasks
         from pipeline.relax_import import import_model
         from pipeline.tuning import pick_build, plot_tuning, tune_model

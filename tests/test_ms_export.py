@@ -148,7 +148,7 @@ def test_nchwc_convolutions_are_not_exported_and_the_cli_says_why(llvm, tmp_path
     model.ir_version = 8
     path = tmp_path / "conv.onnx"
     onnx.save(model, str(path))
-    from pipeline.layout_search import partition_model
+    from pipeline.layout.search import partition_model
 
     part = partition_model(import_model(str(path)).mod, llvm, "nchwc")
     assert {t.kind for t in part.tasks if t.task is not None} == {"conv2d_nchwc"}

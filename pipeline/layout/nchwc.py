@@ -17,7 +17,7 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
    :class:`_ConvertLayoutWorkarounds`: channel ``split`` and ``squeeze`` with negative axes, whose layout
    inference is broken in TVM 0.27, rewritten into equivalents whose inference works;
 3. every conv's input and output block: :func:`heuristic_plans` (``--layout nchwc``) or the measured search of
-   :mod:`pipeline.layout_search` (``--layout auto``), over the layout classes :func:`analyze` finds;
+   :mod:`pipeline.layout.search` (``--layout auto``), over the layout classes :func:`analyze` finds;
    :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
    (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
 4. Relax ``ConvertLayout`` with a per-call callback: each conv gets data ``NCHW{a}c``, kernel ``OIHW`` (the
@@ -31,7 +31,7 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
    (:func:`kerneltune.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
 
 The cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms
-it implies) is :mod:`pipeline.layout_search` (``--layout auto``); :func:`heuristic_plans` is ``--layout nchwc``.
+it implies) is :mod:`pipeline.layout.search` (``--layout auto``); :func:`heuristic_plans` is ``--layout nchwc``.
 """
 from __future__ import annotations
 
