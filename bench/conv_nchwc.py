@@ -139,7 +139,7 @@ def bench_model(path: str, runs: int, threads: int) -> dict:
 
 def nchwc_task(name: str, block: int = 16):
     """The standalone NCHWc task of a shape (grouped convs with their groups merged to fill the block)."""
-    from kerneltune.conv_nchwc import ConvSpec, make_task, merge_factor
+    from kerneltune.templates.conv_nchwc import ConvSpec, make_task, merge_factor
 
     s = SHAPES[name]
     groups = s["groups"]

@@ -68,7 +68,7 @@ def make_op_task(name: str, lanes: int = 16):
     """The operator's task; NCHWc convolutions in blocks of ``lanes`` channels (input and output)."""
     spec = OPS[name]
     if spec["kind"] == "conv2d_nchwc":
-        from kerneltune.conv_nchwc import ConvSpec, make_task as make_nchwc_task
+        from kerneltune.templates.conv_nchwc import ConvSpec, make_task as make_nchwc_task
 
         n, c, h, w, f, kh, kw = spec["shape"]
         pad = spec.get("pad", 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tvm.sym.pattern import detect_linear_equation
 
-from . import conv_nchwc
+from .templates import conv_nchwc
 from .task import Task, root_blocks
 
 
@@ -20,7 +20,7 @@ def _pair(v: tuple[int, int]) -> str:
 
 
 def conv_spec(task: Task) -> conv_nchwc.ConvSpec:
-    """The :class:`~kerneltune.conv_nchwc.ConvSpec` a ``conv2d_nchwc`` task's anchor carries (its padding is
+    """The :class:`~kerneltune.templates.conv_nchwc.ConvSpec` a ``conv2d_nchwc`` task's anchor carries (its padding is
     not among ``task.dims``, which make up the records' key)."""
     return next(s for s in map(conv_nchwc.anchor_spec, root_blocks(task.func)) if s is not None)
 

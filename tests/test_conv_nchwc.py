@@ -10,7 +10,7 @@ import pytest
 import tvm
 
 from kerneltune import prepack, templates
-from kerneltune.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
+from kerneltune.templates.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
                                    merge_groups, to_blocked)
 from kerneltune.targets import llvm_target
 from kerneltune.task import build_func, run_func

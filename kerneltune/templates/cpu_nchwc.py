@@ -1,4 +1,4 @@
-"""CPU template for NCHW[x]c convolutions (:mod:`kerneltune.conv_nchwc`): NeoCPU's schedule as a search space.
+"""CPU template for NCHW[x]c convolutions (:mod:`kerneltune.templates.conv_nchwc`): NeoCPU's schedule as a search space.
 
 Loop nest (Liu et al., "Optimizing CNN Model Inference on CPUs", USENIX ATC'19, section 3.1; the levels are
 Ansor's SSRSRS tiling, Zheng et al., OSDI'20, applied to the blocked axes)::

@@ -24,7 +24,8 @@ import tvm
 from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir
-from kerneltune import conv_nchwc, prepack
+from kerneltune import prepack
+from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets import TargetSpec, host_cpu, num_cores, tvm_num_threads
 from kerneltune.task import build_func
@@ -43,7 +44,7 @@ Block = "int | None"  # a channel block; None is plain NCHW
 @dataclass(frozen=True)
 class ConvOption:
     """How one conv can run: input block ``a`` and output block ``d`` (None, None: the NCHW kernel), with
-    its groups merged ``merge`` at a time first (:func:`kerneltune.conv_nchwc.merge_groups`)."""
+    its groups merged ``merge`` at a time first (:func:`kerneltune.templates.conv_nchwc.merge_groups`)."""
 
     a: int | None
     d: int | None
