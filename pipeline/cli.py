@@ -38,7 +38,8 @@ from kerneltune.searchers import SEARCHERS
 from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use_threads
 from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
-from pipeline.optimize_model import TuneOptions, optimize_model, slower_warning
+from pipeline.optimize_model import TuneOptions, optimize_model
+from pipeline.report import slower_warning
 
 log = logging.getLogger(__name__)
 
