@@ -87,7 +87,9 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     from graphopt.compare import max_abs_err
     from graphopt.feeds import ort_session, random_inputs
     from graphopt.timing import time_blocks
-    from kerneltune.targets import device_for, parse_target, vector_lanes
+    from kerneltune.targets.host import vector_lanes
+    from kerneltune.targets.parse import parse_target
+    from kerneltune.targets.registry import device_for
     from pipeline.layout import nchwc
     from pipeline.compile import compile_partition, outputs_numpy, to_device
     from pipeline.partition import partition
@@ -117,13 +119,13 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
 
 
 def bench_model(path: str, runs: int, threads: int) -> dict:
-    from kerneltune.targets import vector_lanes
+    from kerneltune.targets.host import vector_lanes
     from pipeline.layout import nchwc
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     imported = import_model(path)
     spec = parse_target("llvm", threads=threads)
@@ -155,7 +157,7 @@ def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 
     from kerneltune.measure import Measurer
     from kerneltune.searchers import make_searcher
     from kerneltune.tune import tune
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     task = nchwc_task(name)
     useful = conv_model(**SHAPES[name])[1]  # the grouped conv's own FLOPs, not those of merged groups

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from graphopt.fileio import save_figure, write_text_atomic
-from kerneltune.targets import parse_target, set_num_threads
+from kerneltune.targets.parse import parse_target
+from kerneltune.targets.threads import set_num_threads
 
 SCHEDULERS = ("gradient", "round-robin")
 

@@ -79,7 +79,7 @@ def lone_in_fresh_process(engine: str, model: str, feeds_path: str, threads: int
 
 
 def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: Path, input_shapes=None) -> dict:
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
     from graphopt.feeds import sample_feeds
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(lone(args.lone, args.models[0], args.feeds, args.threads, args.runs)))
         return 0
     from graphopt.onnx_io import parse_input_shapes
-    from kerneltune.targets import set_num_threads
+    from kerneltune.targets.threads import set_num_threads
 
     set_num_threads(args.threads)
     shapes = parse_input_shapes(args.input_shape)

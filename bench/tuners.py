@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.fileio import save_figure, write_text_atomic
-from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads, vector_lanes
+from kerneltune.targets.host import llvm_target, vector_lanes
+from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 
 OPS: dict[str, dict[str, Any]] = {
     "mm1": {"kind": "matmul", "shape": (512, 1024, 1024)},
@@ -88,7 +89,7 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
     from kerneltune.space import FactorKnob
     from kerneltune.tune import tune
 
-    from kerneltune.targets import gflops_ceiling
+    from kerneltune.targets.registry import gflops_ceiling
 
     space = templates.space_for(task, target)
     default = templates.default_config(task, target)

@@ -33,7 +33,9 @@ from kerneltune.baseline import numpy_baseline
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
-from kerneltune.targets import TARGET_HELP, check_name, default_threads, gflops_ceiling, parse_target
+from kerneltune.targets.host import default_threads
+from kerneltune.targets.parse import TARGET_HELP, check_name, parse_target
+from kerneltune.targets.registry import gflops_ceiling
 from kerneltune.tune import tune
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,8 @@ import tvm
 
 from kerneltune.pool import WorkerPool
 from kerneltune.runner import RunConfig, check_rpc
-from kerneltune.targets import kind_of, tvm_num_threads
+from kerneltune.targets.registry import kind_of
+from kerneltune.targets.threads import tvm_num_threads
 
 
 @dataclass

@@ -30,7 +30,7 @@ from kerneltune import templates
 from kerneltune.records import Record, RecordLog
 from kerneltune.scheduler import TaskInfo, make_scheduler
 from kerneltune.searchers import FACTOR_ONLY, make_searcher
-from kerneltune.targets import TargetSpec, check_can_tune, gflops_ceiling, kind_of
+from kerneltune.targets.registry import TargetSpec, check_can_tune, gflops_ceiling, kind_of
 from kerneltune.task import Task
 from kerneltune.tune import EnvFailureGuard, TaskTuner
 

@@ -25,7 +25,7 @@ import onnx
 from graphopt.errors import UserError
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import use_threads
+from kerneltune.targets.threads import use_threads
 from pipeline.artifact import Model, read_report
 
 _PATH, _OPTIONAL_PATH = (str, os.PathLike), (str, os.PathLike, type(None))

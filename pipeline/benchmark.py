@@ -25,7 +25,8 @@ from graphopt.fileio import save_figure, write_text_atomic
 from graphopt.specialize import specialize_model
 from graphopt.validate import ModelInput, check_model
 from graphopt.timing import Timing, time_blocks
-from kerneltune.targets import device_for, host_cpu, host_model_name
+from kerneltune.targets.host import host_cpu, host_model_name
+from kerneltune.targets.registry import device_for
 from pipeline import metaschedule, tuning
 from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_device
 from pipeline.frontend import BRANCH_BLOCKERS

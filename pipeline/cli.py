@@ -35,7 +35,9 @@ from graphopt.validate import check_model
 from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use_threads
+from kerneltune.targets.parse import TARGET_HELP, check_name, parse_target
+from kerneltune.targets.registry import KINDS
+from kerneltune.targets.threads import use_threads
 from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
 from pipeline.optimize_model import TuneOptions, optimize_model

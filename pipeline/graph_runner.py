@@ -14,7 +14,9 @@ from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.targets import TargetSpec, check_name, device_for, parse_target, set_num_threads, tvm_num_threads
+from kerneltune.targets.parse import check_name, parse_target
+from kerneltune.targets.registry import TargetSpec, device_for
+from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 from pipeline.compile import compile_partition, to_device
 from pipeline.partition import partition
 from pipeline.relax_import import import_model

@@ -14,7 +14,9 @@ from graphopt.onnx_io import parse_input_shapes
 from graphopt.validate import check_model, check_threads
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
-from kerneltune.targets import check_name, default_threads, parse_target, set_num_threads
+from kerneltune.targets.host import default_threads
+from kerneltune.targets.parse import check_name, parse_target
+from kerneltune.targets.threads import set_num_threads
 from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 
 

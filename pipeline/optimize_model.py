@@ -30,7 +30,8 @@ from graphopt.validate import check_model
 from graphopt.specialize import specialize_model
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.records import RecordLog
-from kerneltune.targets import check_can_tune, check_name, parse_target
+from kerneltune.targets.parse import check_name, parse_target
+from kerneltune.targets.registry import check_can_tune
 from pipeline.artifact import deployment, tensor_specs
 from pipeline.frontend import BRANCH_BLOCKERS, legalize_for_tvm
 from pipeline.report import report_markdown

@@ -35,7 +35,7 @@ from graphopt.fileio import save_figure
 from graphopt.timing import compare, replay
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.records import Record, RecordLog
-from kerneltune.targets import TargetSpec
+from kerneltune.targets.registry import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningTask, tune_tasks
 from pipeline.compile import CompiledModel, compile_partition, model_runner
 from pipeline.partition import FusedTask, Partition

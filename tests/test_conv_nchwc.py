@@ -12,7 +12,7 @@ import tvm
 from kerneltune import prepack, templates
 from kerneltune.templates.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
                                    merge_groups, to_blocked)
-from kerneltune.targets import llvm_target
+from kerneltune.targets.host import llvm_target
 from kerneltune.task import build_func, run_func
 
 LLVM = llvm_target(2)
@@ -182,7 +182,7 @@ def test_avx2_default_tile_of_a_prime_wide_map_holds_a_whole_row():
     """With AVX2's 16 registers (12 accumulators) two 8-lane output blocks left a 7-wide map a 2 x 1 tile:
     ResNet-50's 512-channel 3x3 conv at 7x7 ran 3.86 ms where 64 trials found 1.57 ms (one block, 7
     outputs); the default now takes one block and the whole row.  AVX-512's tiles are unchanged."""
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     avx2 = parse_target('{"kind": "llvm", "mcpu": "x86-64-v3"}', 2).target
     for target, lanes, want in ((avx2, 8, (1, 7)), (LLVM, 16, (2, 7))):

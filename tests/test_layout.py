@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e .[test])")
 from torch import nn  # noqa: E402
 
-from kerneltune.targets import parse_target  # noqa: E402
+from kerneltune.targets.parse import parse_target  # noqa: E402
 from pipeline.layout import nchwc  # noqa: E402
 from pipeline.relax_import import import_model  # noqa: E402
 from layout_check import compiled_matches_onnxruntime  # noqa: E402

@@ -15,7 +15,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.compare import compare_outputs
 from graphopt.feeds import random_inputs, run_ort
-from kerneltune.targets import device_for, parse_target, vector_lanes
+from kerneltune.targets.host import vector_lanes
+from kerneltune.targets.parse import parse_target
+from kerneltune.targets.registry import device_for
 from pipeline.layout import nchwc, pbqp, search
 from pipeline.compile import compile_partition, outputs_numpy, to_device
 from pipeline.layout.cost import ConvOption, Pricer

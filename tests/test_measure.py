@@ -11,7 +11,7 @@ import tvm
 
 import rpc_device
 from kerneltune import templates
-from kerneltune.targets import llvm_target
+from kerneltune.targets.host import llvm_target
 from kerneltune.baseline import numpy_baseline
 from kerneltune.measure import Measurer
 from kerneltune.runner import RunConfig, run

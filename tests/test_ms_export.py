@@ -26,7 +26,7 @@ from graphopt.feeds import random_inputs, run_ort  # noqa: E402
 from graphopt.onnx_io import import_onnx  # noqa: E402
 from kerneltune import templates  # noqa: E402
 from kerneltune.records import Record, RecordLog  # noqa: E402
-from kerneltune.targets import parse_target  # noqa: E402
+from kerneltune.targets.parse import parse_target  # noqa: E402
 from pipeline.cli import tune_kernels_main  # noqa: E402
 from pipeline.ms_export import FILES, MODEL, export_metaschedule  # noqa: E402
 from pipeline.partition import partition  # noqa: E402

@@ -47,7 +47,7 @@ def conv_net() -> onnx.ModelProto:
 
 @pytest.fixture(scope="module")
 def llvm():
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     return parse_target("llvm", 2)
 
@@ -78,7 +78,7 @@ def conv(llvm):
 # ------------------------------------------------------------------------------------------------ targets
 
 def test_llvm_target_uses_host_cpu_and_threads(llvm):
-    from kerneltune.targets import host_cpu
+    from kerneltune.targets.host import host_cpu
 
     assert llvm.target.kind.name == "llvm"
     assert str(llvm.target.attrs["mcpu"]) == host_cpu() != "generic"
@@ -88,7 +88,7 @@ def test_llvm_target_uses_host_cpu_and_threads(llvm):
 
 @pytest.mark.parametrize("name", ["x86", "llvm:znver5", "metal", ""])
 def test_bad_target_names(name):
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     with pytest.raises(UserError):
         parse_target(name)
@@ -98,7 +98,8 @@ def test_rocm_builds_an_amdgpu_code_object_or_names_what_to_install(tmp_path):
     from pipeline.compile import EM_AMDGPU, compile_partition
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import find_lld, parse_target, rocm_bitcode_dir
+    from kerneltune.targets.parse import parse_target
+    from kerneltune.targets.toolchains import find_lld, rocm_bitcode_dir
 
     if not (find_lld() and rocm_bitcode_dir()):
         with pytest.raises(UserError, match="apt-get install lld-19 rocm-device-libs"):

@@ -215,7 +215,8 @@ def test_bad_and_forged_records_are_skipped_and_never_become_best(tmp_path, capl
 
 
 def test_gflops_ceiling_catches_a_forged_speed_on_this_host():
-    from kerneltune.targets import gflops_ceiling, llvm_target
+    from kerneltune.targets.host import llvm_target
+    from kerneltune.targets.registry import gflops_ceiling
 
     ceiling = gflops_ceiling(llvm_target(2))
     assert 200 < ceiling < 1e6   # above any real 2-core fp32 kernel, far below a forged 1e6

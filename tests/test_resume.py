@@ -15,7 +15,7 @@ import pytest
 from fake_measurer import FakeMeasurer as BaseFake
 from kerneltune.records import RecordLog
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import parse_target
+from kerneltune.targets.parse import parse_target
 from kerneltune.task import make_task
 from kerneltune.tune_tasks import TuningTask, tune_tasks
 

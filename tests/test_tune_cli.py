@@ -54,7 +54,7 @@ def test_config_failing_to_build_does_not_stop_tuning():
     from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
     from kerneltune.tune import tune
-    from kerneltune.targets import llvm_target
+    from kerneltune.targets.host import llvm_target
 
     task = make_task("matmul", "32,64,32")
     target = llvm_target(1)

@@ -3,7 +3,7 @@ gradient scheduler gives the heavier task more of it, and a rerun resumes from t
 from __future__ import annotations
 
 from fake_measurer import FakeMeasurer as BaseFake
-from kerneltune.targets import parse_target
+from kerneltune.targets.parse import parse_target
 from kerneltune.task import make_task
 from kerneltune.tune_tasks import TuningTask, tune_tasks
 

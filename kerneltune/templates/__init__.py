@@ -14,10 +14,10 @@ API used by the searchers, the measurer and the pipeline:
   anchor (:func:`kerneltune.task.classify_primfunc`) *and* the CPU template can schedule it with its default
   config, so callers such as the pipeline never meet a schedule error later.
 
-Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets` (``llvm`` ->
+Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets.registry` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
 (:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`.  For CPU code use
-:func:`kerneltune.targets.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
+:func:`kerneltune.targets.host.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tvm import s_tir
 
 from ..space import SearchSpace
 from ..task import Task, classify_primfunc
-from ..targets import kind_of
+from ..targets.registry import kind_of
 from . import conv_nchwc, cpu, cpu_nchwc, gpu
 from .common import InvalidConfig
 

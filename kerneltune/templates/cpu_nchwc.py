@@ -31,7 +31,7 @@ from tvm import s_tir
 
 from ..prepack import PREPROC
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
-from ..targets import vector_lanes, vector_registers
+from ..targets.host import vector_lanes, vector_registers
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
 from .cpu import _largest_divisor_at_most, has_producers

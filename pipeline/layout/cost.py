@@ -27,7 +27,9 @@ from graphopt.cost.cache import CostCache, cache_dir
 from kerneltune import prepack
 from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.targets import TargetSpec, host_cpu, num_cores, tvm_num_threads
+from kerneltune.targets.host import host_cpu, num_cores
+from kerneltune.targets.registry import TargetSpec
+from kerneltune.targets.threads import tvm_num_threads
 from kerneltune.task import build_func
 from pipeline.layout import nchwc
 from pipeline.compile import schedule

@@ -37,7 +37,8 @@ import numpy as np
 import tvm
 
 from graphopt.errors import UserError
-from kerneltune.targets import TargetSpec, vector_lanes
+from kerneltune.targets.host import vector_lanes
+from kerneltune.targets.registry import TargetSpec
 from pipeline.layout import nchwc, pbqp
 from pipeline.layout.cost import ConvOption, Pricer
 from pipeline.layout.modes import LAYOUTS
