@@ -123,6 +123,7 @@ def bench_model(path: str, runs: int, threads: int) -> dict:
     from pipeline.layout import nchwc
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
+    from pipeline.context import BuildContext
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
     from kerneltune.targets.parse import parse_target
@@ -132,7 +133,8 @@ def bench_model(path: str, runs: int, threads: int) -> dict:
     blocked, report = nchwc.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
     compiled = {"tvm_nchw": compile_partition(imported, partition(imported.mod), spec),
                 "tvm_nchwc": compile_partition(imported, partition(blocked), spec)}
-    res = bench(imported, compiled, runs, threads, model_name=Path(path).stem)
+    ctx = BuildContext.create(spec.request, threads=threads)
+    res = bench(imported, compiled, ctx, runs, model_name=Path(path).stem)
     return {"ms": {k: t.median_ms for k, t in res.timings.items()},
             "min_ms": {k: t.min_ms for k, t in res.timings.items()}, "errors": res.errors,
             "convs": report.convs, "blocked": report.blocked, "merged_groups": report.merged_groups,
@@ -156,7 +158,7 @@ def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 
     from kerneltune import templates
     from kerneltune.measure import Measurer
     from kerneltune.searchers import make_searcher
-    from kerneltune.tune import tune
+    from kerneltune.tune import TaskRecords, tune
     from kerneltune.targets.parse import parse_target
 
     task = nchwc_task(name)
@@ -167,7 +169,7 @@ def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 
     with Measurer(target, number=10, repeat=3) as m:
         (d,) = m.measure(task, [default])
         s = make_searcher(searcher, space, seed=seed, fixed=default)
-        res = tune(space, s, lambda cs: m.measure(task, cs), trials, task_key=task.key, target=str(target),
+        res = tune(space, s, lambda cs: m.measure(task, cs), trials, TaskRecords(task.key, str(target)),
                    progress=False)
     scale = useful / task.flops  # GFLOP/s on useful FLOPs
     return {"task": task.key, "space_size": space.size(), "default_gflops": d.gflops * scale,

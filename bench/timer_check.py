@@ -83,6 +83,7 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
     from graphopt.feeds import sample_feeds
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
+    from pipeline.context import BuildContext
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
 
@@ -101,7 +102,7 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
                 "tvm": lone_in_fresh_process("tvm", str(lib), feeds_path, threads, runs)}
 
     before = alone()
-    res = bench(imported, {"tvm": compiled}, runs, threads, 0, Path(path).name)
+    res = bench(imported, {"tvm": compiled}, BuildContext.create(spec.request, threads=threads), runs, Path(path).name)
     after = alone()
     out: dict = {"load": os.getloadavg(), "alone_before_ms": before, "alone_after_ms": after, "engines": {}}
     for eng in ("ort", "tvm"):

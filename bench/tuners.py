@@ -87,7 +87,7 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
     from kerneltune.records import RecordLog
     from kerneltune.searchers import FACTOR_ONLY, make_searcher
     from kerneltune.space import FactorKnob
-    from kerneltune.tune import tune
+    from kerneltune.tune import TaskRecords, tune
 
     from kerneltune.targets.registry import gflops_ceiling
 
@@ -100,9 +100,9 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
         note = f"factor knobs searched; non-factor knobs fixed at default_config {pinned}"
     searcher = make_searcher(searcher_name, space, seed, fixed=fixed)
     with RecordLog(records_path) as log:
-        res = tune(space, searcher, lambda cs: measurer.measure(task, cs), trials, task_key=task.key,
-                   target=str(target), records=log, progress=True, desc=f"{searcher_name} s{seed}",
-                   timing=measurer.timing, warm_start=default, flops=task.flops, ceiling=gflops_ceiling(target))
+        res = tune(space, searcher, lambda cs: measurer.measure(task, cs), trials,
+                   TaskRecords(task.key, str(target), log, measurer.timing, task.flops, gflops_ceiling(target)),
+                   progress=True, desc=f"{searcher_name} s{seed}", warm_start=default)
     return res.curve[:trials], note
 
 

@@ -382,20 +382,22 @@ def test_api_arguments_of_a_wrong_type_or_value_are_one_line(kwargs, words, tmp_
 def test_rebuild_from_complete_records_starts_no_measurer(tmp_path, monkeypatch):
     """A rerun whose records hold every trial rebuilds the same build without workers or a device."""
     from kerneltune import measure
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
     path = tmp_path / "m.onnx"
     onnx.save(mlp(), str(path))
     records = tmp_path / "records.jsonl"
     tuning = TuneOptions(trials=4, records=str(records), progress=False)
-    first = optimize_model(str(path), "llvm", str(tmp_path / "a"), 1, skip_graph=True, tuning=tuning)
+    ctx = BuildContext.create(threads=1, skip_graph=True, tuning=tuning)
+    first = optimize_model(str(path), str(tmp_path / "a"), ctx)
     assert first.report["stages"]["tune"]["measured_now"] > 0
 
     def no_measurer(*a, **k):
         raise AssertionError("a measurer was started for a rebuild from complete records")
 
     monkeypatch.setattr(measure.Measurer, "__init__", no_measurer)
-    again = optimize_model(str(path), "llvm", str(tmp_path / "b"), 1, skip_graph=True, tuning=tuning)
+    again = optimize_model(str(path), str(tmp_path / "b"), ctx)
     tune = again.report["stages"]["tune"]
     assert tune["measured_now"] == 0 and tune["trials"] == first.report["stages"]["tune"]["trials"]
     assert [t["schedule"] for t in again.report["tasks"]] == [t["schedule"] for t in first.report["tasks"]]

@@ -44,13 +44,14 @@ def _session(path: Path) -> ort.InferenceSession:
 def built(tmp_path_factory):
     """mlp through optimize-model (graph stage skipped) with the external-data threshold at 1 KB: the
     path a model over 2 GB takes, on a model of 4 KB."""
+    from pipeline.context import BuildContext
     from pipeline.optimize_model import optimize_model
 
     d = tmp_path_factory.mktemp("built")
     onnx.save(mlp(), str(d / "m.onnx"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(onnx_io, "EXTERNAL_DATA_ABOVE", 1000)
-        res = optimize_model(str(d / "m.onnx"), "llvm", str(d / "out"), 1, skip_graph=True)
+        res = optimize_model(str(d / "m.onnx"), str(d / "out"), BuildContext.create(threads=1, skip_graph=True))
     return d, res
 
 

@@ -2,9 +2,9 @@
 compiler and every CLI ask these modules instead of spelling kinds themselves.  By job:
 
 * :mod:`.parse`: ``--target`` read (the one place a target's text is parsed): :func:`.parse.check_name`
-  (no TVM) -> :class:`.parse.TargetRequest`, :func:`.parse.parse_target` -> :class:`.registry.TargetSpec`;
-* :mod:`.registry`: the target kinds (:data:`.registry.REGISTRY`), the :class:`.registry.TargetSpec`
-  each builds, and what a spec answers (tuning it here, its device, its GFLOP/s ceiling);
+  (no TVM) -> :class:`.registry.TargetRequest`, :func:`.parse.build_spec` -> :class:`.registry.TargetSpec`;
+* :mod:`.registry`: the target kinds (:data:`.registry.REGISTRY`), the :class:`.registry.TargetRequest` read
+  from ``--target`` and the :class:`.registry.TargetSpec` each kind builds from it, and what a spec answers (tuning it here, its device, its GFLOP/s ceiling);
 * :mod:`.host`: this machine's CPU and a target's vector facts;
 * :mod:`.toolchains`: the cross gcc per CPU architecture, ld.lld and the ROCm device bitcode;
 * :mod:`.threads`: the thread count and TVM's thread pool.

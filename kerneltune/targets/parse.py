@@ -7,45 +7,22 @@
   parses strings, so :func:`check_name` does, without loading TVM, into the dict TVM takes);
 * a TVM target JSON object, ``{"kind": "llvm", "mcpu": "cortex-a72", "mtriple": "aarch64-linux-gnu"}``.
 
-:func:`check_name` (no TVM: a typo fails at once) -> :class:`TargetRequest`; :func:`parse_target` -> a
-:class:`~kerneltune.targets.registry.TargetSpec` (a TVM :class:`~tvm.target.Target` plus whether this machine
-can run it and, for another CPU architecture, the cross toolchain that links ``model.so``), built by the
-kind's registry entry.
+:func:`check_name` (no TVM: a typo fails at once) -> :class:`~kerneltune.targets.registry.TargetRequest`;
+:func:`build_spec` (from that request, not from the text again) -> a
+:class:`~kerneltune.targets.registry.TargetSpec` (a TVM :class:`~tvm.target.Target` plus whether this
+machine can run it and, for another CPU architecture, the cross toolchain that links ``model.so``), built by
+the kind's registry entry.  :func:`parse_target` is both, for callers holding the text only.
 """
 from __future__ import annotations
 
 import json
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import replace
 
 from graphopt.errors import UserError
 
-from .host import arch_of, host_arch
-from .registry import DEFAULT_CUDA_ARCH, DEFAULT_ROCM_ARCH, KINDS, REGISTRY, TargetSpec
-
-
-@dataclass(frozen=True)
-class TargetRequest:
-    """``--target`` parsed without TVM: the kind and the TVM attributes the user gave (in their order)."""
-
-    kind: str
-    attrs: tuple[tuple[str, object], ...] = ()
-    text: str = ""
-
-    def get(self, key: str, default: object = None) -> object:
-        return dict(self.attrs).get(key, default)
-
-    @property
-    def is_cross(self) -> bool:
-        """An llvm target for another CPU architecture (its code cannot run, nor be timed, here)."""
-        triple = str(self.get("mtriple") or "")
-        return self.kind == "llvm" and bool(triple) and arch_of(triple) != host_arch()
-
-    @property
-    def cost_kind(self) -> str:
-        """What the graph stage's measured cost model is told: ``llvm`` only where it can time kernels here."""
-        return f"{self.kind}-cross" if self.is_cross else self.kind
+from .registry import DEFAULT_CUDA_ARCH, DEFAULT_ROCM_ARCH, KINDS, REGISTRY, TargetRequest, TargetSpec
 
 
 # What an architecture after ``cuda:`` / ``rocm:`` looks like (TVM fails deep in code generation otherwise):
@@ -140,8 +117,14 @@ TARGET_HELP = (" | ".join(k.name + (f"[:{k.arch_example}]" if k.arch_example els
                + f", or a TVM target string or JSON, e.g. '{EXAMPLES[0]}'")
 
 
+def build_spec(request: TargetRequest, threads: int | None = None) -> TargetSpec:
+    """The :class:`TargetSpec` of a target already read (:func:`check_name`), built by its kind's registry entry
+    (this loads TVM); it keeps the request it was built from.  Anything TVM or this machine's toolchain cannot
+    build is a :class:`UserError`."""
+    return replace(REGISTRY[request.kind].build(dict(request.attrs), threads), request=request)
+
+
 def parse_target(name: str, threads: int | None = None) -> TargetSpec:
-    """Parse a short form, TVM target string or JSON (:func:`check_name`) into a :class:`TargetSpec`;
-    anything TVM or this machine's toolchain cannot build is a :class:`UserError`."""
-    req = check_name(name)
-    return REGISTRY[req.kind].build(dict(req.attrs), threads)
+    """Parse a short form, TVM target string or JSON (:func:`check_name`) into a :class:`TargetSpec`
+    (:func:`build_spec`), for callers that hold the text only (tests, bench scripts)."""
+    return build_spec(check_name(name), threads)

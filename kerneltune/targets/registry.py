@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Callable
 
 from graphopt.errors import UserError
 
-from .host import (default_threads, host_arch, host_cpu, host_triple, llvm_target, missing_cpu_features, num_cores,
-                   vector_lanes)
+from .host import (arch_of, default_threads, host_arch, host_cpu, host_triple, llvm_target, missing_cpu_features,
+                   num_cores, vector_lanes)
 from .toolchains import MIN_LLD, ROCM_INSTALL_HINT, CrossToolchain, cross_toolchain, find_lld, rocm_bitcode_dir, use_lld
 
 # TVM is imported inside the functions that need it (see kerneltune.targets).
@@ -66,6 +66,30 @@ DEFAULT_ROCM_ARCH = "gfx942"
 
 
 @dataclass(frozen=True)
+class TargetRequest:
+    """``--target`` parsed without TVM: the kind and the TVM attributes the user gave (in their order)."""
+
+    kind: str
+    attrs: tuple[tuple[str, object], ...] = ()
+    text: str = ""
+
+    def get(self, key: str, default: object = None) -> object:
+        return dict(self.attrs).get(key, default)
+
+    @property
+    def is_cross(self) -> bool:
+        """An llvm target for another CPU architecture (its code cannot run, nor be timed, here)."""
+        triple = str(self.get("mtriple") or "")
+        return self.kind == "llvm" and bool(triple) and arch_of(triple) != host_arch()
+
+    @property
+    def cost_kind(self) -> str:
+        """What the graph stage's measured cost model is told: ``llvm`` only where it can time kernels here."""
+        return f"{self.kind}-cross" if self.is_cross else self.kind
+
+
+
+@dataclass(frozen=True)
 class TargetSpec:
     """A parsed ``--target``: the TVM target plus what this machine can do with it."""
 
@@ -74,6 +98,7 @@ class TargetSpec:
     can_run: bool  # the local TVM runtime can execute code for this target (device present and supported)
     note: str = ""  # why it cannot run, for messages and report.json
     cross: "CrossToolchain | None" = None  # another CPU architecture: the gcc that links model.so
+    request: TargetRequest | None = None  # the --target it was built from (kerneltune.targets.parse.build_spec)
 
     @property
     def is_gpu(self) -> bool:
