@@ -156,7 +156,7 @@ def nchwc_task(name: str, block: int = 16):
 
 def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 0) -> dict:
     from kerneltune import templates
-    from kerneltune.measure import Measurer
+    from kerneltune.measure import MeasureOptions, Measurer
     from kerneltune.searchers import make_searcher
     from kerneltune.tune import TaskRecords, tune
     from kerneltune.targets.parse import parse_target
@@ -166,7 +166,7 @@ def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 
     target = parse_target("llvm", threads=threads).target
     space = templates.space_for(task, target)
     default = templates.default_config(task, target)
-    with Measurer(target, number=10, repeat=3) as m:
+    with Measurer(target, MeasureOptions(number=10, repeat=3)) as m:
         (d,) = m.measure(task, [default])
         s = make_searcher(searcher, space, seed=seed, fixed=default)
         res = tune(space, s, lambda cs: m.measure(task, cs), trials, TaskRecords(task.key, str(target)),

@@ -224,14 +224,14 @@ def test_blocked_layout_round_trip():
 
 
 def test_measurer_and_opevo_tune_an_nchwc_task():
-    from kerneltune.measure import Measurer
+    from kerneltune.measure import MeasureOptions, Measurer
     from kerneltune.searchers import make_searcher
     from kerneltune.tune import TaskRecords, tune
 
     task = make_task(ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bias_relu")
     space = templates.space_for(task, LLVM)
     searcher = make_searcher("opevo", space, seed=0)
-    with Measurer(LLVM, number=2, repeat=2, workers=1) as m:
+    with Measurer(LLVM, MeasureOptions(number=2, repeat=2), workers=1) as m:
         result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, TaskRecords(task.key, str(LLVM)),
                       progress=False)
     assert result.trials == 6 and result.best_gflops > 0 and result.failures < 6
