@@ -104,7 +104,7 @@ class BuildContext:
 
     @property
     def stage_threads(self) -> int:
-        """The threads the graph stage and the layout prices time with (1 when unset)."""
+        """The threads the graph stage times candidate graphs with (1 when unset)."""
         return int(self.threads or 1)
 
     def with_model(self, samples: dict[str, Any] | None) -> BuildContext:
