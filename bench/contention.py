@@ -102,7 +102,7 @@ def main() -> int:
     if args.child:
         child(*args.child, args.threads, args.runs)
         return 0
-    from kerneltune.targets import host_cpu, host_model_name
+    from kerneltune.targets.host import host_cpu, host_model_name
 
     env = dict(kv.split("=", 1) for kv in args.env)
     rows = []

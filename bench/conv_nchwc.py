@@ -4,7 +4,7 @@ For each shape a one-node ONNX model (Conv, random weights) is run by
 
 * ``ort``: onnxruntime (2 threads; its NCHWc transformer reorders the input/output around MLAS' kernel);
 * ``tvm_nchw``: our pipeline with the NCHW conv template's default config;
-* ``tvm_nchwc``: our pipeline after :func:`pipeline.layout.to_nchwc` (transforms at the model's edges, which
+* ``tvm_nchwc``: our pipeline after :func:`pipeline.layout.nchwc.to_nchwc` (transforms at the model's edges, which
   a one-conv model is all edge: this is the pessimistic number; narrow groups stay NCHW there);
 * ``nchwc_kernel``: the NCHWc kernel alone on blocked tensors (what it costs inside a blocked graph; narrow
   groups merged to fill the blocks);
@@ -87,8 +87,10 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     from graphopt.compare import max_abs_err
     from graphopt.feeds import ort_session, random_inputs
     from graphopt.timing import time_blocks
-    from kerneltune.targets import device_for, parse_target, vector_lanes
-    from pipeline import layout
+    from kerneltune.targets.host import vector_lanes
+    from kerneltune.targets.parse import parse_target
+    from kerneltune.targets.registry import device_for
+    from pipeline.layout import nchwc
     from pipeline.compile import compile_partition, outputs_numpy, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
@@ -101,7 +103,7 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
     ref = sess.run(None, feeds)
     engines = {"ort": lambda: sess.run(None, feeds)}
     errors = {}
-    blocked, report = layout.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
+    blocked, report = nchwc.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
     for key, part in (("tvm_nchw", partition(imported.mod)), ("tvm_nchwc", partition(blocked))):
         cm = compile_partition(imported, part, spec)
         main, dev = cm.vm()["main"], device_for(spec)
@@ -117,20 +119,22 @@ def bench_shape(name: str, runs: int, threads: int) -> dict:
 
 
 def bench_model(path: str, runs: int, threads: int) -> dict:
-    from kerneltune.targets import vector_lanes
-    from pipeline import layout
+    from kerneltune.targets.host import vector_lanes
+    from pipeline.layout import nchwc
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
+    from pipeline.context import BuildContext
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     imported = import_model(path)
     spec = parse_target("llvm", threads=threads)
-    blocked, report = layout.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
+    blocked, report = nchwc.to_nchwc(imported.mod, vector_lanes(spec.target, "float32"))
     compiled = {"tvm_nchw": compile_partition(imported, partition(imported.mod), spec),
                 "tvm_nchwc": compile_partition(imported, partition(blocked), spec)}
-    res = bench(imported, compiled, runs, threads, model_name=Path(path).stem)
+    ctx = BuildContext.create(spec.request, threads=threads)
+    res = bench(imported, compiled, ctx, runs, model_name=Path(path).stem)
     return {"ms": {k: t.median_ms for k, t in res.timings.items()},
             "min_ms": {k: t.min_ms for k, t in res.timings.items()}, "errors": res.errors,
             "convs": report.convs, "blocked": report.blocked, "merged_groups": report.merged_groups,
@@ -139,7 +143,7 @@ def bench_model(path: str, runs: int, threads: int) -> dict:
 
 def nchwc_task(name: str, block: int = 16):
     """The standalone NCHWc task of a shape (grouped convs with their groups merged to fill the block)."""
-    from kerneltune.conv_nchwc import ConvSpec, make_task, merge_factor
+    from kerneltune.templates.conv_nchwc import ConvSpec, make_task, merge_factor
 
     s = SHAPES[name]
     groups = s["groups"]
@@ -152,20 +156,20 @@ def nchwc_task(name: str, block: int = 16):
 
 def tune_shape(name: str, trials: int, searcher: str, threads: int, seed: int = 0) -> dict:
     from kerneltune import templates
-    from kerneltune.measure import Measurer
+    from kerneltune.measure import MeasureOptions, Measurer
     from kerneltune.searchers import make_searcher
-    from kerneltune.tune import tune
-    from kerneltune.targets import parse_target
+    from kerneltune.tune import TaskRecords, tune
+    from kerneltune.targets.parse import parse_target
 
     task = nchwc_task(name)
     useful = conv_model(**SHAPES[name])[1]  # the grouped conv's own FLOPs, not those of merged groups
     target = parse_target("llvm", threads=threads).target
     space = templates.space_for(task, target)
     default = templates.default_config(task, target)
-    with Measurer(target, number=10, repeat=3) as m:
+    with Measurer(target, MeasureOptions(number=10, repeat=3)) as m:
         (d,) = m.measure(task, [default])
         s = make_searcher(searcher, space, seed=seed, fixed=default)
-        res = tune(space, s, lambda cs: m.measure(task, cs), trials, task_key=task.key, target=str(target),
+        res = tune(space, s, lambda cs: m.measure(task, cs), trials, TaskRecords(task.key, str(target)),
                    progress=False)
     scale = useful / task.flops  # GFLOP/s on useful FLOPs
     return {"task": task.key, "space_size": space.size(), "default_gflops": d.gflops * scale,

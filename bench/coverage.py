@@ -358,7 +358,7 @@ def write(rows: list[Row], out: Path, header: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from models.exported import CORPUS, EXPORTERS, SIZES, get_spec
-    from kerneltune.targets import host_model_name
+    from kerneltune.targets.host import host_model_name
 
     p = argparse.ArgumentParser(prog="bench/coverage.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help=f"comma-separated corpus models (default all: {','.join(CORPUS)})")

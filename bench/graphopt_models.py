@@ -29,7 +29,8 @@ from typing import Any, Callable
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.fileio import save_figure, write_text_atomic
 from graphopt.timing import time_blocks
-from kerneltune.targets import host_model_name, set_num_threads, tvm_num_threads
+from kerneltune.targets.host import host_model_name
+from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 from pipeline.cli import GRAPHOPT_COMPONENTS
 
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
@@ -54,7 +55,8 @@ def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
 
 def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, Any]:
     """Compile the models with the pipeline's default schedules and time them on the Relax VM."""
-    from kerneltune.targets import device_for, parse_target
+    from kerneltune.targets.parse import parse_target
+    from kerneltune.targets.registry import device_for
     from pipeline.compile import compile_partition, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.compile import compile_partition, device_for, outputs_numpy, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from pipeline.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     original = build("lstm-lm", args.seed)
     feeds = random_inputs(import_onnx(original), args.seed)

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from graphopt.fileio import save_figure, write_text_atomic
-from kerneltune.targets import parse_target, set_num_threads
+from kerneltune.targets.parse import parse_target
+from kerneltune.targets.threads import set_num_threads
 
 SCHEDULERS = ("gradient", "round-robin")
 
@@ -71,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     set_num_threads(args.threads)
 
+    from kerneltune.records import RecordLog
+    from kerneltune.tune_tasks import TuningRun
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
+    from pipeline.context import BuildContext, TuneOptions
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
     from pipeline.tuning import tune_model
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = {}
     for sched in SCHEDULERS:
         records = work / f"{sched}.jsonl"
-        res = tune_model(part.tasks, spec, args.trials, records, sched, "opevo", args.seed)
+        res = tune_model(part.tasks, TuningRun(spec, args.trials, RecordLog(records), sched, "opevo", args.seed))
         curve = objective_curve(records, res.tasks)
         compiled[sched] = compile_partition(imported, part, spec, res.best_configs)
         out["schedulers"][sched] = {
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     out["gradient_trials_to_reach_round_robin_final"] = reach
     out["gradient_fraction_of_round_robin_trials"] = (
         reach / out["schedulers"]["round-robin"]["curve"][-1][0] if reach is not None else None)
-    res = bench(imported, compiled, args.runs, args.threads, args.seed, out["model"], args.trials)
+    ctx = BuildContext.create(spec.request, threads=args.threads, seed=args.seed, tuning=TuneOptions(args.trials))
+    res = bench(imported, compiled, ctx, args.runs, out["model"])
     out["e2e_ms"] = {k: t.median_ms for k, t in res.timings.items()}
     out["max_abs_err"] = res.max_abs_err
     if args.json:

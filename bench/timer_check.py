@@ -79,10 +79,11 @@ def lone_in_fresh_process(engine: str, model: str, feeds_path: str, threads: int
 
 
 def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: Path, input_shapes=None) -> dict:
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
     from graphopt.feeds import sample_feeds
     from pipeline.benchmark import bench
     from pipeline.compile import compile_partition
+    from pipeline.context import BuildContext
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
 
@@ -101,7 +102,7 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
                 "tvm": lone_in_fresh_process("tvm", str(lib), feeds_path, threads, runs)}
 
     before = alone()
-    res = bench(imported, {"tvm": compiled}, runs, threads, 0, Path(path).name)
+    res = bench(imported, {"tvm": compiled}, BuildContext.create(spec.request, threads=threads), runs, Path(path).name)
     after = alone()
     out: dict = {"load": os.getloadavg(), "alone_before_ms": before, "alone_after_ms": after, "engines": {}}
     for eng in ("ort", "tvm"):
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(lone(args.lone, args.models[0], args.feeds, args.threads, args.runs)))
         return 0
     from graphopt.onnx_io import parse_input_shapes
-    from kerneltune.targets import set_num_threads
+    from kerneltune.targets.threads import set_num_threads
 
     set_num_threads(args.threads)
     shapes = parse_input_shapes(args.input_shape)

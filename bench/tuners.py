@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.fileio import save_figure, write_text_atomic
-from kerneltune.targets import llvm_target, set_num_threads, tvm_num_threads, vector_lanes
+from kerneltune.targets.host import llvm_target, vector_lanes
+from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 
 OPS: dict[str, dict[str, Any]] = {
     "mm1": {"kind": "matmul", "shape": (512, 1024, 1024)},
@@ -68,7 +69,7 @@ def make_op_task(name: str, lanes: int = 16):
     """The operator's task; NCHWc convolutions in blocks of ``lanes`` channels (input and output)."""
     spec = OPS[name]
     if spec["kind"] == "conv2d_nchwc":
-        from kerneltune.conv_nchwc import ConvSpec, make_task as make_nchwc_task
+        from kerneltune.templates.conv_nchwc import ConvSpec, make_task as make_nchwc_task
 
         n, c, h, w, f, kh, kw = spec["shape"]
         pad = spec.get("pad", 0)
@@ -86,9 +87,9 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
     from kerneltune.records import RecordLog
     from kerneltune.searchers import FACTOR_ONLY, make_searcher
     from kerneltune.space import FactorKnob
-    from kerneltune.tune import tune
+    from kerneltune.tune import TaskRecords, tune
 
-    from kerneltune.targets import gflops_ceiling
+    from kerneltune.targets.registry import gflops_ceiling
 
     space = templates.space_for(task, target)
     default = templates.default_config(task, target)
@@ -99,9 +100,9 @@ def run_ours(task, target, searcher_name: str, seed: int, trials: int, records_p
         note = f"factor knobs searched; non-factor knobs fixed at default_config {pinned}"
     searcher = make_searcher(searcher_name, space, seed, fixed=fixed)
     with RecordLog(records_path) as log:
-        res = tune(space, searcher, lambda cs: measurer.measure(task, cs), trials, task_key=task.key,
-                   target=str(target), records=log, progress=True, desc=f"{searcher_name} s{seed}",
-                   timing=measurer.timing, warm_start=default, flops=task.flops, ceiling=gflops_ceiling(target))
+        res = tune(space, searcher, lambda cs: measurer.measure(task, cs), trials,
+                   TaskRecords(task.key, str(target), log, measurer.timing, task.flops, gflops_ceiling(target)),
+                   progress=True, desc=f"{searcher_name} s{seed}", warm_start=default)
     return res.curve[:trials], note
 
 

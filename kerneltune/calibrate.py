@@ -18,7 +18,7 @@ VERSION = 1
 
 def runs_here(target) -> bool:
     """Whether code for ``target`` (a TVM target) can be timed on this machine."""
-    from kerneltune.targets import missing_cpu_features
+    from kerneltune.targets.host import missing_cpu_features
 
     return str(target.kind.name) == "llvm" and "mtriple" not in target.attrs and not missing_cpu_features(target)
 
@@ -48,7 +48,7 @@ def calibrated(fact: str, target, static: int, measure: Callable[[object], int])
 
 def _read_or_measure(fact: str, key: str, measure: Callable[[], int]) -> int:
     from graphopt.cost.cache import CostCache, cache_dir
-    from kerneltune.targets import host_cpu
+    from kerneltune.targets.host import host_cpu
 
     cache = CostCache(cache_dir() / f"calibration-{host_cpu()}.json")
     entry = f"v{VERSION}|{fact}|{key}"

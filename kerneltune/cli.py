@@ -33,8 +33,10 @@ from kerneltune.baseline import numpy_baseline
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
-from kerneltune.targets import TARGET_HELP, check_name, default_threads, gflops_ceiling, parse_target
-from kerneltune.tune import tune
+from kerneltune.targets.host import default_threads
+from kerneltune.targets.parse import TARGET_HELP, build_spec, check_name
+from kerneltune.targets.registry import TargetRequest, gflops_ceiling
+from kerneltune.tune import TaskRecords, tune
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,8 @@ def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser
     return p
 
 
-def _check_operator_args(args: argparse.Namespace) -> None:
-    """Every mistake that needs no TVM is caught here, before seconds of imports."""
+def _check_operator_args(args: argparse.Namespace) -> TargetRequest:
+    """Every mistake that needs no TVM is caught here, before seconds of imports; returns ``--target`` read."""
     if not args.op:
         raise UserError(f"--op is required: one of {', '.join(KINDS)}")
     kind = op_kind(args.op)
@@ -103,7 +105,7 @@ def _check_operator_args(args: argparse.Namespace) -> None:
         if given and not set(names) <= set(kind.options):
             takers = [k.name for k in OP_KINDS.values() if set(names) <= set(k.options)]
             raise UserError(f"{'/'.join('--' + n.replace('_', '-') for n in names)} apply to {' and '.join(takers)} only")
-    check_name(args.target)
+    return check_name(args.target)
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
@@ -116,7 +118,7 @@ def check_output_paths(args: argparse.Namespace) -> None:
 
 def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     """Tune one operator; returns the result dict (also printed / written by :func:`main`)."""
-    _check_operator_args(args)
+    request = _check_operator_args(args)
     # Deferred: these load TVM (seconds); --help and every argument check above run without it.
     from kerneltune import templates
     from kerneltune.measure import Measurer
@@ -124,7 +126,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
 
     task = make_task(args.op, args.shape, args.transpose_a, args.transpose_b, args.stride or 1, args.pad or 0,
                      args.groups or 1)
-    spec = parse_target(args.target, args.threads)
+    spec = build_spec(request, args.threads)
     if not spec.can_run and not args.rpc:
         raise UserError(f"cannot measure on {args.target} here ({spec.note}); pass --rpc HOST:PORT:KEY of a "
                         "TVM RPC tracker with that device")
@@ -157,9 +159,10 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         return measurer[0].measure(task, configs)
 
     try:
-        res = tune(space, searcher, measure, args.trials, task_key=task.key, target=target_key, records=records,
-                   progress=not args.no_progress, desc=task.name, timing="cold" if cache_flush else "warm",
-                   warm_start=default, flops=task.flops, ceiling=gflops_ceiling(spec.target))
+        res = tune(space, searcher, measure, args.trials,
+                   TaskRecords(task.key, target_key, records, "cold" if cache_flush else "warm", task.flops,
+                               gflops_ceiling(spec.target)),
+                   warm_start=default, progress=not args.no_progress, desc=task.name)
     finally:
         for m in measurer:
             m.close()

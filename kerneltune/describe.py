@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tvm.sym.pattern import detect_linear_equation
 
-from . import conv_nchwc
+from .templates import conv_nchwc
 from .task import Task, root_blocks
 
 
@@ -20,12 +20,14 @@ def _pair(v: tuple[int, int]) -> str:
 
 
 def conv_spec(task: Task) -> conv_nchwc.ConvSpec:
-    """The :class:`~kerneltune.conv_nchwc.ConvSpec` a ``conv2d_nchwc`` task's anchor carries (its padding is
+    """The :class:`~kerneltune.templates.conv_nchwc.ConvSpec` a ``conv2d_nchwc`` task's anchor carries (its padding is
     not among ``task.dims``, which make up the records' key)."""
     return next(s for s in map(conv_nchwc.anchor_spec, root_blocks(task.func)) if s is not None)
 
 
-def _conv_line(data, weight, out, stride, pad, dilation, groups: int, depthwise: bool, layouts: str) -> str:
+def _conv_line(shapes: tuple, geometry: tuple, groups: int, depthwise: bool, layouts: str) -> str:
+    """``shapes``: (data, weight, output); ``geometry``: (stride, pad, dilation)."""
+    (data, weight, out), (stride, pad, dilation) = shapes, geometry
     params = [f"stride {_pair(stride)}", f"pad {pad[0] if len(set(pad)) == 1 else ','.join(map(str, pad))}"]
     if tuple(dilation) != (1, 1):
         params.append(f"dilation {_pair(dilation)}")
@@ -40,8 +42,8 @@ def describe_conv_nchwc(spec: conv_nchwc.ConvSpec) -> str:
     """``conv 1x64x56x56 * 64x64x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 1 -> 1x64x56x56, NCHW16c -> NCHW16c``:
     the logical convolution, then the blocked layouts of its data and output (``a``/``d`` channels a block;
     the weight stays logical OIHW in the graph and is packed at build time)."""
-    return _conv_line((spec.n, spec.c, spec.h, spec.w), spec.weight_shape, (spec.n, spec.f, spec.out_h, spec.out_w),
-                      spec.stride, spec.pad, spec.dilation, spec.groups, spec.depthwise,
+    return _conv_line(((spec.n, spec.c, spec.h, spec.w), spec.weight_shape, (spec.n, spec.f, spec.out_h, spec.out_w)),
+                      (spec.stride, spec.pad, spec.dilation), spec.groups, spec.depthwise,
                       f"NCHW{spec.ic_block}c -> NCHW{spec.oc_block}c")
 
 
@@ -88,7 +90,7 @@ def describe(task: Task) -> str:
         out = (d["N"], d["F"], d["OH"], d["OW"])
         geometry = nchw_conv_geometry(task)
         if data is not None and geometry is not None:
-            return _conv_line(data, weight, out, *geometry, d["G"], 1 < d["G"] == d["C"] == d["F"], "NCHW -> NCHW")
+            return _conv_line((data, weight, out), geometry, d["G"], 1 < d["G"] == d["C"] == d["F"], "NCHW -> NCHW")
         return f"conv {_x(data) if data else '?'} * {_x(weight)} (N,C,H,W * O,I,KH,KW) -> {_x(out)}, NCHW -> NCHW"
     if task.kind in ("matmul", "batch_matmul"):
         stored = [s for s, t in (("A as KxM", d.get("ta")), ("B as NxK", d.get("tb"))) if t]

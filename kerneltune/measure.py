@@ -2,8 +2,8 @@
 
 API::
 
-    m = Measurer(target, number=10, repeat=3, build_timeout=60, run_timeout=30, workers=2, rpc=None,
-                 session_timeout=60, min_repeat_ms=0, cache_flush=False)
+    m = Measurer(target, MeasureOptions(number=10, repeat=3, min_repeat_ms=0, build_timeout=60, run_timeout=30,
+                                        session_timeout=60), workers=2, rpc=None, cache_flush=False)
     results = m.measure(task, configs)      # list[MeasureResult], same order as configs
     m.close()                               # or use ``with Measurer(...) as m:``
 
@@ -55,7 +55,8 @@ import tvm
 
 from kerneltune.pool import WorkerPool
 from kerneltune.runner import RunConfig, check_rpc
-from kerneltune.targets import kind_of, tvm_num_threads
+from kerneltune.targets.registry import kind_of
+from kerneltune.targets.threads import tvm_num_threads
 
 
 @dataclass
@@ -104,22 +105,33 @@ class LazyMeasurer:
             self._real.close()
 
 
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How a :class:`Measurer` times and how long it waits (see the module docstring)."""
+
+    number: int = 10  # calls per timing
+    repeat: int = 3  # timings per config (their median is the latency)
+    min_repeat_ms: int = 0  # a timing lasts at least this long (more calls)
+    build_timeout: float = 60.0  # seconds one config's build may take
+    run_timeout: float = 30.0  # seconds one config's run may take
+    session_timeout: int = 60  # seconds an --rpc session is held
+
+
 class Measurer:
     """Builds (parallel, in worker processes) and times (sequentially, in one runner process) configs."""
 
     PREPARE_TIMEOUT = 900.0  # naive reference of the largest benchmark operators, on a loaded machine
 
-    def __init__(self, target, number: int = 10, repeat: int = 3, build_timeout: float = 60.0,
-                 run_timeout: float = 30.0, workers: int | None = None, rpc: str | None = None,
-                 session_timeout: int = 60, min_repeat_ms: int = 0, cache_flush: bool = False):
+    def __init__(self, target, options: MeasureOptions = MeasureOptions(), workers: int | None = None,
+                 rpc: str | None = None, cache_flush: bool = False):
         self.target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
         self.device = kind_of(self.target).device  # a UserError for kinds we cannot measure on
         # The flush is a CPU instruction (clflush): a GPU kernel's operands live in device memory.
         self.cache_flush = cache_flush and self.device == "cpu"
-        self.number, self.repeat, self.min_repeat_ms = number, repeat, min_repeat_ms
-        self.build_timeout, self.run_timeout = build_timeout, run_timeout
+        self.number, self.repeat, self.min_repeat_ms = options.number, options.repeat, options.min_repeat_ms
+        self.build_timeout, self.run_timeout = options.build_timeout, options.run_timeout
         check_rpc(rpc)
-        self.rpc, self.session_timeout = rpc, session_timeout
+        self.rpc, self.session_timeout = rpc, options.session_timeout
         cores = int(self.target.attrs["num-cores"]) if "num-cores" in self.target.attrs else (os.cpu_count() or 1)
         env = {"TVM_NUM_THREADS": str(tvm_num_threads(cores))}
         self._target_json = str(self.target)

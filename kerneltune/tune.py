@@ -177,21 +177,35 @@ class EnvFailureGuard:
         return (self.last or "?").splitlines()[0][:160]
 
 
+@dataclass(frozen=True)
+class TaskRecords:
+    """Where one task's trials are recorded and how the stored ones are read back: the task's key, the target
+    (its TVM string), the records file (None: nothing recorded), the ``timing`` the measurer takes latencies
+    with (``Measurer.timing``: only records of the same timing are resumed), and the task's FLOPs and the
+    target's GFLOP/s ceiling, which a stored record must agree with to be believed (:func:`record_problem`)."""
+
+    task_key: str
+    target: str
+    log: RecordLog | None = None
+    timing: str = "warm"
+    flops: float | None = None
+    ceiling: float | None = None
+
+
 class TaskTuner:
     """One task's tuning state across batches: its searcher, the results its records already hold, the best
-    config so far, and the counts.  :func:`tune` drives one; :func:`kerneltune.tune_tasks.tune_tasks` drives
-    one per task, batch by batch as the task scheduler decides."""
+    config so far, and the counts.  :func:`run_rounds` drives one per task, for :func:`tune` (one task) and
+    :func:`kerneltune.tune_tasks.tune_tasks` (many, batch by batch as the task scheduler decides)."""
 
-    def __init__(self, space: SearchSpace, searcher: Searcher, measure: Measure, *, task_key: str, target: str,
-                 records: RecordLog | None = None, timing: str = "warm", flops: float | None = None,
-                 ceiling: float | None = None, stored: Sequence[Record] | None = None,
-                 guard: EnvFailureGuard | None = None):
+    def __init__(self, space: SearchSpace, searcher: Searcher, measure: Measure, records: TaskRecords,
+                 stored: Sequence[Record] | None = None, guard: EnvFailureGuard | None = None):
         self.space, self.searcher, self.measure = space, searcher, measure
-        self.task_key, self.target, self.records, self.timing = task_key, target, records, timing
-        if stored is None and records is not None:
-            records.acquire()  # one tuner per file, before its contents are trusted
-            stored = records.load(task_key, target, timing)
-        self.cache = ResultCache(space, stored or [], flops, ceiling, task_key)
+        self.task_key, self.target, self.records, self.timing = (records.task_key, records.target, records.log,
+                                                                 records.timing)
+        if stored is None and records.log is not None:
+            records.log.acquire()  # one tuner per file, before its contents are trusted
+            stored = records.log.load(records.task_key, records.target, records.timing)
+        self.cache = ResultCache(space, stored or [], records.flops, records.ceiling, records.task_key)
         self.guard = guard or EnvFailureGuard()
         self.best: tuple[float, Config | None, float | None] = (0.0, None, None)  # (GFLOPS, config, latency)
         self.curve: list[float] = []
@@ -280,31 +294,80 @@ class TaskTuner:
                           failures=self.failures, warm_start_latency_s=self.warm_start_latency_s)
 
 
-def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, *, task_key: str,
-         target: str, records: RecordLog | None = None, batch_size: int | None = None,
-         progress: bool = True, desc: str = "tuning", timing: str = "warm", warm_start: Config | None = None,
-         flops: float | None = None, ceiling: float | None = None) -> TuneResult:
-    """Spend ``trials`` distinct configs in total (the warm start and those found in the records included)
-    and return the best.
+class Rounds:
+    """How :func:`run_rounds` picks the task of each batch after round 0, and what it tells its driver; this
+    base class serves one task (always task 0, nothing told).  :func:`kerneltune.tune_tasks.tune_tasks` puts
+    its task scheduler and its report behind these methods."""
 
-    ``timing`` names how ``measure`` takes latencies (``Measurer.timing``): it is stored with each record and
-    only records of the same timing are resumed.  ``flops`` and ``ceiling`` (the task's FLOPs, the target's
-    GFLOP/s ceiling) let stored records be checked before they are believed.
+    def warmed(self, index: int) -> None:
+        """Task ``index``'s warm start (round 0) has run."""
+
+    def start(self) -> None:
+        """Round 0 is over: the scheduler can start from the warm starts' latencies."""
+
+    def next_task(self) -> int:
+        return 0
+
+    def stepped(self, index: int, spent: int) -> None:
+        """Task ``index`` ran a batch; ``spent`` trials are spent in all."""
+
+    def update(self, index: int) -> None:
+        """Task ``index`` had its turn (it may have been exhausted)."""
+
+
+def run_rounds(tuners: Sequence[TaskTuner], trials: int, warm_starts: Sequence[Config | None], bar: Any,
+               rounds: Rounds | None = None) -> int:
+    """The tuning loop, one task's and a model's alike.  Round 0: each task's warm start (None: none), in task
+    order, while the budget lasts; then, until ``trials`` configs are spent or every search space is
+    exhausted, the task ``rounds`` picks runs one batch (its searcher's size, within the budget).  Advances
+    ``bar`` by the trials; returns the trials spent."""
+    rounds = rounds or Rounds()
+    spent = 0
+    for i, (tuner, start) in enumerate(zip(tuners, warm_starts)):
+        if spent >= trials:
+            break
+        if start is not None:
+            tuner.warm_start(start)
+        rounds.warmed(i)
+        spent += tuner.trials
+        bar.update(tuner.trials)
+    rounds.start()
+    while spent < trials and not all(t.exhausted for t in tuners):
+        i = rounds.next_task()
+        tuner = tuners[i]
+        if not tuner.exhausted:
+            n = tuner.step(min(tuner.searcher.batch_size, trials - spent))
+            spent += n
+            bar.update(n)
+            rounds.stepped(i, spent)
+        rounds.update(i)
+    return spent
+
+
+class _BestGflops(Rounds):
+    """One task: the progress bar shows its best GFLOP/s after each batch."""
+
+    def __init__(self, tuner: TaskTuner, bar: Any):
+        self.tuner, self.bar = tuner, bar
+
+    def stepped(self, index: int, spent: int) -> None:
+        self.bar.set_postfix(best_gflops=f"{self.tuner.best[0]:.1f}")
+
+
+def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, records: TaskRecords, *,
+         warm_start: Config | None = None, progress: bool = True, desc: str = "tuning") -> TuneResult:
+    """Spend ``trials`` distinct configs in total (the warm start and those found in the records included)
+    and return the best.  ``records`` says where the trials are recorded and how stored ones are checked
+    before they are believed (:class:`TaskRecords`); batches are the searcher's size.
     """
-    batch_size = batch_size or searcher.batch_size
-    tuner = TaskTuner(space, searcher, measure, task_key=task_key, target=target, records=records, timing=timing,
-                      flops=flops, ceiling=ceiling)
+    tuner = TaskTuner(space, searcher, measure, records)
     bar = progress_bar(progress, total=trials, desc=desc, dynamic_ncols=True)
     try:
-        if warm_start is not None and trials > 0:
-            tuner.warm_start(warm_start)
-            bar.update(tuner.trials)
-        while tuner.trials < trials and not tuner.exhausted:
-            bar.update(tuner.step(min(batch_size, trials - tuner.trials)))
-            bar.set_postfix(best_gflops=f"{tuner.best[0]:.1f}")
+        run_rounds([tuner], trials, [warm_start], bar, _BestGflops(tuner, bar))
     finally:
         bar.close()
     if tuner.from_records:
-        log.info("resumed %d measured configs from %s", tuner.from_records, records.path if records else "records")
+        log.info("resumed %d measured configs from %s", tuner.from_records,
+                 records.log.path if records.log else "records")
     tuner.guard.check_end()
     return tuner.result()

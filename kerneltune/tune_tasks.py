@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.console import progress_bar
@@ -30,9 +29,9 @@ from kerneltune import templates
 from kerneltune.records import Record, RecordLog
 from kerneltune.scheduler import TaskInfo, make_scheduler
 from kerneltune.searchers import FACTOR_ONLY, make_searcher
-from kerneltune.targets import TargetSpec, check_can_tune, gflops_ceiling, kind_of
+from kerneltune.targets.registry import TargetSpec, check_can_tune, gflops_ceiling, kind_of
 from kerneltune.task import Task
-from kerneltune.tune import EnvFailureGuard, TaskTuner
+from kerneltune.tune import EnvFailureGuard, Rounds, TaskRecords, TaskTuner, run_rounds
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,25 @@ class TuningTask:
     @property
     def flops(self) -> float:
         return float(self.task.flops)
+
+
+@dataclass(frozen=True)
+class TuningRun:
+    """How a multi-task run tunes: the target, the budget, the open records file and the choices
+    (``--scheduler``, ``--searcher``, seed, ``--rpc``).  Made before any long work, it checks that the target
+    can be tuned at all: here, or on the ``--rpc`` device (:func:`kerneltune.targets.registry.check_can_tune`)."""
+
+    spec: TargetSpec
+    trials: int
+    records: RecordLog
+    scheduler: str = "gradient"
+    searcher: str = "opevo"
+    seed: int = 0
+    rpc: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_can_tune(self.spec, self.rpc)
 
 
 @dataclass
@@ -138,10 +156,8 @@ def _lazy_measurer(target, rpc: str | None):
     return LazyMeasurer(start, timing_of(flush))
 
 
-def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_path: str | Path,
-               scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
-               measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
-    """Tune ``tasks`` with ``trials`` measurements in total (the defaults of round 0 included).
+def tune_tasks(tasks: list[TuningTask], run: TuningRun, measure_factory: Callable | None = None) -> TuningResult:
+    """Tune ``tasks`` with ``run.trials`` measurements in total (the defaults of round 0 included).
 
     ``measure_factory(target, rpc)`` returns a context manager with ``measure(task, configs)``; the default
     is :class:`kerneltune.measure.Measurer` (tests pass a fake one).  Raises a UserError when the records
@@ -150,19 +166,18 @@ def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_p
     """
     if not tasks:
         raise UserError("no task to tune")
-    check_can_tune(spec, rpc)
     if measure_factory is None:
         measure_factory = _lazy_measurer
     tasks = _merge_duplicates(tasks)
-    target = spec.target
+    target = run.spec.target
     target_key = str(target)
     ceiling = gflops_ceiling(target)
-    log = RecordLog(records_path)
+    log = run.records
     log.acquire()  # one tuner per records file, before its contents are trusted
     t0 = time.perf_counter()
     guard = EnvFailureGuard()
     try:
-        with measure_factory(target, rpc) as m:
+        with measure_factory(target, run.rpc) as m:
             timing = getattr(m, "timing", "warm")
             stored: dict[str, list[Record]] = {}
             for rec in log.load(target=target_key, timing=timing):
@@ -171,14 +186,14 @@ def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_p
             for t in tasks:
                 space = templates.space_for(t.task, target)
                 default = templates.default_config(t.task, target)
-                fixed = default if searcher in FACTOR_ONLY and not space.factor_only else None
-                tuner = TaskTuner(space, make_searcher(searcher, space, seed, fixed=fixed),
-                                  lambda cs, task=t.task: m.measure(task, cs), task_key=t.task.key,
-                                  target=target_key, records=log, timing=timing, flops=t.flops, ceiling=ceiling,
+                fixed = default if run.searcher in FACTOR_ONLY and not space.factor_only else None
+                tuner = TaskTuner(space, make_searcher(run.searcher, space, run.seed, fixed=fixed),
+                                  lambda cs, task=t.task: m.measure(task, cs),
+                                  TaskRecords(t.task.key, target_key, log, timing, t.flops, ceiling),
                                   stored=stored.get(t.task.key, []), guard=guard)
                 states.append(_State(t, tuner, default,
                                      TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops, None, None)))
-            spent, objective = _run_rounds(states, trials, scheduler, progress)
+            spent, objective = _run_rounds(states, run.trials, run.scheduler, run.progress)
     finally:
         log.close()
     guard.check_end()
@@ -190,40 +205,54 @@ def tune_tasks(tasks: list[TuningTask], spec: TargetSpec, trials: int, records_p
         # A task keeps its default unless a tuned config beats it (a default that failed to run beats nothing).
         if s.report.default_ms is None or s.report.best_ms < s.report.default_ms:
             best[s.report.key] = config
-    return TuningResult(best, [s.report for s in states], spent, objective, scheduler, searcher,
+    return TuningResult(best, [s.report for s in states], spent, objective, run.scheduler, run.searcher,
                         time.perf_counter() - t0, sum(s.tuner.measured_now for s in states))
+
+
+class _ModelRounds(Rounds):
+    """A model's tasks: the task scheduler picks each batch's task, the report follows every batch (the
+    defaults' latencies, each task's curve, the objective after each round)."""
+
+    def __init__(self, states: list[_State], scheduler: str, bar: Any):
+        self.states, self.scheduler, self.bar = states, scheduler, bar
+        self.objective: list[tuple[int, float]] = []
+        self.sched = None
+        self.spent = 0
+
+    def warmed(self, index: int) -> None:
+        s = self.states[index]
+        lat = s.tuner.warm_start_latency_s
+        s.report.default_ms = lat * 1e3 if lat else None
+        s.refresh()
+        self.spent += s.tuner.trials
+
+    def start(self) -> None:
+        self.sched = make_scheduler(self.scheduler, [TaskInfo(s.task.name, s.task.weight, s.task.flops, s.task.kind,
+                                                              s.latency_s) for s in self.states])
+        self.objective.append((self.spent, _objective(self.states)))
+
+    def next_task(self) -> int:
+        return self.sched.next_task()
+
+    def stepped(self, index: int, spent: int) -> None:
+        s = self.states[index]
+        s.refresh()
+        s.report.curve.append((spent, s.report.final_ms or math.inf))
+        self.objective.append((spent, _objective(self.states)))
+        self.bar.set_postfix(objective_ms=f"{self.objective[-1][1]:.2f}")
+
+    def update(self, index: int) -> None:
+        self.sched.update(index, self.states[index].latency_s)
 
 
 def _run_rounds(states: list[_State], trials: int, scheduler: str, progress: bool) -> tuple[int, list]:
     """Round 0 (every task's default, in task order), then the scheduler's rounds until the budget is spent
-    or every search space is exhausted.  Returns (trials spent, objective after each round)."""
-    spent = 0
+    or every search space is exhausted (:func:`kerneltune.tune.run_rounds`).  Returns (trials spent, objective
+    after each round)."""
     bar = progress_bar(progress, total=trials, desc="tuning", unit="trial")
+    rounds = _ModelRounds(states, scheduler, bar)
     try:
-        for s in states:
-            if spent >= trials:
-                break
-            s.tuner.warm_start(s.default)
-            lat = s.tuner.warm_start_latency_s
-            s.report.default_ms = lat * 1e3 if lat else None
-            s.refresh()
-            spent += s.tuner.trials
-            bar.update(s.tuner.trials)
-        sched = make_scheduler(scheduler, [TaskInfo(s.task.name, s.task.weight, s.task.flops, s.task.kind,
-                                                    s.latency_s) for s in states])
-        objective = [(spent, _objective(states))]
-        while spent < trials and not all(s.tuner.exhausted for s in states):
-            i = sched.next_task()
-            s = states[i]
-            if not s.tuner.exhausted:
-                n = s.tuner.step(min(s.tuner.searcher.batch_size, trials - spent))
-                s.refresh()
-                spent += n
-                bar.update(n)
-                s.report.curve.append((spent, s.report.final_ms or math.inf))
-                objective.append((spent, _objective(states)))
-                bar.set_postfix(objective_ms=f"{objective[-1][1]:.2f}")
-            sched.update(i, s.latency_s)
+        spent = run_rounds([s.tuner for s in states], trials, [s.default for s in states], bar, rounds)
     finally:
         bar.close()
-    return spent, objective
+    return spent, rounds.objective

@@ -25,8 +25,9 @@ import onnx
 from graphopt.errors import UserError
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import use_threads
+from kerneltune.targets.threads import use_threads
 from pipeline.artifact import Model, read_report
+from pipeline.context import BuildContext, TuneOptions
 
 _PATH, _OPTIONAL_PATH = (str, os.PathLike), (str, os.PathLike, type(None))
 _INT, _OPTIONAL_INT = (numbers.Integral,), (numbers.Integral, type(None))
@@ -65,13 +66,12 @@ def check_arguments(values: Mapping[str, Any]) -> None:
 
 
 def _valid_value(name: str, value: Any) -> bool:
-    """The values a right type may still get wrong (the type is already checked)."""
-    if name in ("trials", "seed"):
+    """The values a right type may still get wrong (the type is already checked); the tuning options' by
+    their one check (:meth:`pipeline.context.TuneOptions.invalid`)."""
+    if name in ("trials", "scheduler", "searcher"):
+        return TuneOptions(**{name: value}).invalid() is None
+    if name == "seed":
         return value >= 0
-    if name == "scheduler":
-        return value in SCHEDULERS
-    if name == "searcher":
-        return value in SEARCHERS
     if name == "input_shapes" and value is not None:
         return all(isinstance(k, str) and not isinstance(v, (str, bytes)) and hasattr(v, "__iter__")
                    and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in v)
@@ -97,7 +97,7 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
     checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
-    from pipeline.optimize_model import TuneOptions, optimize_model  # deferred: loads TVM
+    from pipeline.optimize_model import optimize_model  # deferred: loads TVM
 
     n = use_threads(int(threads) if threads is not None else None, "threads")
     scratch = Path(tempfile.mkdtemp(prefix="optimize-model-api-"))
@@ -114,8 +114,9 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
         out = Path(output) if output is not None else scratch / "built"
         tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
                              skip_tune, progress)
-        optimize_model(str(model), target, str(out), n, shapes, skip_graph=skip_graph, seed=int(seed), tuning=tuning,
-                       inputs=str(inputs) if inputs is not None else None)
+        ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
+                                  input_shapes=shapes, inputs=str(inputs) if inputs is not None else None)
+        optimize_model(str(model), str(out), ctx)
         built = Model(out, read_report(out), n)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -41,7 +41,8 @@ import numpy as np
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, write_bytes_atomic
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.targets import arch_of, host_arch, missing_cpu_features, use_threads
+from kerneltune.targets.host import arch_of, host_arch, missing_cpu_features
+from kerneltune.targets.threads import use_threads
 from pipeline import cpu_pool
 
 log = logging.getLogger(__name__)

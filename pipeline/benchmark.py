@@ -25,14 +25,13 @@ from graphopt.fileio import save_figure, write_text_atomic
 from graphopt.specialize import specialize_model
 from graphopt.validate import ModelInput, check_model
 from graphopt.timing import Timing, time_blocks
-from kerneltune.targets import device_for, host_cpu, host_model_name
-from pipeline import metaschedule, tuning
+from kerneltune.targets.host import host_cpu, host_model_name
+from kerneltune.targets.registry import device_for
+from pipeline import metaschedule, stages, tuning
 from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_device
+from pipeline.context import BuildContext
 from pipeline.frontend import BRANCH_BLOCKERS
-from pipeline.optimize_model import StageLog, graph_stage
-from pipeline.layout_search import partition_model
 from pipeline.partition import partition, select_tasks
-from pipeline.relax_import import import_model
 
 
 # Engine keys in table order, with their labels; JSON key is f"{key}_ms".
@@ -81,15 +80,16 @@ class BenchResult:
         return out
 
 
-def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, model_name: str = "",
-          trials: int = 0, samples: dict | None = None,
+def bench(imported, compiled: dict, ctx: BuildContext, runs: int, model_name: str = "",
           tuned_choice: tuning.BuildChoice | None = None) -> BenchResult:
     """Benchmark compiled models (engine key -> :class:`~pipeline.compile.CompiledModel`) against
-    onnxruntime on the original model, all timed together (:func:`graphopt.timing.time_blocks`).
+    onnxruntime on the original model, all timed together (:func:`graphopt.timing.time_blocks`), with the
+    context's threads, seed and sample inputs.
 
     Every engine is first checked against onnxruntime on the check inputs (the samples, or several seeded
     sets); a wrong engine is a UserError: the latency of a wrong build means nothing.  The timed runs use
     the samples (or the first seeded set)."""
+    threads, samples, seed = ctx.threads, ctx.samples, ctx.seed
     feeds = sample_feeds(imported.graph, samples, seed)
     sets = feed_sets(imported.graph, seed, samples)
     references = run_ort_sets(imported.onnx_model, sets, threads)
@@ -114,7 +114,8 @@ def bench(imported, compiled: dict, runs: int, threads: int, seed: int = 0, mode
                             "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
         engines[key] = model_runner(cm, feeds)
     times = time_blocks(engines, runs)
-    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, trials, tuned_choice)
+    return BenchResult(model_name, spec.kind if spec else "", threads, runs, times, checks, ctx.tuning.trials,
+                       tuned_choice)
 
 
 def openvino_runner(model, threads: int, sets: list, references: list, feeds: dict):
@@ -230,21 +231,18 @@ def plot(res: BenchResult, path: str | os.PathLike) -> None:
 
 @dataclass
 class BenchOptions:
-    trials: int = 0  # > 0 adds the tuned and MetaSchedule engines, each with this budget
-    skip_graph: bool = False
+    """bench-model's own options; the rest (target, threads, seed, layout, --skip-graph, tuning) is the build
+    context's."""
+
     skip_metaschedule: bool = False
-    kernels: str | None = None
-    scheduler: str = "gradient"
-    searcher: str = "opevo"
     work_dir: str | None = None  # records of both tuners; resumable (default: a temporary directory)
-    progress: bool = True
-    layout: str = "auto"  # conv layouts of our engines (pipeline.layout_search); MetaSchedule gets the import
-    target: str = "llvm"  # --target as given: the graph stage prices for it (its -mcpu/-mattr too), as optimize-model's
 
 
-def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, opts: BenchOptions, seed: int = 0):
-    """(imported original, {engine key: CompiledModel}, tuned build choice or None) for every TVM variant the
-    options ask for.
+def compile_engines(model: ModelInput | str, ctx: BuildContext, opts: BenchOptions):
+    """(imported original, {engine key: CompiledModel}, tuned build choice or None, seconds per stage) for
+    every TVM variant the options ask for: ``ctx.tuning.trials`` > 0 adds the tuned and MetaSchedule engines,
+    each with this budget; ``ctx.skip_graph`` drops the graphopt engine; our engines get ``ctx.layout``'s conv
+    layouts (:mod:`pipeline.layout.search`), MetaSchedule the model as imported.
 
     The tuned engine is the build ``optimize-model`` would ship (:func:`pipeline.tuning.pick_build`): the
     tuned schedules if they are faster end to end, else the default schedules - a benchmark of the product
@@ -254,10 +252,13 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
     serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
     model (:func:`graphopt.validate.check_model`) or a path, checked here; every engine compiles it specialized
     on the control inputs whose value a build needs, as optimize-model does (:mod:`graphopt.specialize`).
+    The stages are :mod:`pipeline.stages`'; the graph stage prices for the context's target as given (its
+    ``-mcpu``/``-mattr`` too), as optimize-model's does.
     """
     if not isinstance(model, ModelInput):
-        model = check_model(model, input_shapes)
+        model = check_model(model, ctx.input_shapes)
     input_shapes = model.input_shapes
+    spec = ctx.spec
     seconds: dict[str, float] = {}
 
     def timed(stage: str, fn, *args, **kw):
@@ -266,29 +267,33 @@ def compile_engines(model: ModelInput | str, spec, threads: int, input_shapes, o
         seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - t0, 2)
         return out
 
+    def lower(proto, shapes=None) -> stages.Lowered:
+        lowered = stages.lower(proto, spec, ctx.layout, shapes)
+        for stage, s in (("import", lowered.import_s), ("layout_partition", lowered.partition_s)):
+            seconds[stage] = round(seconds.get(stage, 0.0) + s, 2)
+        return lowered
+
     proto = timed("import", specialize_model, model, BRANCH_BLOCKERS)[0]
-    imported = timed("import", import_model, proto, input_shapes)
-    base = timed("layout_partition", partition_model, imported.mod, spec, opts.layout)
-    engines = {"tvm": timed("compile", compile_partition, imported, base, spec)}
-    graph_part, graph_imported, graph_proto = base, imported, proto
+    base = lower(proto, input_shapes)
+    imported = base.imported
+    engines = {"tvm": timed("compile", stages.build, base, spec)}
+    graph, graph_proto = base, proto
     choice = None
-    if not opts.skip_graph:
-        optimized = timed("graph", graph_stage, proto, input_shapes, False, StageLog(), opts.target, threads,
-                          opts.progress).model
-        graph_imported, graph_proto = timed("import", import_model, optimized), optimized
-        graph_part = timed("layout_partition", partition_model, graph_imported.mod, spec, opts.layout)
-        engines["graphopt"] = timed("compile", compile_partition, graph_imported, graph_part, spec)
-    if opts.trials > 0:
+    if not ctx.skip_graph:
+        optimized = timed("graph", stages.graph_stage, ctx, proto, input_shapes, stages.StageLog()).model
+        graph, graph_proto = lower(optimized), optimized
+        engines["graphopt"] = timed("compile", stages.build, graph, spec)
+    if ctx.tuning.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
-        result = timed("tuning", tuning.tune_model, select_tasks(graph_part.tasks, opts.kernels), spec, opts.trials,
-                       work / "records.jsonl", opts.scheduler, opts.searcher, seed, progress=opts.progress)
+        ctx = ctx.with_records(work / "records.jsonl")
+        run = tuning.tuning_run(ctx)
+        result = timed("tuning", tuning.tune_model, select_tasks(graph.part.tasks, ctx.tuning.kernels), run)
         engines["tuned"], choice = timed("tuning", tuning.pick_build,
-                                         timed("compile", compile_partition, graph_imported, graph_part, spec,
-                                               result.best_configs), graph_imported, graph_part,
-                                         spec, result.best_configs, work / "records.jsonl",
-                                         graph_proto.SerializeToString(), seed)
+                                         timed("compile", stages.build, graph, spec, result.best_configs), graph,
+                                         ctx, result.best_configs, graph_proto.SerializeToString())
         if not opts.skip_metaschedule:  # TVM's own tuner on the model as imported (no layout stage)
             plain = partition(imported.mod)
-            ms_mod = timed("metaschedule", metaschedule.tune, plain, spec, opts.trials, work / "metaschedule", seed)
+            ms_mod = timed("metaschedule", metaschedule.tune, plain, spec, ctx.tuning.trials, work / "metaschedule",
+                           ctx.seed)
             engines["metaschedule"] = timed("compile", compile_partition, imported, plain, spec, base=ms_mod)
     return imported, engines, choice, seconds

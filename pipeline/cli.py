@@ -35,10 +35,14 @@ from graphopt.validate import check_model
 from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import KINDS, TARGET_HELP, check_name, parse_target, use_threads
-from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
+from kerneltune.targets.parse import TARGET_HELP, check_name
+from kerneltune.targets.registry import KINDS
+from kerneltune.targets.threads import use_threads
+from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
-from pipeline.optimize_model import TuneOptions, optimize_model, slower_warning
+from pipeline.context import BuildContext, TuneOptions
+from pipeline.optimize_model import optimize_model
+from pipeline.report import slower_warning
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +81,6 @@ def set_threads(threads: int | None) -> int:
     return use_threads(threads)
 
 
-def _check_searcher(name: str) -> None:
-    if name not in SEARCHERS:
-        raise UserError(f"unknown searcher {name!r}; use one of {', '.join(SEARCHERS)}")
-
-
 @console_script
 @cli_entry
 def optimize_model_main(argv: list[str] | None = None) -> int:
@@ -105,16 +104,13 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     t.add_argument("--skip-tune", action="store_true", help="no tuning even with --trials: default schedules")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    if args.trials < 0:
-        raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
-    _check_searcher(args.searcher)
-    threads = set_threads(args.threads)
-
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
-                         args.skip_tune, not args.no_progress)
-    res = optimize_model(args.model, args.target, args.output, threads, parse_input_shapes(args.input_shape),
-                         skip_graph=args.skip_graph, seed=args.seed, tuning=tuning, inputs=args.inputs,
-                         layout=args.layout, graph_time_limit=args.time_limit)
+                         args.skip_tune, not args.no_progress).validate()
+    threads = set_threads(args.threads)
+    ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
+                              skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
+                              input_shapes=parse_input_shapes(args.input_shape), inputs=args.inputs)
+    res = optimize_model(args.model, args.output, ctx)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
     if comp.get("top1_agreement") is not None:
@@ -162,11 +158,11 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         raise UserError(f"--runs {args.runs}: give at least 1 run")
-    if args.trials < 0:
-        raise UserError(f"--trials {args.trials}: give 0 (no tuning) or a positive budget")
-    _check_searcher(args.searcher)
+    tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher,
+                         progress=not args.no_progress).validate()
     threads = set_threads(args.threads)
-    check_name(args.target)
+    ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
+                              skip_graph=args.skip_graph)
     if args.json:
         check_output_file(args.json, "--json")
     if args.plot:
@@ -176,6 +172,7 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     if args.work_dir:
         check_output_dir(args.work_dir, "--work-dir")
     model = check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)  # before TVM loads
+    ctx = ctx.with_model(model.samples)
     from pipeline import benchmark  # deferred: loads TVM (seconds)
 
     if args.trials > 0 and not args.skip_metaschedule:
@@ -183,16 +180,12 @@ def bench_model_main(argv: list[str] | None = None) -> int:
 
         check_installed()
 
-    spec = parse_target(args.target, threads)
+    spec = ctx.spec
     if not spec.can_run:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
-    opts = benchmark.BenchOptions(args.trials, args.skip_graph, args.skip_metaschedule, args.kernels,
-                                  args.scheduler, args.searcher, args.work_dir, not args.no_progress, args.layout,
-                                  args.target)
-    imported, engines, choice, seconds = benchmark.compile_engines(model, spec, threads, model.input_shapes, opts,
-                                                                   args.seed)
-    res = benchmark.bench(imported, engines, args.runs, threads, args.seed, os.path.basename(args.model),
-                          args.trials, model.samples, choice)
+    opts = benchmark.BenchOptions(args.skip_metaschedule, args.work_dir)
+    imported, engines, choice, seconds = benchmark.compile_engines(model, ctx, opts)
+    res = benchmark.bench(imported, engines, ctx, args.runs, os.path.basename(args.model), choice)
     res.stage_seconds = seconds
     print(benchmark.format_table(res))
     if args.json:
@@ -269,8 +262,9 @@ def run_model_main(argv: list[str] | None = None) -> int:
 def _tvm_runner(threads: int) -> GraphRunner:
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
     from pipeline.graph_runner import TvmRunner
+    from pipeline.stages import compile_graph
 
-    return TvmRunner(threads)
+    return TvmRunner(compile_graph, threads)
 
 
 GRAPHOPT_COMPONENTS = graphopt_cli.Components(

@@ -37,7 +37,7 @@ from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
-from kerneltune.targets import TargetSpec, device_for
+from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline import cpu_pool
 from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback, RowReduction
 from pipeline.partition import FusedTask, Partition

@@ -22,7 +22,7 @@ from tvm.s_tir.dlight.base.utils import get_extent
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
-from kerneltune.targets import vector_bits
+from kerneltune.targets.host import vector_bits
 
 # Below this many output elements per thread the fork/join of the pool costs more than it saves.
 MIN_PARALLEL_ELEMS = 4096

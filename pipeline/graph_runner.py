@@ -3,21 +3,24 @@
 graphopt defines the :class:`~graphopt.cost.runners.GraphRunner` interface and ships the onnxruntime runner;
 this one is injected by the pipeline (``optimize-model``, ``bench-model``, the ``graphopt`` console
 command), so the graph search prices operators with the code the pipeline will really run: Relax import,
-fusion, the template / dlight default schedules, the Relax VM.
+fusion, the template / dlight default schedules, the Relax VM.  How a graph is compiled is handed in
+(``compile_graph``: :func:`pipeline.stages.compile_graph`, the stage chain's), so this module composes no
+stage itself.
 """
 from __future__ import annotations
 
 import re
 from typing import Callable
 
+import onnx
+
 from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
-from kerneltune.native_log import quiet_native_stderr
-from kerneltune.targets import TargetSpec, check_name, device_for, parse_target, set_num_threads, tvm_num_threads
-from pipeline.compile import compile_partition, to_device
-from pipeline.partition import partition
-from pipeline.relax_import import import_model
+from kerneltune.targets.parse import parse_target
+from kerneltune.targets.registry import TargetSpec, device_for
+from kerneltune.targets.threads import set_num_threads, tvm_num_threads
+from pipeline.compile import CompiledModel, to_device
 
 
 class TvmRunner(GraphRunner):
@@ -25,26 +28,26 @@ class TvmRunner(GraphRunner):
 
     name = "tvm"
 
-    def __init__(self, threads: int = 1, target: str = "llvm"):
+    def __init__(self, compile_graph: Callable[[onnx.ModelProto, TargetSpec], CompiledModel], threads: int = 1,
+                 spec: TargetSpec | None = None):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
-        self.target = target
-        self._spec: TargetSpec | None = None
+        self.compile_graph = compile_graph
+        self._spec = spec  # None: this machine's llvm, built when the first graph is prepared
 
     @property
     def cache_tag(self) -> str:
         """``tvm``, plus the CPU options of ``--target`` (``-mcpu``, ``-mattr``): code built for another CPU
         model runs at another speed on this one, so its timings are cached apart."""
-        options = [f"{k}-{v}" for k, v in check_name(self.target).attrs if k in ("mcpu", "mattr")]
+        request = self._spec.request if self._spec is not None else None
+        options = [f"{k}-{v}" for k, v in (request.attrs if request else ()) if k in ("mcpu", "mattr")]
         tag = "-".join([self.name, *options])
         return re.sub(r"[^A-Za-z0-9.=_-]+", "_", tag)[:80]
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
         set_num_threads(self.threads)
         if self._spec is None:
-            self._spec = parse_target(self.target, self.threads)
-        imported = import_model(export_onnx(graph, check=False))
-        with quiet_native_stderr():  # LLVM codegen warns about TOPI's pragmas ("Unknown pragma pragma_scope")
-            compiled = compile_partition(imported, partition(imported.mod), self._spec)
+            self._spec = parse_target("llvm", self.threads)
+        compiled = self.compile_graph(export_onnx(graph, check=False), self._spec)
         dev = device_for(self._spec)
         args = to_device(timing_feeds(graph), compiled.input_names, dev)
         main = compiled.vm()["main"]

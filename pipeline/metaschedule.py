@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 
 from graphopt.errors import UserError
-from kerneltune.targets import TargetSpec
+from kerneltune.targets.registry import TargetSpec
 from pipeline.partition import Partition
 
 INSTALL_HINT = "pip install 'optimize-model[metaschedule]'"

@@ -14,8 +14,11 @@ from graphopt.onnx_io import parse_input_shapes
 from graphopt.validate import check_model, check_threads
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
-from kerneltune.targets import check_name, default_threads, parse_target, set_num_threads
-from pipeline.layout_modes import LAYOUT_HELP, LAYOUTS
+from kerneltune.targets.host import default_threads
+from kerneltune.targets.parse import check_name
+from kerneltune.targets.threads import set_num_threads
+from pipeline.context import BuildContext
+from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,18 +58,18 @@ def run_model(args: argparse.Namespace) -> int:
             raise UserError(f"--records {args.records!r} is not a file: give the records of the tuning run "
                             "(optimize-model's DIR/records.jsonl)")
         check_output_dir(export, "--export-metaschedule")
-    check_name(args.target)
+    request = check_name(args.target)
     model = check_model(args.model, parse_input_shapes(args.input_shape))  # a model we would refuse is not listed
     threads = check_threads(args.threads) or default_threads()
     set_num_threads(threads)  # before TVM's pool starts: the layout stage times kernels with it
+    ctx = BuildContext.create(request, threads=threads, layout=args.layout)
     # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
-    from pipeline.layout_search import partition_model
+    from pipeline import stages
     from pipeline.partition import format_tasks
-    from pipeline.relax_import import import_model
 
-    imported = import_model(model.proto, model.input_shapes)
-    spec = parse_target(args.target, threads)
-    part = partition_model(imported.mod, spec, args.layout)
+    spec = ctx.spec
+    lowered = stages.lower(model.proto, spec, ctx.layout, model.input_shapes)
+    imported, part = lowered.imported, lowered.part
     if export:
         from pipeline.ms_export import export_metaschedule
 

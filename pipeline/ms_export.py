@@ -43,9 +43,9 @@ from tvm import relax
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, write_bytes_atomic
 from kerneltune import templates
-from kerneltune.conv_nchwc import KIND as NCHWC
+from kerneltune.templates.conv_nchwc import KIND as NCHWC
 from kerneltune.records import Record, RecordLog
-from kerneltune.targets import TargetSpec, gflops_ceiling
+from kerneltune.targets.registry import TargetSpec, gflops_ceiling
 from kerneltune.task import Task
 from kerneltune.tune import ResultCache
 from kerneltune.space import SearchSpace

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,77 +19,20 @@ import onnx
 
 from graphopt.compare import Comparison, compare_runs
 from graphopt.dynamic import dynamic_model
-from graphopt.cost.factory import make_cost_model
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import (check_output_dir, check_output_file, display_path, lock_output_dir, write_bytes_atomic,
                              write_text_atomic)
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, export_onnx, external_data_name, import_onnx, save_model
+from graphopt.onnx_io import external_data_name, save_model
 from graphopt.validate import check_model
 from graphopt.specialize import specialize_model
-from graphopt.stage import GraphStageOptions, optimize_graph
-from kerneltune.records import RecordLog
-from kerneltune.targets import check_can_tune, check_name, parse_target
 from pipeline.artifact import deployment, tensor_specs
-from pipeline.frontend import BRANCH_BLOCKERS, legalize_for_tvm
+from pipeline.context import BuildContext
+from pipeline.frontend import BRANCH_BLOCKERS
+from pipeline.report import report_markdown
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StageLog:
-    """Per-stage wall time and facts, in order, for report.json."""
-
-    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def add(self, name: str, seconds: float, **facts: Any) -> None:
-        self.stages[name] = {"time_s": round(seconds, 3), **facts}
-        brief = ", ".join(f"{k}={v}" for k, v in facts.items() if not isinstance(v, (list, dict)))
-        log.info("%s stage: %.1f s (%s)", name, seconds, brief)  # shown with -v
-
-
-@dataclass
-class StagedGraph:
-    """The graph stage's result: what the compiler sees (fixed sizes), and the graph its shape constants were
-    folded from (for :func:`graphopt.dynamic.dynamic_model`)."""
-
-    model: onnx.ModelProto
-    graph: Graph
-    unfolded: Graph
-
-
-def graph_stage(model: onnx.ModelProto, input_shapes: InputShapes | None, skip: bool,
-                log: StageLog, target: str = "llvm", threads: int = 1, progress: bool = True,
-                runs_here: bool = True, time_limit: float = 60.0) -> StagedGraph:
-    """The model the compiler sees: graphopt's optimized graph (measured cost timed with TVM on ``target``
-    where this machine can run it, priced analytically otherwise; the stage within ``time_limit`` seconds),
-    or the imported graph re-exported."""
-    t0 = time.perf_counter()
-    legal = legalize_for_tvm(import_onnx(model, input_shapes, require_static=True))
-    graph = legal.graph  # what TVM lacks, rewritten first: the search sees (and optimized.onnx is) this graph
-    unfolded = legal.unfolded or graph
-    if legal.changed:
-        log.add("legalize", time.perf_counter() - t0, lowered=legal.lowered, shape_nodes_folded=legal.folded,
-                nodes=len(graph.nodes))
-        t0 = time.perf_counter()
-    if skip:
-        log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
-        return StagedGraph(export_onnx(graph), graph, unfolded)
-    from pipeline.graph_runner import TvmRunner  # deferred with the rest of TVM (see optimize_model)
-
-    kind = check_name(target).cost_kind if runs_here else "not-here"  # a kind other than llvm: analytic cost
-    cost = make_cost_model("measured", kind, TvmRunner(threads, target))
-    result = optimize_graph(graph, cost, GraphStageOptions(progress=progress, time_limit=time_limit))
-    facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
-             "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
-             "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
-             "e2e_check": result.check.status, "e2e_decision": result.check.decision,
-             "stop_reason": result.stop_reason, "pricing_failures": result.pricing_failures,
-             "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights}
-    log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
-            nodes_after=len(result.graph.nodes), **facts)
-    return StagedGraph(export_onnx(result.graph), result.graph, unfolded)
 
 
 # Every file a build writes in DIR.  A new build drops an older one's, also those it does not write itself (a
@@ -104,84 +47,58 @@ class OptimizeResult:
     report: dict[str, Any]
 
 
-@dataclass
-class TuneOptions:
-    """The tuning stage's options (``--trials 0`` or ``--skip-tune``: no tuning)."""
-
-    trials: int = 0
-    kernels: str | None = None
-    scheduler: str = "gradient"
-    searcher: str = "opevo"
-    records: str | None = None  # default DIR/records.jsonl
-    rpc: str | None = None
-    skip: bool = False
-    progress: bool = True
-
-    @property
-    def enabled(self) -> bool:
-        return self.trials > 0 and not self.skip
-
-
-def optimize_model(model_path: str, target: str, out_dir: str, threads: int | None = None,
-                   input_shapes: InputShapes | None = None, skip_graph: bool = False,
-                   seed: int = 0, tuning: TuneOptions | None = None,
-                   inputs: str | None = None, layout: str = "auto",
-                   graph_time_limit: float = 60.0) -> OptimizeResult:
+def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> OptimizeResult:
     """Run the pipeline; write DIR/optimized.onnx, model.so, report.json (+ records.jsonl, tuning.png,
-    report.md when tuning).  ``inputs`` is an .npz of sample inputs (``--inputs``) for the checks;
-    ``layout`` the conv layouts (:mod:`pipeline.layout_search`).
+    report.md when tuning).  ``ctx`` holds the options (:class:`pipeline.context.BuildContext`: the target,
+    threads, seed, ``--inputs`` sample inputs for the checks, the conv layouts of :mod:`pipeline.layout.search`,
+    the graph stage's and the tuning options).
 
-    Every input problem is found before TVM loads (seconds): the target's spelling, the output paths, the
-    model (:func:`graphopt.validate.check_model`) and the control inputs whose value the build needs
-    (:func:`graphopt.specialize.specialize_model`: the build is specialized on their ``inputs`` values, and
-    report.json's signature records them); then DIR is locked (another run into it is refused).  The
-    artifacts are written only after the compiled model matched onnxruntime, into a new folder that takes
-    DIR's place in one step (:func:`graphopt.fileio.lock_output_dir`): a run killed at any moment leaves the
-    previous build or this one."""
-    tuning = tuning or TuneOptions()
-    request = check_name(target)
+    Every input problem is found before TVM loads (seconds): the target's spelling (read when ``ctx`` was
+    made), the output paths, the model (:func:`graphopt.validate.check_model`) and the control inputs whose
+    value the build needs (:func:`graphopt.specialize.specialize_model`: the build is specialized on their
+    ``inputs`` values, and report.json's signature records them); then DIR is locked (another run into it is
+    refused).  The artifacts are written only after the compiled model matched onnxruntime, into a new folder
+    that takes DIR's place in one step (:func:`graphopt.fileio.lock_output_dir`): a run killed at any moment
+    leaves the previous build or this one."""
+    tuning = ctx.tuning
     out = check_output_dir(out_dir, "-o")
     records = Path(tuning.records) if tuning.records else out / "records.jsonl"
+    ctx = ctx.with_records(records)
     if tuning.enabled:  # a records path we cannot write, or one another tuner holds
         check_output_file(records, "--records")
-        RecordLog(records).check_free()
-    model = check_model(model_path, input_shapes, inputs)
+        ctx.records.check_free()
+    model = check_model(model_path, ctx.input_shapes, ctx.inputs)
+    ctx = ctx.with_model(model.samples)
     source, specialized = specialize_model(model, BRANCH_BLOCKERS)  # the model as compiled
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
     with lock_output_dir(out, "-o") as folder:  # one writer per folder until the end, also on an error
         # Deferred: these load TVM (seconds), after every cheap check above has passed.
-        from pipeline.compile import check_outputs, compile_partition
-        from pipeline.layout_search import partition_model
+        from pipeline import stages
+        from pipeline.compile import check_outputs
         from pipeline.partition import select_tasks
-        from pipeline.relax_import import import_model
-        from pipeline.tuning import pick_build, plot_tuning, tune_model
+        from pipeline.tuning import pick_build, plot_tuning, tune_model, tuning_run
 
         original = model.proto
-        spec = parse_target(target, threads)
-        if tuning.enabled:
-            check_can_tune(spec, tuning.rpc)
+        spec = ctx.spec
+        run = tuning_run(ctx) if tuning.enabled else None  # a target that cannot be tuned here: refused now
         if tuning.enabled and tuning.rpc and not _has_records(records):  # fail in seconds, not after the graph
             from kerneltune.runner import check_device  # stage; a resume checks when it first needs the device
 
             check_device(tuning.rpc)
-        log = StageLog()
-        staged = graph_stage(source, model.input_shapes, skip_graph, log, request.text,
-                             int(threads or 1), tuning.progress, spec.can_run, graph_time_limit)
+        log = stages.StageLog()
+        staged = stages.graph_stage(ctx, source, model.input_shapes, log)
         optimized = staged.model
 
-        t0 = time.perf_counter()
-        imported = import_model(optimized)
-        part = partition_model(imported.mod, spec, layout)
-        log.add("partition", time.perf_counter() - t0, tasks=len(part.tasks),
+        lowered = stages.lower(optimized, spec, ctx.layout)
+        imported, part = lowered.imported, lowered.part
+        log.add("partition", lowered.import_s + lowered.partition_s, tasks=len(part.tasks),
                 tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
                 layout=part.layout)
 
         tuned: dict[str, Any] = {}
         tune_result = None
-        if tuning.enabled:
-            selected = select_tasks(part.tasks, tuning.kernels)
-            tune_result = tune_model(selected, spec, tuning.trials, records, tuning.scheduler, tuning.searcher,
-                                     seed, tuning.rpc, progress=tuning.progress)
+        if run is not None:
+            tune_result = tune_model(select_tasks(part.tasks, tuning.kernels), run)
             tuned = tune_result.best_configs
             before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
             after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
@@ -194,22 +111,21 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
         else:
             log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
 
-        compiled = compile_partition(imported, part, spec, tuned)
+        compiled = stages.build(lowered, spec, tuned)
         if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
-            compiled, choice = pick_build(compiled, imported, part, spec, tuned, records,
-                                          optimized.SerializeToString(), seed, tuning.rpc)
+            compiled, choice = pick_build(compiled, lowered, ctx, tuned, optimized.SerializeToString())
             log.stages["tune"]["e2e"] = choice.to_json()
         facts: dict[str, Any] = {"schedules": compiled.schedules}
         if spec.can_run:
             # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
-            check = check_outputs(compiled, imported.graph, original, seed, samples=model.samples)
+            check = check_outputs(compiled, imported.graph, original, ctx.seed, samples=ctx.samples)
             facts.update(check.to_dict(), checked="compiled model vs onnxruntime")
             if not check.ok:
                 raise UserError(f"the compiled model differs from onnxruntime: {check.reason()}; nothing was written - "
                                 f"{mismatch_hint(check)}")
         else:
             # The kernels cannot run here; onnxruntime can still check the graph the library was compiled from.
-            check = check_graph(original, optimized, imported.graph, seed, model.samples)
+            check = check_graph(original, optimized, imported.graph, ctx)
             facts.update(check.to_dict(), checked="graph only (optimized.onnx vs the input in onnxruntime)",
                          not_run=spec.note)
             if not check.ok:
@@ -217,14 +133,14 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                                 "nothing was written - rerun with --skip-graph")
         log.add("compile", compiled.build_s, **facts)
         t0 = time.perf_counter()
-        pool = int(threads or spec.target.attrs.get("num-cores", 0) or 1)
-        latency = (end_to_end_latency(compiled, imported.graph, original, pool, seed, model.samples)
+        pool = int(ctx.threads or spec.target.attrs.get("num-cores", 0) or 1)
+        latency = (end_to_end_latency(compiled, imported.graph, original, pool, ctx)
                    if spec.can_run else {"measured": False, "reason": spec.note})
         if latency["measured"]:
             log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
                     onnxruntime_ms=latency["onnxruntime_ms"])
         t0 = time.perf_counter()
-        shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, seed, model.samples)
+        shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, ctx.seed, ctx.samples)
         log.add("dynamic_shapes", time.perf_counter() - t0, optimized_onnx=dynamic.form,
                 restored_nodes=dynamic.restored_nodes)
 
@@ -243,10 +159,10 @@ def optimize_model(model_path: str, target: str, out_dir: str, threads: int | No
                             [(t.index, t.name) for t in part.tasks if t.index not in tuned_ids])
                 files.update(records="records.jsonl", tuning_plot="tuning.png")
             report = {
-                "model": display_path(model_path), "target": spec.kind, "target_request": request.text,
+                "model": display_path(model_path), "target": spec.kind, "target_request": ctx.target.text,
                 "target_detail": str(spec.target),
                 "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
-                "inputs": display_path(inputs) if inputs else None,
+                "inputs": display_path(ctx.inputs) if ctx.inputs else None,
                 "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
                                                          if i.name not in imported.graph.initializers],
                                                         specialized.values if specialized else None),
@@ -276,10 +192,9 @@ def output_bytes(model: onnx.ModelProto) -> int:
     return 2 * model.ByteSize() + 64 * 2**20
 
 
-def check_graph(original: onnx.ModelProto, optimized: onnx.ModelProto, graph: Graph, seed: int,
-                samples: dict | None) -> Comparison:
+def check_graph(original: onnx.ModelProto, optimized: onnx.ModelProto, graph: Graph, ctx: BuildContext) -> Comparison:
     """optimized vs original, both in onnxruntime, on the check inputs (for targets that cannot run here)."""
-    sets = feed_sets(graph, seed, samples)
+    sets = feed_sets(graph, ctx.seed, ctx.samples)
     return compare_runs(list(zip(run_ort_sets(original, sets), run_ort_sets(optimized, sets))))
 
 
@@ -302,8 +217,8 @@ def _round_ms(x: float) -> float:
     return float(f"{x:.5g}")
 
 
-def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, threads: int, seed: int,
-                       samples: dict | None) -> dict[str, Any]:
+def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, threads: int,
+                       ctx: BuildContext) -> dict[str, Any]:
     """Milliseconds per inference of the shipped build and of onnxruntime on the input model, same inputs
     and threads, timed together by the project's whole-model timer (:func:`graphopt.timing.time_blocks`:
     alternating blocks with idle gaps, the median); fewer runs than bench-model, which is for comparisons."""
@@ -311,7 +226,7 @@ def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, t
     from graphopt.timing import time_blocks
     from pipeline.compile import model_runner
 
-    feeds = sample_feeds(graph, samples, seed)
+    feeds = sample_feeds(graph, ctx.samples, ctx.seed)
     try:  # the build is checked and complete: a figure for the report must not cost it
         sess = ort_session(original, threads)
         names = {i.name for i in sess.get_inputs()}
@@ -329,75 +244,3 @@ def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, t
             "threads": threads, "timer": "median of alternating blocks (graphopt.timing.time_blocks)",
             # slower by the median and by the best run alike: a noisy neighbour alone does not say it
             "slower_than_onnxruntime": c.median_ms > o.median_ms and c.min_ms > o.min_ms}
-
-
-def slower_warning(latency: dict[str, Any], tuned: bool) -> str | None:
-    """The one line optimize-model prints when the build it ships is slower than onnxruntime end to end
-    (never silently slower), with what to try."""
-    if not latency.get("slower_than_onnxruntime"):
-        return None
-    hint = ("tune longer (more --trials) or try --layout nchwc" if tuned else
-            "tune it (--trials 500 is a start) or try --layout nchwc for a CNN")
-    return (f"warning: this build runs {latency['compiled_ms']} ms per inference, onnxruntime "
-            f"{latency['onnxruntime_ms']} ms: slower than onnxruntime on this CPU; {hint}")
-
-
-# report.json facts that are times, by name: the unit report.md prints them in.
-_SECONDS_FACTS = ("cost_before", "cost_after")  # the graph stage's cost model prices in seconds
-
-
-def _fact(key: str, value: Any) -> str:
-    """``key=value`` with the unit of a time: milliseconds for latencies, seconds for durations."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        words = key.split("_")
-        if "ms" in words:  # kernel_ms_after, e2e_ms_before, onnxruntime_ms
-            return f"{key}={_ms(value)}"
-        if key in _SECONDS_FACTS:
-            return f"{key}={_ms(value * 1e3)}"
-        if "s" in words or "seconds" in words:
-            return f"{key}={value:.2f} s"
-    return f"{key}={value}"
-
-
-def _ms(value: float | None) -> str:
-    """Milliseconds to 4 significant digits (a 2 us kernel and a 120 ms model alike)."""
-    return "-" if value is None else f"{value:.4g} ms"
-
-
-def report_markdown(report: dict[str, Any]) -> str:
-    """A human-readable summary of report.json: every time with its unit, the end-to-end latency first."""
-    lines = [f"# optimize-model: {report['model']} on {report['target']}", ""]
-    lat = report.get("latency") or {}
-    if lat.get("measured"):
-        speedup = f"{lat['speedup']:.2f}x" if lat.get("speedup") else "-"
-        threads = f"{lat['threads']} thread{'s' * (lat['threads'] != 1)}"
-        lines += ["## End-to-end latency", "",
-                  f"- compiled model (model.so): **{_ms(lat['compiled_ms'])}** per inference "
-                  f"(best {_ms(lat['compiled_min_ms'])})",
-                  f"- onnxruntime on the input model: {_ms(lat['onnxruntime_ms'])} "
-                  f"(best {_ms(lat['onnxruntime_min_ms'])})",
-                  f"- speed-up over onnxruntime: {speedup} ({threads}; {lat['runs']} runs each, {lat['timer']}; "
-                  "`bench-model` for a longer comparison)", ""]
-    elif lat:
-        lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
-    lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
-    for name, st in report["stages"].items():
-        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
-        lines.append(f"| {name} | {st['time_s']:.2f} s | {facts} |")
-    tune = report["stages"].get("tune", {})
-    if tune.get("e2e"):
-        e2e = tune["e2e"]
-        ms = (f"; default build {_ms(e2e['default_ms'])}, tuned build {_ms(e2e['tuned_ms'])}"
-              if e2e.get("tuned_ms") is not None else "")
-        lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
-    if tune.get("tasks"):
-        lines += ["", "## Tuned tasks", "", "| idx | task | weight | trials | default | best |",
-                  "|---|---|---|---|---|---|"]
-        for t in tune["tasks"]:
-            lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {_ms(t['default_ms'])} "
-                         f"| {_ms(t['best_ms'])} |")
-    lines += ["", "## Kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
-    for t in report["tasks"]:
-        lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {t['flops'] / 1e9:.4f} | {t['schedule']} "
-                     f"| {t['name']} |")
-    return "\n".join(lines) + "\n"

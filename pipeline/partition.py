@@ -70,7 +70,7 @@ class Partition:
 
     mod: tvm.IRModule
     tasks: list[FusedTask]
-    layout: dict | None = None  # what the layout stage did (pipeline.layout_search), for report.json
+    layout: dict | None = None  # what the layout stage did (pipeline.layout.search), for report.json
 
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)

@@ -34,28 +34,34 @@ from graphopt.feeds import random_inputs
 from graphopt.fileio import save_figure
 from graphopt.timing import compare, replay
 from kerneltune.opkinds import KINDS as OP_KINDS
-from kerneltune.records import Record, RecordLog
-from kerneltune.targets import TargetSpec
-from kerneltune.tune_tasks import TuningResult, TuningTask, tune_tasks
-from pipeline.compile import CompiledModel, compile_partition, model_runner
-from pipeline.partition import FusedTask, Partition
-from pipeline.relax_import import ImportedModel
+from kerneltune.records import Record
+from kerneltune.targets.registry import TargetSpec
+from kerneltune.tune_tasks import TuningResult, TuningRun, TuningTask, tune_tasks
+from pipeline.compile import CompiledModel, model_runner
+from pipeline.context import BuildContext
+from pipeline.partition import FusedTask
+from pipeline.stages import Lowered, build
 
 E2E_MARGIN = 0.02  # the tuned build must be this much faster end to end to ship (graphopt's stage uses 2% too)
 E2E_RUNS = 10  # timed runs per build per block
 VERDICT = "e2e"  # the records' kind for the end-to-end verdict
 
 
-def tune_model(tasks: list[FusedTask], spec: TargetSpec, trials: int, records_path: str | Path,
-               scheduler: str = "gradient", searcher: str = "opevo", seed: int = 0, rpc: str | None = None,
-               measure_factory: Callable | None = None, progress: bool = True) -> TuningResult:
-    """Tune ``tasks`` (those with a template) with ``trials`` measurements in total; see
+def tuning_run(ctx: BuildContext) -> TuningRun:
+    """The context's tuning options as kerneltune's :class:`~kerneltune.tune_tasks.TuningRun` (its records file
+    the context's); made before any long work, it refuses a target that cannot be tuned here without ``--rpc``."""
+    opts = ctx.tuning
+    return TuningRun(ctx.spec, opts.trials, ctx.records, opts.scheduler, opts.searcher, ctx.seed, opts.rpc,
+                     opts.progress)
+
+
+def tune_model(tasks: list[FusedTask], run: TuningRun, measure_factory: Callable | None = None) -> TuningResult:
+    """Tune ``tasks`` (those with a template) with ``run.trials`` measurements in total; see
     :func:`kerneltune.tune_tasks.tune_tasks` for the loop and ``measure_factory``."""
     tunable = [TuningTask(t.task, t.weight, t.index) for t in tasks if t.task is not None]
     if not tunable:
         raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune")
-    return tune_tasks(tunable, spec, trials, records_path, scheduler, searcher, seed, rpc, measure_factory,
-                      progress)
+    return tune_tasks(tunable, run, measure_factory)
 
 
 @dataclass
@@ -91,20 +97,21 @@ def fingerprint(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> 
     return "e2e:" + hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partition, spec: TargetSpec,
-               tuned: dict[str, Any], records_path: str | Path, model_bytes: bytes, seed: int = 0,
-               rpc: str | None = None, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
+def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, tuned: dict[str, Any],
+               model_bytes: bytes, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
     """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
-    ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
+    The verdict is kept in the context's records file.  ``timer`` replaces :func:`graphopt.timing.time_blocks`
+    (tests)."""
+    spec = ctx.spec
     if not tuned:
         return tuned_build, BuildChoice("default", "skipped: no tuned config beat its default schedule")
-    if rpc:
+    if ctx.tuning.rpc:
         return tuned_build, BuildChoice("tuned", "skipped: the kernels were measured on the --rpc device; the "
                                                  "model cannot be timed there")
     if not spec.can_run:
         return tuned_build, BuildChoice("tuned", f"skipped: cannot run {spec.kind} here ({spec.note})")
     key = fingerprint(tuned, spec, model_bytes)
-    log = RecordLog(records_path)
+    log = ctx.records
     stored = log.load(task=key, target=str(spec.target), kind=VERDICT)
     if stored:  # a rerun of a finished run: today's rule on the recorded blocks, so the same artifact
         rec = stored[-1]
@@ -114,9 +121,9 @@ def pick_build(tuned_build: CompiledModel, imported: ImportedModel, part: Partit
                              rec.extra.get("tuned_ms"), ratios, margin)
         if choice.kept == "tuned":
             return tuned_build, choice
-        return compile_partition(imported, part, spec, {}), choice
-    default_build = compile_partition(imported, part, spec, {})
-    feeds = random_inputs(imported.graph, seed)
+        return build(lowered, spec, {}), choice
+    default_build = build(lowered, spec, {})
+    feeds = random_inputs(lowered.imported.graph, ctx.seed)
     verdict = compare(model_runner(default_build, feeds), model_runner(tuned_build, feeds), E2E_MARGIN, E2E_RUNS,
                       timer=timer, gap_s=0.0)  # two TVM builds: one engine
     cmp = verdict.comparison

@@ -6,7 +6,7 @@ import tvm
 
 from graphopt.compare import compare_outputs
 from graphopt.feeds import random_inputs, run_ort
-from kerneltune.targets import TargetSpec, device_for
+from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline.compile import compile_partition, outputs_numpy, to_device
 from pipeline.partition import Partition, partition
 from pipeline.relax_import import ImportedModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 
 from kerneltune import calibrate
-from kerneltune.targets import llvm_target
+from kerneltune.targets.host import llvm_target
 from kerneltune.templates import cpu
 
 

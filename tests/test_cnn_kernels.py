@@ -11,10 +11,10 @@ import tvm
 from tvm import relax
 
 from kerneltune import templates
-from kerneltune.conv_nchwc import ConvSpec, make_task
+from kerneltune.templates.conv_nchwc import ConvSpec, make_task
 from kerneltune.searchers import make_searcher
 from kerneltune.space import SearchSpace
-from kerneltune.targets import parse_target
+from kerneltune.targets.parse import parse_target
 from pipeline.compile import compile_partition
 from pipeline.partition import partition
 

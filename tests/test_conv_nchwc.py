@@ -10,9 +10,9 @@ import pytest
 import tvm
 
 from kerneltune import prepack, templates
-from kerneltune.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
+from kerneltune.templates.conv_nchwc import (EPILOGUES, KIND, ConvSpec, from_blocked, make_task, merge_factor,
                                    merge_groups, to_blocked)
-from kerneltune.targets import llvm_target
+from kerneltune.targets.host import llvm_target
 from kerneltune.task import build_func, run_func
 
 LLVM = llvm_target(2)
@@ -182,7 +182,7 @@ def test_avx2_default_tile_of_a_prime_wide_map_holds_a_whole_row():
     """With AVX2's 16 registers (12 accumulators) two 8-lane output blocks left a 7-wide map a 2 x 1 tile:
     ResNet-50's 512-channel 3x3 conv at 7x7 ran 3.86 ms where 64 trials found 1.57 ms (one block, 7
     outputs); the default now takes one block and the whole row.  AVX-512's tiles are unchanged."""
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     avx2 = parse_target('{"kind": "llvm", "mcpu": "x86-64-v3"}', 2).target
     for target, lanes, want in ((avx2, 8, (1, 7)), (LLVM, 16, (2, 7))):
@@ -224,14 +224,14 @@ def test_blocked_layout_round_trip():
 
 
 def test_measurer_and_opevo_tune_an_nchwc_task():
-    from kerneltune.measure import Measurer
+    from kerneltune.measure import MeasureOptions, Measurer
     from kerneltune.searchers import make_searcher
-    from kerneltune.tune import tune
+    from kerneltune.tune import TaskRecords, tune
 
     task = make_task(ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bias_relu")
     space = templates.space_for(task, LLVM)
     searcher = make_searcher("opevo", space, seed=0)
-    with Measurer(LLVM, number=2, repeat=2, workers=1) as m:
-        result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, task_key=task.key, target=str(LLVM),
+    with Measurer(LLVM, MeasureOptions(number=2, repeat=2), workers=1) as m:
+        result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, TaskRecords(task.key, str(LLVM)),
                       progress=False)
     assert result.trials == 6 and result.best_gflops > 0 and result.failures < 6

@@ -120,7 +120,8 @@ def test_round_trip(corpus, model, exporter):
 
 @pytest.mark.parametrize("model,exporter", _params(PIPELINE_XFAIL))
 def test_pipeline_default_schedules(corpus, model, exporter, tmp_path):
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
     entry = corpus(model, exporter)
     m = entry.exported
@@ -129,9 +130,9 @@ def test_pipeline_default_schedules(corpus, model, exporter, tmp_path):
     if m.sample_inputs is not None:  # a control input random values cannot drive (--inputs FILE.npz)
         inputs = tmp_path / "inputs.npz"
         np.savez(inputs, **m.sample_inputs)
-    res = optimize_model(str(entry.path), "llvm", str(out), threads=2, input_shapes=m.input_shapes or None,
-                         skip_graph=True, tuning=TuneOptions(skip=True, progress=False),
-                         inputs=str(inputs) if inputs else None)
+    res = optimize_model(str(entry.path), str(out), BuildContext.create(
+        threads=2, input_shapes=m.input_shapes or None, skip_graph=True, tuning=TuneOptions(skip=True, progress=False),
+        inputs=str(inputs) if inputs else None))
     stages = res.report["stages"]
     assert stages["partition"]["tasks"] > 0 and stages["compile"]["ok"], stages["compile"]
     # the layout stage realized what it decided: no model falls back to NCHW because TVM rejected the layout
@@ -170,12 +171,13 @@ def test_densenet_runs_blocked(corpus, tmp_path):
     """DenseNet keeps a BatchNormalization after every concat (no conv to fold it into).  TVM's ConvertLayout
     once rejected it ("Invalid layout axis 16b") and the model fell back to NCHW; with ``--layout nchwc`` every
     conv now runs blocked, with layout transforms only at the model's input and output."""
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
     entry = corpus("densenet", "torchscript")
     out = tmp_path / "out"
-    res = optimize_model(str(entry.path), "llvm", str(out), threads=2, skip_graph=True, layout="nchwc",
-                         tuning=TuneOptions(skip=True, progress=False))
+    res = optimize_model(str(entry.path), str(out), BuildContext.create(
+        threads=2, skip_graph=True, layout="nchwc", tuning=TuneOptions(skip=True, progress=False)))
     lay = res.report["stages"]["partition"]["layout"]
     assert lay["mode"] == "nchwc" and "failed" not in lay, lay
     assert lay["convs"] == lay["blocked"] == 10 and lay["transforms"] == 2, lay

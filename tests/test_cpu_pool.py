@@ -56,10 +56,12 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
     out = tmp_path_factory.mktemp("pool") / "bt"
-    optimize_model(str(BERT_TINY), "llvm", str(out), 2, skip_graph=True, tuning=TuneOptions(skip=True, progress=False))
+    ctx = BuildContext.create("llvm", threads=2, skip_graph=True, tuning=TuneOptions(skip=True, progress=False))
+    optimize_model(str(BERT_TINY), str(out), ctx)
     return out
 
 

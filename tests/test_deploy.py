@@ -49,7 +49,8 @@ def one_line_error(capsys) -> str:
 # ---------------------------------------------------------------------------------------------- targets
 
 def test_string_json_and_short_forms_parse_to_the_same_target():
-    from kerneltune.targets import check_name, llvm_target, parse_target
+    from kerneltune.targets.host import llvm_target
+    from kerneltune.targets.parse import check_name, parse_target
 
     host = parse_target("llvm", 2)
     assert str(host.target) == str(llvm_target(2))  # the records' target key of the short form is unchanged
@@ -62,7 +63,8 @@ def test_string_json_and_short_forms_parse_to_the_same_target():
 
 def test_a_cross_target_string_and_json_build_the_same_target():
     """Needs the aarch64 cross gcc (``.ci/run`` installs it; a machine without it skips, saying so)."""
-    from kerneltune.targets import cross_toolchain, parse_target
+    from kerneltune.targets.parse import parse_target
+    from kerneltune.targets.toolchains import cross_toolchain
 
     try:
         cross_toolchain("aarch64-linux-gnu")
@@ -75,7 +77,8 @@ def test_a_cross_target_string_and_json_build_the_same_target():
 
 
 def test_an_mcpu_this_cpu_lacks_builds_but_is_not_run_here():
-    from kerneltune.targets import host_arch, missing_cpu_features, parse_target
+    from kerneltune.targets.host import host_arch, missing_cpu_features
+    from kerneltune.targets.parse import parse_target
 
     if host_arch() != "x86_64":
         pytest.skip("x86 CPU names")
@@ -111,7 +114,7 @@ def test_bad_targets_are_one_line_exit_2(target, words, tmp_path, capsys):
 
 
 def test_rocm_says_the_runtime_has_no_rocm_or_builds(tmp_path, capsys):
-    from kerneltune.targets import find_lld, rocm_bitcode_dir
+    from kerneltune.targets.toolchains import find_lld, rocm_bitcode_dir
 
     if find_lld() and rocm_bitcode_dir():
         pytest.skip("ROCm toolchain installed: test_pipeline builds the code object")
@@ -121,15 +124,16 @@ def test_rocm_says_the_runtime_has_no_rocm_or_builds(tmp_path, capsys):
 
 
 def test_missing_cross_toolchain_names_the_debian_packages(monkeypatch):
-    from kerneltune import targets
+    from kerneltune.targets import toolchains
+    from kerneltune.targets.parse import parse_target
 
-    monkeypatch.setattr(targets.shutil, "which", lambda name: None)
+    monkeypatch.setattr(toolchains.shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross"):
-        targets.parse_target(AARCH64, 1)
+        parse_target(AARCH64, 1)
 
 
 def test_cross_compile_writes_an_aarch64_library_that_is_not_run_here(tmp_path, capsys):
-    from kerneltune.targets import cross_toolchain
+    from kerneltune.targets.toolchains import cross_toolchain
 
     try:
         cross_toolchain("aarch64-linux-gnu")
@@ -378,20 +382,22 @@ def test_api_arguments_of_a_wrong_type_or_value_are_one_line(kwargs, words, tmp_
 def test_rebuild_from_complete_records_starts_no_measurer(tmp_path, monkeypatch):
     """A rerun whose records hold every trial rebuilds the same build without workers or a device."""
     from kerneltune import measure
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
     path = tmp_path / "m.onnx"
     onnx.save(mlp(), str(path))
     records = tmp_path / "records.jsonl"
     tuning = TuneOptions(trials=4, records=str(records), progress=False)
-    first = optimize_model(str(path), "llvm", str(tmp_path / "a"), 1, skip_graph=True, tuning=tuning)
+    ctx = BuildContext.create(threads=1, skip_graph=True, tuning=tuning)
+    first = optimize_model(str(path), str(tmp_path / "a"), ctx)
     assert first.report["stages"]["tune"]["measured_now"] > 0
 
     def no_measurer(*a, **k):
         raise AssertionError("a measurer was started for a rebuild from complete records")
 
     monkeypatch.setattr(measure.Measurer, "__init__", no_measurer)
-    again = optimize_model(str(path), "llvm", str(tmp_path / "b"), 1, skip_graph=True, tuning=tuning)
+    again = optimize_model(str(path), str(tmp_path / "b"), ctx)
     tune = again.report["stages"]["tune"]
     assert tune["measured_now"] == 0 and tune["trials"] == first.report["stages"]["tune"]["trials"]
     assert [t["schedule"] for t in again.report["tasks"]] == [t["schedule"] for t in first.report["tasks"]]

@@ -15,7 +15,7 @@ from kerneltune.failures import CONFIG, ENVIRONMENT, classify, classify_batch
 from kerneltune.records import RecordLog
 from kerneltune.searchers import make_searcher
 from kerneltune.space import FactorKnob, SearchSpace
-from kerneltune.tune import ENV_FAILURE_LIMIT, tune
+from kerneltune.tune import ENV_FAILURE_LIMIT, TaskRecords, tune
 
 SPACE = SearchSpace([FactorKnob("i", 64, 3), FactorKnob("k", 32, 2)])
 BERT_TINY = Path(__file__).resolve().parents[1] / "models" / "bert_tiny.onnx"
@@ -76,8 +76,8 @@ def test_environmental_failures_are_recorded_and_measured_again_on_resume(tmp_pa
 
     def go():
         with RecordLog(path) as log:
-            return tune(SPACE, make_searcher("random", SPACE, 0), measure, 40, task_key="t", target="llvm",
-                        records=log, progress=False)
+            return tune(SPACE, make_searcher("random", SPACE, 0), measure, 40, TaskRecords("t", "llvm", log),
+                        progress=False)
 
     first = go()
     recs = RecordLog(path).load()
@@ -101,11 +101,11 @@ def test_a_run_that_only_fails_environmentally_is_an_error(tmp_path):
     path = tmp_path / "r.jsonl"
     with pytest.raises(UserError, match=f"{ENV_FAILURE_LIMIT} measurements in a row failed .* rerun the same"):
         with RecordLog(path) as log:
-            tune(SPACE, make_searcher("opevo", SPACE, 0), unreachable, 100, task_key="t", target="llvm", records=log,
+            tune(SPACE, make_searcher("opevo", SPACE, 0), unreachable, 100, TaskRecords("t", "llvm", log),
                  progress=False)
     assert len(RecordLog(path).load()) == ENV_FAILURE_LIMIT  # it stopped at once, and recorded what it tried
     with pytest.raises(UserError, match="all 3 measurements failed"):  # fewer than the limit: the end says so
-        tune(SPACE, make_searcher("opevo", SPACE, 0), unreachable, 3, task_key="t", target="llvm", progress=False)
+        tune(SPACE, make_searcher("opevo", SPACE, 0), unreachable, 3, TaskRecords("t", "llvm"), progress=False)
 
 
 def _closed_port() -> int:

@@ -1,4 +1,4 @@
-"""The whole-graph NCHWc pass (pipeline.layout) on real torch exports: every conv blocked, the blocked layout
+"""The whole-graph NCHWc pass (pipeline.layout.nchwc) on real torch exports: every conv blocked, the blocked layout
 carried through BN, activations (Clip included), pooling, residual adds, grouped/depthwise convs and concat,
 transforms only at the edges, and the compiled model equal to onnxruntime."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e .[test])")
 from torch import nn  # noqa: E402
 
-from kerneltune.targets import parse_target  # noqa: E402
-from pipeline import layout  # noqa: E402
+from kerneltune.targets.parse import parse_target  # noqa: E402
+from pipeline.layout import nchwc  # noqa: E402
 from pipeline.relax_import import import_model  # noqa: E402
 from layout_check import compiled_matches_onnxruntime  # noqa: E402
 
@@ -130,7 +130,7 @@ def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False) -> onnx
 def compile_and_compare(proto: onnx.ModelProto, narrow_groups: str = "nchw"):
     imported = import_model(proto)
     spec = parse_target("llvm", threads=2)
-    mod, report = layout.to_nchwc(imported.mod, 16, narrow_groups)
+    mod, report = nchwc.to_nchwc(imported.mod, 16, narrow_groups)
     return report, compiled_matches_onnxruntime(imported, mod, spec)
 
 
@@ -164,16 +164,16 @@ def test_concat_of_different_blocks_is_correct():
 
 
 def test_lanes_pick_the_blocks():
-    assert layout.channel_block(64, 16) == 16 and layout.channel_block(24, 16) == 8
-    assert layout.channel_block(3, 16) == 3 and layout.channel_block(20, 16) == 10
-    assert layout.channel_block(64, 8) == 8
-    assert layout.plan(128, 128, 32, 16, 16, "merge") == layout.ConvPlan(16, 16, 4)  # 4x merged groups
-    assert layout.plan(128, 128, 32, 8, 8, "merge") == layout.ConvPlan(8, 8, 2)
-    assert isinstance(layout.plan(128, 128, 32, 16, 16), str)  # ResNeXt stage 1 stays NCHW by default
-    assert layout.plan(512, 512, 32, 16, 16) == layout.ConvPlan(16, 16)  # 16-channel groups are aligned
-    assert layout.plan(144, 144, 144, 16, 16) == layout.ConvPlan(16, 16)
-    assert isinstance(layout.plan(144, 144, 144, 16, 8), str)  # depthwise lanes map one to one
-    assert isinstance(layout.plan(30, 30, 3, 16, 16), str)
+    assert nchwc.channel_block(64, 16) == 16 and nchwc.channel_block(24, 16) == 8
+    assert nchwc.channel_block(3, 16) == 3 and nchwc.channel_block(20, 16) == 10
+    assert nchwc.channel_block(64, 8) == 8
+    assert nchwc.plan(128, 128, 32, 16, 16, "merge") == nchwc.ConvPlan(16, 16, 4)  # 4x merged groups
+    assert nchwc.plan(128, 128, 32, 8, 8, "merge") == nchwc.ConvPlan(8, 8, 2)
+    assert isinstance(nchwc.plan(128, 128, 32, 16, 16), str)  # ResNeXt stage 1 stays NCHW by default
+    assert nchwc.plan(512, 512, 32, 16, 16) == nchwc.ConvPlan(16, 16)  # 16-channel groups are aligned
+    assert nchwc.plan(144, 144, 144, 16, 16) == nchwc.ConvPlan(16, 16)
+    assert isinstance(nchwc.plan(144, 144, 144, 16, 8), str)  # depthwise lanes map one to one
+    assert isinstance(nchwc.plan(30, 30, 3, 16, 16), str)
 
 
 @pytest.mark.slow
@@ -197,16 +197,16 @@ def test_densenet_pattern_is_blocked_end_to_end():
 
 
 def test_constant_ranks():
-    assert layout.constant_rank((16, 1, 1), (1, 16, 8, 8)) == (1, 16, 1, 1)  # per channel: blocked with the op
-    assert layout.constant_rank((1,), (1, 16, 8, 8)) == ()  # one element: a scalar
-    assert layout.constant_rank((1, 1, 1, 1), (1, 16, 8, 8)) == ()
-    assert layout.constant_rank((1, 1, 1, 8), (1, 16, 8, 8)) == (8,)  # over the width: the op stays NCHW
-    assert layout.constant_rank((1, 1, 8, 8), (1, 16, 8, 8)) == (8, 8)
-    assert layout.constant_rank((1, 16, 1, 1), (1, 16, 8, 8)) is None  # already right
-    assert layout.constant_rank((8,), (1, 16, 8, 8)) is None
-    assert layout.constant_rank((16, 8, 8), (1, 16, 8, 8)) == (1, 16, 8, 8)
-    assert layout.constant_rank((2, 16, 1, 1), (1, 16, 8, 8)) is None  # widens the result: left alone
-    assert layout.constant_rank((16, 1, 1), (1, 16)) is None
+    assert nchwc.constant_rank((16, 1, 1), (1, 16, 8, 8)) == (1, 16, 1, 1)  # per channel: blocked with the op
+    assert nchwc.constant_rank((1,), (1, 16, 8, 8)) == ()  # one element: a scalar
+    assert nchwc.constant_rank((1, 1, 1, 1), (1, 16, 8, 8)) == ()
+    assert nchwc.constant_rank((1, 1, 1, 8), (1, 16, 8, 8)) == (8,)  # over the width: the op stays NCHW
+    assert nchwc.constant_rank((1, 1, 8, 8), (1, 16, 8, 8)) == (8, 8)
+    assert nchwc.constant_rank((1, 16, 1, 1), (1, 16, 8, 8)) is None  # already right
+    assert nchwc.constant_rank((8,), (1, 16, 8, 8)) is None
+    assert nchwc.constant_rank((16, 8, 8), (1, 16, 8, 8)) == (1, 16, 8, 8)
+    assert nchwc.constant_rank((2, 16, 1, 1), (1, 16, 8, 8)) is None  # widens the result: left alone
+    assert nchwc.constant_rank((16, 1, 1), (1, 16)) is None
 
 
 def test_constants_of_any_rank_keep_the_blocked_layout_or_leave_it_cleanly():
@@ -227,7 +227,7 @@ def test_channel_split_is_correct(dynamo):
 
 
 def test_split_bounds():
-    assert layout.split_bounds(32, [16]) == [(0, 16), (16, 32)]
-    assert layout.split_bounds(32, 2) == [(0, 16), (16, 32)]
-    assert layout.split_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]  # Relax/ONNX: the last part is smaller
-    assert layout.split_bounds(24, [8, 16]) == [(0, 8), (8, 16), (16, 24)]
+    assert nchwc.split_bounds(32, [16]) == [(0, 16), (16, 32)]
+    assert nchwc.split_bounds(32, 2) == [(0, 16), (16, 32)]
+    assert nchwc.split_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]  # Relax/ONNX: the last part is smaller
+    assert nchwc.split_bounds(24, [8, 16]) == [(0, 8), (8, 16), (16, 24)]

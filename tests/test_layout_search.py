@@ -15,10 +15,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.compare import compare_outputs
 from graphopt.feeds import random_inputs, run_ort
-from kerneltune.targets import device_for, parse_target, vector_lanes
-from pipeline import layout, layout_search, pbqp
+from kerneltune.targets.host import vector_lanes
+from kerneltune.targets.parse import parse_target
+from kerneltune.targets.registry import device_for
+from pipeline.layout import nchwc, pbqp, search
 from pipeline.compile import compile_partition, outputs_numpy, to_device
-from pipeline.layout_cost import ConvOption, Pricer
+from pipeline.layout.cost import ConvOption, Pricer
 from pipeline.partition import select_tasks
 from pipeline.relax_import import import_model
 
@@ -157,14 +159,14 @@ class FakePricer:
 
 def compile_and_compare(proto, mode: str = "auto", pricer=None):
     imported = import_model(proto)
-    mod, report = layout_search.convert(imported.mod, LLVM, mode, pricer=pricer)
+    mod, report = search.convert(imported.mod, LLVM, mode, pricer=pricer)
     return report, compiled_matches_onnxruntime(imported, mod, LLVM)
 
 
 def test_analysis_finds_classes_edges_and_convs():
     imported = import_model(cnn())
-    mod = layout.prepare(imported.mod, layout.LayoutReport())
-    graph = layout.analyze(mod)
+    mod = nchwc.prepare(imported.mod, nchwc.LayoutReport())
+    graph = nchwc.analyze(mod)
     assert len(graph.convs) == 7
     assert all(s.spec is not None for s in graph.convs)
     stem = graph.convs[0]
@@ -220,20 +222,20 @@ def test_every_assignment_of_class_layouts_is_realizable_with_a_bn_outside_a_con
     BN's output is the features' class (its multiply/add carry the layout), not a class of its own: when it
     was, the heuristic gave it 16c against the features' 8c and ConvertLayout failed ("Invalid layout axis
     16b"), as it did on DenseNet."""
-    mod = layout.prepare(import_model(bn_after_concat()).mod, layout.LayoutReport())
-    graph = layout.analyze(mod)
+    mod = nchwc.prepare(import_model(bn_after_concat()).mod, nchwc.LayoutReport())
+    graph = nchwc.analyze(mod)
     bn_conv = graph.convs[1]
     assert graph.classes[bn_conv.inp].channels == 8 and bn_conv.inp == graph.convs[0].out
     touched = {s.inp for s in graph.convs} | {s.out for s in graph.convs}
-    cands = [layout_search.candidates(c, 16, i in touched) for i, c in enumerate(graph.classes)]
+    cands = [search.candidates(c, 16, i in touched) for i, c in enumerate(graph.classes)]
     picks = list(itertools.product(*cands))
     assert len(picks) >= 12
     for pick in picks:
-        plans = layout._Plans()
+        plans = nchwc._Plans()
         for site in graph.convs:
             a, d = pick[site.inp], pick[site.out]
-            plans.set(site.weight, layout.ConvPlan(a, d) if a is not None and d is not None else "NCHW here")
-        _, report = layout.realize(mod, plans, layout.LayoutReport())
+            plans.set(site.weight, nchwc.ConvPlan(a, d) if a is not None and d is not None else "NCHW here")
+        _, report = nchwc.realize(mod, plans, nchwc.LayoutReport())
         blocked = sum(pick[s.inp] is not None and pick[s.out] is not None for s in graph.convs)
         assert report.convs == 4 and report.blocked == blocked
     report, _ = compile_and_compare(bn_after_concat(), "nchwc")
@@ -281,7 +283,7 @@ def test_decisions_are_deterministic_and_margins_break_close_calls():
     # the 16c kernel is 2% dearer than 8c: within the margin, so the heuristic's 16c blocks stay
     close = FakePricer(lambda spec, o: 1e-4 if o.nchw else (1.02e-5 if (o.a, o.d) == (16, 16) else 1e-5))
     imported = import_model(cnn())
-    runs = [layout_search.convert(imported.mod, LLVM, "auto", pricer=close)[1].to_json() for _ in range(2)]
+    runs = [search.convert(imported.mod, LLVM, "auto", pricer=close)[1].to_json() for _ in range(2)]
     for r in runs:
         del r["search"]["seconds"]
     assert runs[0] == runs[1]
@@ -290,14 +292,14 @@ def test_decisions_are_deterministic_and_margins_break_close_calls():
 
 def test_modes_and_targets():
     imported = import_model(cnn())
-    mod, report = layout_search.convert(imported.mod, LLVM, "nchw")
+    mod, report = search.convert(imported.mod, LLVM, "nchw")
     assert mod is imported.mod and report.to_json()["mode"] == "nchw"
-    mod, report = layout_search.convert(imported.mod, LLVM, "nchwc")
+    mod, report = search.convert(imported.mod, LLVM, "nchwc")
     assert report.mode == "nchwc" and report.blocked >= 6 and report.search is None
     from graphopt.errors import UserError
 
     with pytest.raises(UserError, match="--layout"):
-        layout_search.convert(imported.mod, LLVM, "nhwc")
+        search.convert(imported.mod, LLVM, "nhwc")
 
 
 @pytest.mark.parametrize("error,said", [
@@ -315,8 +317,8 @@ def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeyp
     def broken(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(layout_search.layout, "to_nchwc", broken)
-    part = layout_search.partition_model(imported.mod, LLVM, "nchwc")
+    monkeypatch.setattr(search.nchwc, "to_nchwc", broken)
+    part = search.partition_model(imported.mod, LLVM, "nchwc")
     assert part.layout["mode"] == "nchw" and part.layout["failed"].startswith("nchwc: ")
     assert said in part.layout["failed"]
     compiled = compile_partition(imported, part, LLVM)
@@ -328,26 +330,26 @@ def test_a_layout_tvm_cannot_realize_runs_the_model_in_nchw_and_says_why(monkeyp
 def test_an_operator_convertlayout_rejects_costs_only_the_convs_next_to_it(monkeypatch):
     """ConvertLayout failing on one conv's blocked layout keeps that conv in NCHW, not the whole model: the
     blocked convs are bisected for the culprit (here a simulated failure of the 4th conv's layout)."""
-    realize = layout.realize
+    realize = nchwc.realize
     culprit, calls = [], []
 
     def failing_realize(mod, plans, report):
         calls.append(1)
-        if culprit and isinstance(plans.get(culprit[0]), layout.ConvPlan):
+        if culprit and isinstance(plans.get(culprit[0]), nchwc.ConvPlan):
             raise tvm.error.InternalError("Check failed: simulated layout inference failure")
         return realize(mod, plans, report)
 
     def planner(graph):
         culprit.append(graph.convs[3].weight)
-        return layout.heuristic_plans(graph, vector_lanes(LLVM.target, "float32"))
+        return nchwc.heuristic_plans(graph, vector_lanes(LLVM.target, "float32"))
 
     imported = import_model(cnn())
     lanes = vector_lanes(LLVM.target, "float32")
-    _, whole = layout.to_nchwc(imported.mod, lanes)
-    monkeypatch.setattr(layout, "realize", failing_realize)
-    mod, report = layout.to_nchwc(imported.mod, lanes, planner=planner)
+    _, whole = nchwc.to_nchwc(imported.mod, lanes)
+    monkeypatch.setattr(nchwc, "realize", failing_realize)
+    mod, report = nchwc.to_nchwc(imported.mod, lanes, planner=planner)
     assert report.failed is None and report.convs == 7 and report.blocked == whole.blocked - 1 >= 4
-    assert report.kept_nchw.count(layout.KEPT_BY_CONVERT) == 1
+    assert report.kept_nchw.count(nchwc.KEPT_BY_CONVERT) == 1
     assert len(calls) <= 2 + 2 * 3  # the full plan, a bisection over 7 convs, the narrowed plan
     compiled_matches_onnxruntime(imported, mod, LLVM)
 
@@ -355,7 +357,7 @@ def test_an_operator_convertlayout_rejects_costs_only_the_convs_next_to_it(monke
 # ------------------------------------------------------------------------------------------------ prices
 
 def test_prices_are_measured_once_then_read_from_the_cache(tmp_path):
-    spec = layout.conv_nchwc.ConvSpec(1, 16, 8, 8, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=1, oc_block=1)
+    spec = nchwc.conv_nchwc.ConvSpec(1, 16, 8, 8, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=1, oc_block=1)
     pricer = Pricer(LLVM, tmp_path / "prices.json")
     blocked = pricer.conv(spec, ConvOption(16, 16))
     plain = pricer.conv(spec, ConvOption(None, None))
@@ -373,7 +375,7 @@ def test_a_blocked_conv_is_priced_on_its_inputs_packed_not_on_garbage(tmp_path, 
     shape and packed again, most of it was uninitialized memory: denormals priced blocked convs 100x too
     slow on an Intel Xeon, and auto ran ResNet-50 1.6x onnxruntime where the heuristic blocks ran 1.2x.)"""
     from kerneltune import prepack
-    from pipeline import layout_cost
+    from pipeline.layout import cost
 
     seen, pack = [], prepack.pack_inputs
 
@@ -382,8 +384,8 @@ def test_a_blocked_conv_is_priced_on_its_inputs_packed_not_on_garbage(tmp_path, 
         seen.append((inputs, out, packings))
         return out
 
-    monkeypatch.setattr(layout_cost.prepack, "pack_inputs", spy)
-    spec = layout.conv_nchwc.ConvSpec(1, 32, 8, 8, 32, 1, 1)
+    monkeypatch.setattr(cost.prepack, "pack_inputs", spy)
+    spec = nchwc.conv_nchwc.ConvSpec(1, 32, 8, 8, 32, 1, 1)
     assert Pricer(LLVM, tmp_path / "p.json").conv(spec, ConvOption(16, 16)) > 0
     (inputs, packed, packings), = seen
     assert packings, "the default config of a 1x1 blocked conv pre-packs its weight"
@@ -406,7 +408,7 @@ def test_tune_kernels_lists_nchwc_tasks_and_kernels_conv2d_selects_them(tmp_path
     assert " conv2d_nchwc " in out
     # each conv in its own terms: logical NCHW data * OIHW weights, stride/pad/groups, output, the blocked
     # layouts it reads -> writes (blocks per the heuristic for this CPU's vector width), and the kernel's name
-    b = layout.channel_block(16, vector_lanes(LLVM.target, "float32"))
+    b = nchwc.channel_block(16, vector_lanes(LLVM.target, "float32"))
     rows = {ln.split()[0]: ln for ln in out.splitlines() if ln[:3].strip().isdigit()}
     stem = next(r for r in rows.values() if "* 16x3x3x3 " in r)
     assert stem.split()[1:5] == ["conv2d_nchwc", "1", f"{124416 / 1e6:.3f}", "yes"]  # calls, MFLOP per call
@@ -422,7 +424,7 @@ def test_tune_kernels_lists_nchwc_tasks_and_kernels_conv2d_selects_them(tmp_path
     assert "calls: times one inference runs the kernel" in out and "NCHW16c: blocks of 16 channels" in out
     assert main([str(path), "--list", "--layout", "nchw", "--threads", "2"]) == 0
     assert " conv2d_nchwc " not in capsys.readouterr().out
-    part = layout_search.partition_model(import_model(path).mod, LLVM, "nchwc")
+    part = search.partition_model(import_model(path).mod, LLVM, "nchwc")
     picked = select_tasks(part.tasks, "conv2d")
     assert picked and {t.kind for t in picked} <= {"conv2d", "conv2d_nchwc"} and "conv2d_nchwc" in {t.kind for t in picked}
     assert part.layout["blocked"] >= 6
@@ -452,7 +454,7 @@ def test_listing_describes_each_conv_the_same_in_nchw_and_nchwc():
     mod = import_model(m).mod
     said = {}
     for mode in ("nchw", "nchwc"):
-        tasks = [t for t in layout_search.partition_model(mod, LLVM, mode).tasks if t.task is not None]
+        tasks = [t for t in search.partition_model(mod, LLVM, mode).tasks if t.task is not None]
         said[mode] = [describe(t.task).rsplit(", ", 1) for t in tasks]
     assert [d for d, _ in said["nchw"]] == [d for d, _ in said["nchwc"]]
     assert {lay for _, lay in said["nchw"]} == {"NCHW -> NCHW"}

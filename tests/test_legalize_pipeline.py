@@ -74,7 +74,7 @@ TORCH_CASES = {"torchscript": (True, True, False, False), "dynamo": (False, Fals
 
 @pytest.fixture(scope="module")
 def llvm():
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     return parse_target("llvm", 2)
 
@@ -242,7 +242,7 @@ def test_scatter_elements_with_every_reduction_compiles_and_matches_onnxruntime(
     from pipeline.compile import compile_partition, run, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import device_for
+    from kerneltune.targets.registry import device_for
 
     model = _scatter_elements_model()
     rng = np.random.default_rng(3)
@@ -264,7 +264,7 @@ def test_small_constant_powers_become_products_and_match_onnxruntime(llvm):
     from pipeline.compile import compile_partition, run, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import device_for
+    from kerneltune.targets.registry import device_for
 
     exps = {"e3": 3.0, "e2": 2.0, "e25": 2.5}
     nodes = [helper.make_node("Pow", ["x", e], [f"p_{e}"]) for e in exps]
@@ -289,7 +289,7 @@ def test_a_weight_no_vector_width_divides_is_padded_and_sliced(llvm):
     from pipeline.compile import compile_partition, run, to_device
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import device_for
+    from kerneltune.targets.registry import device_for
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((24, 53)).astype(np.float32)  # 53 is prime

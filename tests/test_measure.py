@@ -11,9 +11,9 @@ import tvm
 
 import rpc_device
 from kerneltune import templates
-from kerneltune.targets import llvm_target
+from kerneltune.targets.host import llvm_target
 from kerneltune.baseline import numpy_baseline
-from kerneltune.measure import Measurer
+from kerneltune.measure import MeasureOptions, Measurer
 from kerneltune.runner import RunConfig, run
 from kerneltune.task import build_func, make_task
 
@@ -22,7 +22,7 @@ LLVM = llvm_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
 
 @pytest.fixture(scope="module")
 def measurer():
-    with Measurer(LLVM, number=2, repeat=2, build_timeout=120, run_timeout=60, workers=1) as m:
+    with Measurer(LLVM, MeasureOptions(number=2, repeat=2, build_timeout=120, run_timeout=60), workers=1) as m:
         yield m
 
 
@@ -107,7 +107,7 @@ def test_bad_target_kind_is_user_error():
 
 def _measure_default(rpc: str):
     task = make_task("matmul", "16,32,16")
-    with Measurer(LLVM, number=2, repeat=2, workers=1, rpc=rpc) as m:
+    with Measurer(LLVM, MeasureOptions(number=2, repeat=2), workers=1, rpc=rpc) as m:
         return m.measure(task, [templates.default_config(task, LLVM)])[0]
 
 

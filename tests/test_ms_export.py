@@ -26,7 +26,8 @@ from graphopt.feeds import random_inputs, run_ort  # noqa: E402
 from graphopt.onnx_io import import_onnx  # noqa: E402
 from kerneltune import templates  # noqa: E402
 from kerneltune.records import Record, RecordLog  # noqa: E402
-from kerneltune.targets import parse_target  # noqa: E402
+from kerneltune.targets.parse import parse_target  # noqa: E402
+from kerneltune.tune_tasks import TuningRun  # noqa: E402
 from pipeline.cli import tune_kernels_main  # noqa: E402
 from pipeline.ms_export import FILES, MODEL, export_metaschedule  # noqa: E402
 from pipeline.partition import partition  # noqa: E402
@@ -48,7 +49,7 @@ def tuned(llvm, tmp_path_factory):
     imported = import_model(str(BERT_TINY))
     part = partition(imported.mod)
     records = tmp_path_factory.mktemp("records") / "records.jsonl"
-    tune_model(part.tasks, llvm, 60, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
+    tune_model(part.tasks, TuningRun(llvm, 60, RecordLog(records), "gradient", "random", progress=False), FakeMeasurer)
     packed = next(t for t in part.tasks if t.task is not None and "prepack" in _pack_values(t.task, llvm))
     space = templates.space_for(packed.task, llvm.target)
     cfg = space.as_dict(templates.default_config(packed.task, llvm.target)) | {"pack": "prepack"}
@@ -148,12 +149,12 @@ def test_nchwc_convolutions_are_not_exported_and_the_cli_says_why(llvm, tmp_path
     model.ir_version = 8
     path = tmp_path / "conv.onnx"
     onnx.save(model, str(path))
-    from pipeline.layout_search import partition_model
+    from pipeline.layout.search import partition_model
 
     part = partition_model(import_model(str(path)).mod, llvm, "nchwc")
     assert {t.kind for t in part.tasks if t.task is not None} == {"conv2d_nchwc"}
     records = tmp_path / "records.jsonl"
-    tune_model(part.tasks, llvm, 8, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
+    tune_model(part.tasks, TuningRun(llvm, 8, RecordLog(records), "gradient", "random", progress=False), FakeMeasurer)
     capsys.readouterr()
     assert tune_kernels_main([str(path), "--layout", "nchwc", "--records", str(records), "--threads", "2",
                               "--export-metaschedule", str(tmp_path / "db")]) == 2

@@ -35,10 +35,12 @@ BUILD = ["model.so", "optimized.onnx", "report.json", "report.md"]
 @pytest.fixture(scope="module")
 def old_build(tmp_path_factory) -> Path:
     """A complete build of a 4x8 Relu: the previous good build a new run must not lose."""
+    from pipeline.context import BuildContext
     from pipeline.optimize_model import optimize_model
 
     d = tmp_path_factory.mktemp("old")
-    optimize_model(B.save(B.relu((4, 8)), d, "old.onnx"), "llvm", str(d / "build"), 1, skip_graph=True)
+    optimize_model(B.save(B.relu((4, 8)), d, "old.onnx"), str(d / "build"),
+                   BuildContext.create(threads=1, skip_graph=True))
     return d / "build"
 
 
@@ -188,6 +190,7 @@ def test_a_failed_write_names_the_folder_and_changes_nothing(old_build, tmp_path
 
 
 def test_a_model_name_that_is_not_utf8_builds_and_is_named_readably(old_build, tmp_path, capsys):
+    from pipeline.context import BuildContext
     from pipeline.optimize_model import optimize_model
 
     src = B.save(B.relu((2, 3)), tmp_path, os.fsdecode(b"m\xff.onnx"))
@@ -200,5 +203,5 @@ def test_a_model_name_that_is_not_utf8_builds_and_is_named_readably(old_build, t
     assert _checked(out, tmp_path) == shown
     odd = tmp_path / os.fsdecode(b"build\xfe")  # a folder of such a name too (staged beside it, swapped)
     shutil.copytree(old_build, odd)
-    optimize_model(src, "llvm", str(odd), 1, skip_graph=True)
+    optimize_model(src, str(odd), BuildContext.create(threads=1, skip_graph=True))
     assert _checked(odd, tmp_path) == shown

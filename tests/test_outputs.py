@@ -44,13 +44,14 @@ def _session(path: Path) -> ort.InferenceSession:
 def built(tmp_path_factory):
     """mlp through optimize-model (graph stage skipped) with the external-data threshold at 1 KB: the
     path a model over 2 GB takes, on a model of 4 KB."""
+    from pipeline.context import BuildContext
     from pipeline.optimize_model import optimize_model
 
     d = tmp_path_factory.mktemp("built")
     onnx.save(mlp(), str(d / "m.onnx"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(onnx_io, "EXTERNAL_DATA_ABOVE", 1000)
-        res = optimize_model(str(d / "m.onnx"), "llvm", str(d / "out"), 1, skip_graph=True)
+        res = optimize_model(str(d / "m.onnx"), str(d / "out"), BuildContext.create(threads=1, skip_graph=True))
     return d, res
 
 
@@ -119,7 +120,7 @@ def test_report_md_gives_units_and_the_end_to_end_latency(built):
 def test_a_build_slower_than_onnxruntime_says_so_in_one_line(built):
     """Never silently slower: report.json says whether the shipped build lost to onnxruntime (by its median and
     its best run alike) and optimize-model prints one warning line with both figures and what to try."""
-    from pipeline.optimize_model import slower_warning
+    from pipeline.report import slower_warning
 
     lat = built[1].report["latency"]
     slower = lat["compiled_ms"] > lat["onnxruntime_ms"] and lat["compiled_min_ms"] > lat["onnxruntime_min_ms"]
@@ -133,7 +134,7 @@ def test_a_build_slower_than_onnxruntime_says_so_in_one_line(built):
 
 
 def test_report_md_converts_the_graph_stage_costs_and_tuned_tasks():
-    from pipeline.optimize_model import report_markdown
+    from pipeline.report import report_markdown
 
     report = {"model": "m.onnx", "target": "llvm", "latency": {"measured": False, "reason": "cross target"},
               "stages": {"graph": {"time_s": 12.3456, "cost_before": 0.0123, "cost_after": 0.0101,

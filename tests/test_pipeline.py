@@ -19,6 +19,8 @@ os.environ.setdefault("TVM_NUM_THREADS", "2")
 from fake_measurer import FakeMeasurer as BaseFake  # noqa: E402
 from graphopt.errors import UserError  # noqa: E402
 from graphopt.feeds import random_inputs, run_ort  # noqa: E402
+from kerneltune.records import RecordLog  # noqa: E402
+from kerneltune.tune_tasks import TuningRun  # noqa: E402
 
 BERT_TINY = Path(__file__).resolve().parents[1] / "models" / "bert_tiny.onnx"
 
@@ -47,7 +49,7 @@ def conv_net() -> onnx.ModelProto:
 
 @pytest.fixture(scope="module")
 def llvm():
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     return parse_target("llvm", 2)
 
@@ -78,7 +80,7 @@ def conv(llvm):
 # ------------------------------------------------------------------------------------------------ targets
 
 def test_llvm_target_uses_host_cpu_and_threads(llvm):
-    from kerneltune.targets import host_cpu
+    from kerneltune.targets.host import host_cpu
 
     assert llvm.target.kind.name == "llvm"
     assert str(llvm.target.attrs["mcpu"]) == host_cpu() != "generic"
@@ -88,7 +90,7 @@ def test_llvm_target_uses_host_cpu_and_threads(llvm):
 
 @pytest.mark.parametrize("name", ["x86", "llvm:znver5", "metal", ""])
 def test_bad_target_names(name):
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
 
     with pytest.raises(UserError):
         parse_target(name)
@@ -98,7 +100,8 @@ def test_rocm_builds_an_amdgpu_code_object_or_names_what_to_install(tmp_path):
     from pipeline.compile import EM_AMDGPU, compile_partition
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
-    from kerneltune.targets import find_lld, parse_target, rocm_bitcode_dir
+    from kerneltune.targets.parse import parse_target
+    from kerneltune.targets.toolchains import find_lld, rocm_bitcode_dir
 
     if not (find_lld() and rocm_bitcode_dir()):
         with pytest.raises(UserError, match="apt-get install lld-19 rocm-device-libs"):
@@ -352,22 +355,26 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
 
     real = tuning.tune_model
     monkeypatch.setattr(tuning, "tune_model", lambda *a, **k: real(*a, **k, measure_factory=FakeMeasurer))
-    opts = benchmark.BenchOptions(trials=16, skip_graph=True, skip_metaschedule=True, kernels="matmul",
-                                  searcher="random", work_dir=str(tmp_path), progress=False)
-    imported, engines, choice, seconds = benchmark.compile_engines(str(BERT_TINY), llvm, 2, None, opts)
+    from pipeline.context import BuildContext, TuneOptions
+
+    ctx = BuildContext.create("llvm", threads=2, skip_graph=True,
+                              tuning=TuneOptions(16, "matmul", searcher="random", progress=False))
+    opts = benchmark.BenchOptions(skip_metaschedule=True, work_dir=str(tmp_path))
+    imported, engines, choice, seconds = benchmark.compile_engines(str(BERT_TINY), ctx, opts)
     assert set(engines) == {"tvm", "tuned"}
     assert set(seconds) == {"import", "layout_partition", "compile", "tuning"} and min(seconds.values()) >= 0
     # the tuned engine is the build optimize-model ships: tuned schedules only if they won end to end
     assert ("tuned" in engines["tuned"].schedules.values()) == (choice.kept == "tuned")
     assert choice.status == "measured" and 3 <= len(choice.ratios) <= 7
-    res = benchmark.bench(imported, engines, 2, 2, trials=16, tuned_choice=choice)
+    res = benchmark.bench(imported, engines, ctx, 2, tuned_choice=choice)
     out = res.to_json()
     assert out["tuned_ms"] > 0 and res.max_abs_err <= 1e-4 and out["tuned_choice"]["kept"] == choice.kept
 
 
 def test_bench_models_graph_stage_prices_for_the_target_given_with_its_mcpu(monkeypatch, tmp_path):
-    """bench-model's graph stage is handed --target as given (its -mcpu too), as optimize-model's is; it was
-    handed the kind alone ("llvm"), so it priced the host CPU whatever -mcpu the user asked for."""
+    """bench-model's graph stage is handed --target as given (its -mcpu too, in the build context), as
+    optimize-model's is; it was handed the kind alone ("llvm"), so it priced the host CPU whatever -mcpu the
+    user asked for."""
     from pipeline import benchmark
     from pipeline.cli import bench_model_main
 
@@ -376,11 +383,11 @@ def test_bench_models_graph_stage_prices_for_the_target_given_with_its_mcpu(monk
     class Stop(Exception):
         pass
 
-    def spy(model, shapes, skip, log, target, *rest, **kw):
-        seen.append(target)
+    def spy(ctx, model, shapes, log):
+        seen.append(ctx.target.text)
         raise Stop()
 
-    monkeypatch.setattr(benchmark, "graph_stage", spy)
+    monkeypatch.setattr(benchmark.stages, "graph_stage", spy)
     target = '{"kind": "llvm", "mcpu": "x86-64-v3"}'
     # the spy stops the run at the graph stage (bench-model reports that as an internal error)
     assert bench_model_main([str(BERT_TINY), "--target", target, "--skip-metaschedule", "--runs", "2", "-q"]) != 0
@@ -408,7 +415,8 @@ def test_tuning_stage_budget_records_resume(bert, llvm, tmp_path, scheduler):
     tasks = select_tasks(part.tasks, "matmul")
     rec = tmp_path / "r.jsonl"
     FakeMeasurer.calls = []
-    res = tune_model(tasks, llvm, 40, rec, scheduler, "random", measure_factory=FakeMeasurer, progress=False)
+    run = TuningRun(llvm, 40, RecordLog(rec), scheduler, "random", progress=False)
+    res = tune_model(tasks, run, FakeMeasurer)
     assert res.trials == 40 and sum(t.trials for t in res.tasks) == 40
     assert len(rec.read_text().splitlines()) == 40
     # Every task was measured at its default, and only improvements over the default are kept.
@@ -425,7 +433,7 @@ def test_tuning_stage_budget_records_resume(bert, llvm, tmp_path, scheduler):
     assert check_outputs(compiled, imported.graph, imported.onnx_model).ok
     # Resume: the same budget again measures nothing (the defaults are recorded trials too).
     FakeMeasurer.calls = []
-    again = tune_model(tasks, llvm, 40, rec, scheduler, "random", measure_factory=FakeMeasurer, progress=False)
+    again = tune_model(tasks, run, FakeMeasurer)
     assert again.trials == 40 and FakeMeasurer.calls == [] and again.best_configs == res.best_configs
     assert len(rec.read_text().splitlines()) == 40
 
@@ -435,8 +443,8 @@ def test_gradient_scheduler_favours_heavy_tasks(bert, llvm, tmp_path):
     from pipeline.tuning import tune_model
 
     tasks = select_tasks(bert[1].tasks, "matmul")
-    res = tune_model(tasks, llvm, 96, tmp_path / "g.jsonl", "gradient", "random", measure_factory=FakeMeasurer,
-                     progress=False)
+    res = tune_model(tasks, TuningRun(llvm, 96, RecordLog(tmp_path / "g.jsonl"), "gradient", "random", progress=False),
+                     FakeMeasurer)
     by_weight = sorted(res.tasks, key=lambda t: -t.weight)
     assert by_weight[0].trials >= max(t.trials for t in res.tasks if t.weight == 1)
 

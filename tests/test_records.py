@@ -17,7 +17,7 @@ import pytest
 from kerneltune.records import Record, RecordLog
 from kerneltune.searchers import make_searcher
 from kerneltune.space import FactorKnob, SearchSpace
-from kerneltune.tune import tune
+from kerneltune.tune import TaskRecords, tune
 
 SPACE = SearchSpace([FactorKnob("i", 64, 3), FactorKnob("k", 32, 2)])
 
@@ -68,8 +68,8 @@ def test_resume_measures_only_new_configs(tmp_path):
 
     def go(trials):
         with RecordLog(path) as log:
-            return tune(SPACE, make_searcher("opevo", SPACE, 0), measure, trials, task_key="t", target="llvm",
-                        records=log, progress=False)
+            return tune(SPACE, make_searcher("opevo", SPACE, 0), measure, trials, TaskRecords("t", "llvm", log),
+                        progress=False)
 
     first = go(20)
     assert first.measured_now == 20 and len(measured) == 20
@@ -94,8 +94,7 @@ def test_failures_do_not_stop_tuning(tmp_path):
 
     path = tmp_path / "r.jsonl"
     with RecordLog(path) as log:
-        res = tune(SPACE, make_searcher("random", SPACE, 0), flaky, 40, task_key="t", target="llvm", records=log,
-                   progress=False)
+        res = tune(SPACE, make_searcher("random", SPACE, 0), flaky, 40, TaskRecords("t", "llvm", log), progress=False)
     assert res.trials == 40 and res.best_gflops > 0 and res.failures >= 8
     recs = RecordLog(path).load()
     assert len(recs) == 40
@@ -108,7 +107,7 @@ def test_measurer_that_always_raises_is_reported():
         raise ValueError("no such target")
 
     with pytest.raises(ValueError, match="no such target"):
-        tune(SPACE, make_searcher("random", SPACE, 0), broken, 40, task_key="t", target="llvm", progress=False)
+        tune(SPACE, make_searcher("random", SPACE, 0), broken, 40, TaskRecords("t", "llvm"), progress=False)
 
 
 SLOW_TUNER = textwrap.dedent("""
@@ -117,7 +116,7 @@ SLOW_TUNER = textwrap.dedent("""
     from kerneltune.records import RecordLog
     from kerneltune.searchers import make_searcher
     from kerneltune.space import FactorKnob, SearchSpace
-    from kerneltune.tune import tune
+    from kerneltune.tune import TaskRecords, tune
 
     @dataclass
     class R:
@@ -130,8 +129,8 @@ SLOW_TUNER = textwrap.dedent("""
         time.sleep(float(sys.argv[3]))
         return [R(float(c[0][-1] * c[1][-1]), 1.0) for c in configs]
     with RecordLog(sys.argv[1]) as log:
-        res = tune(space, make_searcher("opevo", space, 0), measure, int(sys.argv[2]), task_key="t",
-                   target="llvm", records=log, progress=False)
+        res = tune(space, make_searcher("opevo", space, 0), measure, int(sys.argv[2]), TaskRecords("t", "llvm", log),
+                   progress=False)
     print(res.measured_now)
 """)
 
@@ -166,18 +165,18 @@ def test_resume_only_takes_records_of_the_same_timing(tmp_path):
     """Warm-cache and cold-cache latencies are not comparable: a cold run must not resume warm records."""
     path = tmp_path / "r.jsonl"
     with RecordLog(path) as log:
-        tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 6, task_key="t", target="llvm", records=log,
-             progress=False, timing="warm")
+        tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 6, TaskRecords("t", "llvm", log, "warm"),
+             progress=False)
     with RecordLog(path) as log:
-        cold = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, task_key="t", target="llvm",
-                    records=log, progress=False, timing="cold")
+        cold = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, TaskRecords("t", "llvm", log, "cold"),
+                    progress=False)
     assert cold.measured_now == 4
     recs = RecordLog(path).load()
     assert [r.timing for r in recs] == ["warm"] * 6 + ["cold"] * 4
     assert len(RecordLog(path).load(task="t", timing="cold")) == 4
     with RecordLog(path) as log:
-        again = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, task_key="t", target="llvm",
-                     records=log, progress=False, timing="cold")
+        again = tune(SPACE, make_searcher("random", SPACE, 1), synthetic, 4, TaskRecords("t", "llvm", log, "cold"),
+                     progress=False)
     assert again.measured_now == 0 and again.trials == 4
 
 
@@ -206,8 +205,8 @@ def test_bad_and_forged_records_are_skipped_and_never_become_best(tmp_path, capl
 
     with caplog.at_level(logging.WARNING):
         with RecordLog(path) as log:
-            res = tune(space, make_searcher("random", space, 0), measure, 6, task_key="t", target="llvm",
-                       records=log, progress=False, flops=flops, ceiling=ceiling)
+            res = tune(space, make_searcher("random", space, 0), measure, 6,
+                       TaskRecords("t", "llvm", log, flops=flops, ceiling=ceiling), progress=False)
     assert sorted(measured) == sorted(configs)                   # nothing stored was believed
     assert res.best_gflops == pytest.approx(0.2) and res.measured_now == 6
     assert caplog.text.count("is not a valid tuning record") == 4  # null, string, negative, no latency
@@ -215,7 +214,8 @@ def test_bad_and_forged_records_are_skipped_and_never_become_best(tmp_path, capl
 
 
 def test_gflops_ceiling_catches_a_forged_speed_on_this_host():
-    from kerneltune.targets import gflops_ceiling, llvm_target
+    from kerneltune.targets.host import llvm_target
+    from kerneltune.targets.registry import gflops_ceiling
 
     ceiling = gflops_ceiling(llvm_target(2))
     assert 200 < ceiling < 1e6   # above any real 2-core fp32 kernel, far below a forged 1e6
@@ -249,8 +249,8 @@ def test_one_tuner_per_records_file(tmp_path, capsys):
         assert str(path) in msg and f"PID {holder.pid}" in msg and "\n" not in msg
         with pytest.raises(UserError, match="in use by another tuner"):
             with RecordLog(path) as log:
-                tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 4, task_key="t", target="llvm",
-                     records=log, progress=False)
+                tune(SPACE, make_searcher("random", SPACE, 0), synthetic, 4, TaskRecords("t", "llvm", log),
+                     progress=False)
         # optimize-model refuses before any work (no graph stage, no output directory), in one line.
         from pathlib import Path
 

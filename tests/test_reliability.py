@@ -175,7 +175,7 @@ def test_nan_probe_is_caught(op):
 def test_the_check_fails_a_wrong_build(tmp_path):
     """End to end: a compiled model checked against a reference whose weight differs by 1% (what a wrong
     kernel looks like from outside) fails; against its own model it passes."""
-    from kerneltune.targets import parse_target
+    from kerneltune.targets.parse import parse_target
     from pipeline.compile import check_outputs, compile_partition
     from pipeline.partition import partition
     from pipeline.relax_import import import_model

@@ -15,9 +15,9 @@ import pytest
 from fake_measurer import FakeMeasurer as BaseFake
 from kerneltune.records import RecordLog
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets import parse_target
+from kerneltune.targets.parse import parse_target
 from kerneltune.task import make_task
-from kerneltune.tune_tasks import TuningTask, tune_tasks
+from kerneltune.tune_tasks import TuningRun, TuningTask, tune_tasks
 
 SPEC = parse_target("llvm", 2)
 TASKS = [TuningTask(make_task("matmul", "16,64,64"), 1, 0), TuningTask(make_task("matmul", "32,64,128"), 6, 1),
@@ -47,8 +47,8 @@ class FakeMeasurer(BaseFake):
 
 
 def run(records, searcher="opevo", trials=80):
-    return tune_tasks(TASKS, SPEC, trials, records, "gradient", searcher, seed=3, measure_factory=FakeMeasurer,
-                      progress=False)
+    return tune_tasks(TASKS, TuningRun(SPEC, trials, RecordLog(records), "gradient", searcher, seed=3, progress=False),
+                      FakeMeasurer)
 
 
 def summary(res) -> dict:

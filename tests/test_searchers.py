@@ -10,7 +10,8 @@ import pytest
 
 from graphopt.errors import UserError
 from kerneltune.searchers import SEARCHERS, make_searcher
-from kerneltune.searchers.na2c import MLP, NA2C, masked_log_softmax, policy_loss_and_grads, value_loss_and_grads
+from kerneltune.searchers.na2c import (MLP, NA2C, NA2CConfig, masked_log_softmax, policy_loss_and_grads,
+                                       value_loss_and_grads)
 from kerneltune.searchers.opevo import OpEvo
 from kerneltune.space import ChoiceKnob, DiscreteKnob, FactorKnob, SearchSpace
 
@@ -211,7 +212,7 @@ def test_na2c_gradients_match_finite_differences():
 
 def test_na2c_policy_step_raises_probability_of_advantaged_action():
     """The sign NNI got wrong: a positive advantage must make the taken action more likely."""
-    s = NA2C(MM_SPACE, seed=0, lr=1e-2)
+    s = NA2C(MM_SPACE, seed=0, config=NA2CConfig(lr=1e-2))
     c = ((128, 1, 1, 1), (768, 1, 1, 1), (768, 1))
     X, mask = s.features([c]), s.valid(c)[None]
     a = int(np.flatnonzero(mask[0])[0])

@@ -47,10 +47,11 @@ def fake(monkeypatch):
 
 
 def optimize(out: Path, trials: int = 24):
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
-    return optimize_model(str(BERT_TINY), "llvm", str(out), 2, skip_graph=True,
-                          tuning=TuneOptions(trials, "matmul", searcher="opevo", progress=False)).report
+    return optimize_model(str(BERT_TINY), str(out), BuildContext.create(
+        threads=2, skip_graph=True, tuning=TuneOptions(trials, "matmul", searcher="opevo", progress=False))).report
 
 
 def tuned_schedules(report) -> dict[str, str]:

@@ -152,7 +152,8 @@ def _corpus():
 def built(tmp_path_factory):
     """``get(name, exporter)``: the small replica exported, saved, and built with default schedules (graph
     stage skipped) on its sample inputs (sr = 16000); once per module."""
-    from pipeline.optimize_model import TuneOptions, optimize_model
+    from pipeline.context import BuildContext, TuneOptions
+    from pipeline.optimize_model import optimize_model
 
     build_exported = _corpus()
     cache: dict[tuple[str, str], tuple] = {}
@@ -163,8 +164,9 @@ def built(tmp_path_factory):
             m = build_exported(name, "small", exporter)
             onnx.save(m.model, str(folder / "model.onnx"))
             np.savez(folder / "inputs.npz", **m.sample_inputs)
-            optimize_model(str(folder / "model.onnx"), "llvm", str(folder / "out"), threads=2, skip_graph=True,
-                           tuning=TuneOptions(skip=True, progress=False), inputs=str(folder / "inputs.npz"))
+            ctx = BuildContext.create(threads=2, skip_graph=True, tuning=TuneOptions(skip=True, progress=False),
+                                      inputs=str(folder / "inputs.npz"))
+            optimize_model(str(folder / "model.onnx"), str(folder / "out"), ctx)
             cache[name, exporter] = (m, folder)
         return cache[name, exporter]
 
@@ -207,12 +209,14 @@ def test_run_model_refuses_another_sample_rate_in_one_line(built, tmp_path, caps
 
 
 def test_replica_without_its_sample_rate_is_refused_before_any_work(tmp_path):
+    from pipeline.context import BuildContext
     from pipeline.optimize_model import optimize_model
 
     m = _corpus()("vad_real", "small", "torchscript")
     onnx.save(m.model, str(tmp_path / "model.onnx"))
     with pytest.raises(UserError) as e:
-        optimize_model(str(tmp_path / "model.onnx"), "llvm", str(tmp_path / "out"), input_shapes=m.input_shapes)
+        optimize_model(str(tmp_path / "model.onnx"), str(tmp_path / "out"),
+                       BuildContext.create(input_shapes=m.input_shapes))
     assert str(e.value).startswith("input 'sr' decides the branch of If node") and "--inputs" in str(e.value)
     assert not (tmp_path / "out").exists()
 

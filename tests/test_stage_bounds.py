@@ -228,11 +228,16 @@ def test_cost_cache_is_keyed_by_cpu_target_engine_threads_and_version(tmp_path, 
 
 def test_cost_cache_of_tvm_is_keyed_by_the_cpu_the_code_is_built_for():
     """TVM code built with -mcpu=X runs at X's speed on this CPU: its costs are cached apart."""
+    from kerneltune.targets.parse import parse_target
     from pipeline.graph_runner import TvmRunner
+    from pipeline.stages import compile_graph
 
-    assert TvmRunner(1, "llvm").cache_tag == "tvm"
-    assert TvmRunner(1, "llvm -mcpu=skylake-avx512").cache_tag == "tvm-mcpu-skylake-avx512"
-    assert TvmRunner(1, '{"kind": "llvm", "mcpu": "znver4"}').cache_tag == "tvm-mcpu-znver4"
+    def tag(target: str) -> str:
+        return TvmRunner(compile_graph, 1, parse_target(target, 1)).cache_tag
+
+    assert TvmRunner(compile_graph, 1).cache_tag == tag("llvm") == "tvm"
+    assert tag("llvm -mcpu=skylake-avx512") == "tvm-mcpu-skylake-avx512"
+    assert tag('{"kind": "llvm", "mcpu": "znver4"}') == "tvm-mcpu-znver4"
     assert OrtRunner(1).cache_tag == "ort"
 
 

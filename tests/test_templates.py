@@ -9,7 +9,7 @@ import pytest
 import tvm
 
 from kerneltune import templates
-from kerneltune.targets import llvm_target
+from kerneltune.targets.host import llvm_target
 from kerneltune.task import build_func, make_task, run_func
 
 LLVM = llvm_target(2)  # AVX-512 code on this Zen 5, like the pipeline's
@@ -247,7 +247,7 @@ def test_default_config_uses_avx512_lanes_and_both_cores():
 def test_register_tiles_fit_the_vector_register_file(mcpu, registers):
     """Half the vector registers hold accumulators: a 4 x 4-vector tile, right for AVX-512's 32 registers,
     spilled on AVX2's 16 (x86-64-v3 on an Intel Xeon: 110 vs 148 GFLOP/s for 2 x 4)."""
-    from kerneltune.targets import vector_lanes
+    from kerneltune.targets.host import vector_lanes
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
     for shape in ("128,768,3072", "197,768,768", "1,768,1000"):

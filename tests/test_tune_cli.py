@@ -53,8 +53,8 @@ def test_config_failing_to_build_does_not_stop_tuning():
     from kerneltune.measure import Measurer
     from kerneltune.searchers import make_searcher
     from kerneltune.task import make_task
-    from kerneltune.tune import tune
-    from kerneltune.targets import llvm_target
+    from kerneltune.tune import TaskRecords, tune
+    from kerneltune.targets.host import llvm_target
 
     task = make_task("matmul", "32,64,32")
     target = llvm_target(1)
@@ -68,8 +68,8 @@ def test_config_failing_to_build_does_not_stop_tuning():
             sent = [bad] + list(configs[1:]) if len(calls) == 1 else configs
             return m.measure(task, sent)
 
-        res = tune(space, make_searcher("random", space, 0), measure, 6, task_key=task.key, target=str(target),
-                   progress=False, batch_size=3)
+        res = tune(space, make_searcher("random", space, 0, batch_size=3), measure, 6,
+                   TaskRecords(task.key, str(target)), progress=False)
     assert res.trials == 6 and res.failures >= 1 and res.best_gflops > 0
     assert len(calls) == 2
 

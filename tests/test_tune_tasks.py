@@ -3,9 +3,10 @@ gradient scheduler gives the heavier task more of it, and a rerun resumes from t
 from __future__ import annotations
 
 from fake_measurer import FakeMeasurer as BaseFake
-from kerneltune.targets import parse_target
+from kerneltune.records import RecordLog
+from kerneltune.targets.parse import parse_target
 from kerneltune.task import make_task
-from kerneltune.tune_tasks import TuningTask, tune_tasks
+from kerneltune.tune_tasks import TuningRun, TuningTask, tune_tasks
 
 
 class FakeMeasurer(BaseFake):
@@ -24,7 +25,8 @@ def test_tune_tasks_spends_the_budget_favours_weight_and_resumes(tmp_path):
     tasks = [TuningTask(light, weight=1, index=0), TuningTask(heavy, weight=12, index=1)]
     records = tmp_path / "r.jsonl"
     FakeMeasurer.calls = []
-    res = tune_tasks(tasks, spec, 48, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
+    run = TuningRun(spec, 48, RecordLog(records), "gradient", "random", progress=False)
+    res = tune_tasks(tasks, run, FakeMeasurer)
     assert res.trials == 48 and sum(t.trials for t in res.tasks) == 48
     assert len(records.read_text().splitlines()) == 48
     by_index = {t.index: t for t in res.tasks}
@@ -35,7 +37,7 @@ def test_tune_tasks_spends_the_budget_favours_weight_and_resumes(tmp_path):
     objective = [y for _, y in res.objective]
     assert objective == sorted(objective, reverse=True)
     FakeMeasurer.calls = []
-    again = tune_tasks(tasks, spec, 48, records, "gradient", "random", measure_factory=FakeMeasurer, progress=False)
+    again = tune_tasks(tasks, run, FakeMeasurer)
     # The defaults were recorded as trials too: the rerun measures nothing and ends where the first did.
     assert again.trials == 48 and FakeMeasurer.calls == [] and again.measured_now == 0
     assert again.best_configs == res.best_configs

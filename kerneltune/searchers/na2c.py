@@ -111,14 +111,29 @@ class Move:
     p: int
 
 
+@dataclass(frozen=True)
+class NA2CConfig:
+    """N-A2C's hyperparameters."""
+
+    steps: int = 3  # moves per rollout
+    epsilon: float = 0.1  # exploration: a random move's probability
+    collect: int = 6  # rollouts (configs) per batch
+    hidden: int = 128  # hidden units of the actor's and the critic's MLPs
+    lr: float = 1e-3  # Adam's learning rate
+    gamma: float = 0.9  # discount
+    memory: int = 512  # distinct transitions the replay memory keeps
+    train_batch: int = 64  # transitions per training step
+
+
 class NA2C(Searcher):
     name = "na2c"
 
-    def __init__(self, space: SearchSpace, seed: int = 0, steps: int = 3, epsilon: float = 0.1,
-                 collect: int = 6, hidden: int = 128, lr: float = 1e-3, gamma: float = 0.9,
-                 memory: int = 512, train_batch: int = 64):
+    def __init__(self, space: SearchSpace, seed: int = 0, config: NA2CConfig = NA2CConfig()):
         require_factor_only(space, self.name)
         super().__init__(space, seed)
+        c = config
+        steps, epsilon, collect, hidden, lr, gamma, memory, train_batch = (
+            c.steps, c.epsilon, c.collect, c.hidden, c.lr, c.gamma, c.memory, c.train_batch)
         self.T, self.epsilon, self.gamma, self.train_batch = steps, epsilon, gamma, train_batch
         self.batch_size = collect
         self.knobs: list[FactorKnob] = list(space.knobs)  # type: ignore[arg-type]

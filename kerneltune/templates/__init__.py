@@ -14,10 +14,10 @@ API used by the searchers, the measurer and the pipeline:
   anchor (:func:`kerneltune.task.classify_primfunc`) *and* the CPU template can schedule it with its default
   config, so callers such as the pipeline never meet a schedule error later.
 
-Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets` (``llvm`` ->
+Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets.registry` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
-(:mod:`kerneltune.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`.  For CPU code use
-:func:`kerneltune.targets.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
+(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`.  For CPU code use
+:func:`kerneltune.targets.host.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ import tvm
 from tvm import s_tir
 
 from ..space import SearchSpace
-from .. import conv_nchwc
 from ..task import Task, classify_primfunc
-from ..targets import kind_of
-from . import cpu, cpu_nchwc, gpu
+from ..targets.registry import kind_of
+from . import conv_nchwc, cpu, cpu_nchwc, gpu
 from .common import InvalidConfig
 
 __all__ = ["space_for", "apply", "schedule", "default_config", "InvalidConfig", "template_for", "task_for"]
@@ -46,7 +45,7 @@ def _target(target) -> tvm.target.Target:
 
 
 def _template(task: Task, t: tvm.target.Target):
-    """NCHWc convolutions (a CPU layout, :mod:`kerneltune.conv_nchwc`) have their own CPU template."""
+    """NCHWc convolutions (a CPU layout, :mod:`kerneltune.templates.conv_nchwc`) have their own CPU template."""
     if task.kind == conv_nchwc.KIND:
         if t.kind.name != "llvm":
             from graphopt.errors import UserError

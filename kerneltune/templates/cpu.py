@@ -27,7 +27,7 @@ from tvm import s_tir
 
 from ..space import ChoiceKnob, SearchSpace, divisors, prime_factors
 from ..calibrate import calibrated
-from ..targets import num_cores, vector_lanes, vector_registers
+from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..prepack import PREPROC
 from ..task import Task, root_blocks
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob

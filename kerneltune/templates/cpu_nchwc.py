@@ -1,4 +1,4 @@
-"""CPU template for NCHW[x]c convolutions (:mod:`kerneltune.conv_nchwc`): NeoCPU's schedule as a search space.
+"""CPU template for NCHW[x]c convolutions (:mod:`kerneltune.templates.conv_nchwc`): NeoCPU's schedule as a search space.
 
 Loop nest (Liu et al., "Optimizing CNN Model Inference on CPUs", USENIX ATC'19, section 3.1; the levels are
 Ansor's SSRSRS tiling, Zheng et al., OSDI'20, applied to the blocked axes)::
@@ -31,7 +31,7 @@ from tvm import s_tir
 
 from ..prepack import PREPROC
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
-from ..targets import vector_lanes, vector_registers
+from ..targets.host import vector_lanes, vector_registers
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
 from .cpu import _largest_divisor_at_most, has_producers

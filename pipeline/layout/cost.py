@@ -2,7 +2,7 @@
 one layout transform of one tensor; cached on disk per CPU and thread count.
 
 Each price comes from the code the pipeline really runs: a one-operator Relax module goes through the same
-lowering (:mod:`pipeline.layout` for blocked convs), fusion (:func:`pipeline.partition.partition`) and
+lowering (:mod:`pipeline.layout.nchwc` for blocked convs), fusion (:func:`pipeline.partition.partition`) and
 scheduling (:func:`pipeline.compile.schedule`: the template's default config, or the CPU rules for a
 transform or a kernel no template covers); the scheduled kernel is built in this process (0.1-0.5 s) and
 timed with its weight packed the way the model packs it at build time.  Timing is cold, one call per
@@ -11,7 +11,7 @@ weights come from DRAM (see :mod:`kerneltune.measure`).  The price is the median
 
 Prices are cached in ``~/.cache/optimize-model/layout-<cpu>-t<threads>.json`` (``$OPTIMIZE_MODEL_CACHE``):
 a decision is taken once per machine and then read back, so the same command makes the same decision
-(:mod:`pipeline.layout_search` also leaves close calls to a fixed preference order).  :data:`VERSION` is
+(:mod:`pipeline.layout.search` also leaves close calls to a fixed preference order).  :data:`VERSION` is
 part of every key: bump it when kernels or timing change what a price means.
 """
 from __future__ import annotations
@@ -24,11 +24,14 @@ import tvm
 from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir
-from kerneltune import conv_nchwc, prepack
+from kerneltune import prepack
+from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.targets import TargetSpec, host_cpu, num_cores, tvm_num_threads
+from kerneltune.targets.host import host_cpu, num_cores
+from kerneltune.targets.registry import TargetSpec
+from kerneltune.targets.threads import tvm_num_threads
 from kerneltune.task import build_func
-from pipeline import layout
+from pipeline.layout import nchwc
 from pipeline.compile import schedule
 from pipeline.partition import partition
 
@@ -43,7 +46,7 @@ Block = "int | None"  # a channel block; None is plain NCHW
 @dataclass(frozen=True)
 class ConvOption:
     """How one conv can run: input block ``a`` and output block ``d`` (None, None: the NCHW kernel), with
-    its groups merged ``merge`` at a time first (:func:`kerneltune.conv_nchwc.merge_groups`)."""
+    its groups merged ``merge`` at a time first (:func:`kerneltune.templates.conv_nchwc.merge_groups`)."""
 
     a: int | None
     d: int | None
@@ -153,7 +156,7 @@ def conv_module(spec: conv_nchwc.ConvSpec, option: ConvOption) -> tvm.IRModule:
     blocked = replace(spec, groups=groups, ic_block=option.a, oc_block=option.d)
     mod = conv_nchwc.make_relax(blocked, "none")
     mod = relax.transform.BindParams("main", {"weight": w})(mod)
-    return layout._LowerBlockedConvs(mod).transform()
+    return nchwc._LowerBlockedConvs(mod).transform()
 
 
 def _index_map(src: int | None, dst: int | None):

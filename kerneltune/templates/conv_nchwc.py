@@ -43,8 +43,10 @@ import tvm_ffi
 from tvm import relax, te, tirx
 from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
 
-from .task import Axis, Task, _epilogue_names, _int, _io_specs, layout_free_params, root_blocks
+from ..task import Axis, Task, _epilogue_names, _int, _io_specs, layout_free_params, root_blocks
 
+# the annotation key the computes tag their anchor with: part of every task key (records), so it keeps
+# the name of this module's former home (kerneltune/conv_nchwc.py)
 ANCHOR_ATTR = "kerneltune.conv_nchwc"
 KIND = "conv2d_nchwc"
 

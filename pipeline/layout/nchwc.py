@@ -17,9 +17,9 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
    :class:`_ConvertLayoutWorkarounds`: channel ``split`` and ``squeeze`` with negative axes, whose layout
    inference is broken in TVM 0.27, rewritten into equivalents whose inference works;
 3. every conv's input and output block: :func:`heuristic_plans` (``--layout nchwc``) or the measured search of
-   :mod:`pipeline.layout_search` (``--layout auto``), over the layout classes :func:`analyze` finds;
+   :mod:`pipeline.layout.search` (``--layout auto``), over the layout classes :func:`analyze` finds;
    :class:`_MergeGroups`: grouped convs whose groups are narrower than a block get merged groups
-   (:func:`kerneltune.conv_nchwc.merge_groups`, exact);
+   (:func:`kerneltune.templates.conv_nchwc.merge_groups`, exact);
 4. Relax ``ConvertLayout`` with a per-call callback: each conv gets data ``NCHW{a}c``, kernel ``OIHW`` (the
    weight stays a logical constant; the kernel template packs it at build time) and output ``NCHW{d}c``.
    ConvertLayout's own layout inference carries the blocked layout through elementwise ops, residual adds,
@@ -28,10 +28,10 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
 5. ``FoldConstant`` (biases and BN constants are transformed once, at build time),
    ``EliminateCommonSubexpr`` (the importer's duplicated reads of one tensor each got their own transform);
 6. :class:`_LowerBlockedConvs`: every blocked ``nn.conv2d`` becomes a call of our compute
-   (:func:`kerneltune.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
+   (:func:`kerneltune.templates.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
 
 The cost-based choice per conv (NeoCPU's global search: kernel time per candidate block plus the transforms
-it implies) is :mod:`pipeline.layout_search` (``--layout auto``); :func:`heuristic_plans` is ``--layout nchwc``.
+it implies) is :mod:`pipeline.layout.search` (``--layout auto``); :func:`heuristic_plans` is ``--layout nchwc``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from kerneltune import conv_nchwc
+from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
 
 CONV = "relax.nn.conv2d"

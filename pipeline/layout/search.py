@@ -3,17 +3,17 @@
 ``--layout`` (optimize-model, bench-model, tune-kernels MODEL --list):
 
 * ``auto`` (default): the cost-based search below;
-* ``nchwc``: every conv blocked by :func:`pipeline.layout.heuristic_plans` (no measurement);
+* ``nchwc``: every conv blocked by :func:`pipeline.layout.nchwc.heuristic_plans` (no measurement);
 * ``nchw``: the model as imported.
 
 Only ``llvm`` targets have the blocked kernels; other targets and models without convolutions are left alone.
 
 The search is NeoCPU's global layout search (Liu et al., "Optimizing CNN Model Inference on CPUs", USENIX
-ATC'19, section 3.3).  The variables are the model's *layout classes* (:func:`pipeline.layout.analyze`: the
+ATC'19, section 3.3).  The variables are the model's *layout classes* (:func:`pipeline.layout.nchwc.analyze`: the
 activations elementwise ops, pools and concats tie together, e.g. a ResNet stage's residual stream), each
 with candidate layouts: NCHW and the blocks that divide its channels (the vector width, half of it, the
 channels' own block, the group width of a grouped conv it feeds).  The costs, all measured
-(:mod:`pipeline.layout_cost`, cached per CPU):
+(:mod:`pipeline.layout.cost`, cached per CPU):
 
 * per conv, between its input and output classes: for each pair of class layouts, the cheapest way to run
   it - a blocked kernel in those blocks, or another kernel (NCHW, other blocks, merged groups) plus the
@@ -21,7 +21,7 @@ channels' own block, the group width of a grouped conv it feeds).  The costs, al
 * per class: the transforms at its edges (model inputs and outputs, ops that keep NCHW such as a
   classifier's flatten) when it is blocked.
 
-That is a PBQP (:mod:`pipeline.pbqp`): exact on chains and on series-parallel graphs such as ResNet's
+That is a PBQP (:mod:`pipeline.layout.pbqp`): exact on chains and on series-parallel graphs such as ResNet's
 residual blocks, a greedy step elsewhere.  Close calls are not left to timing noise: each kernel's cost is
 scaled by ``1 + MARGIN * rank`` (rank 0 for the blocks the heuristic would pick, 1 for other blocks, 2 for the
 NCHW kernel and merged groups), so an alternative must win by more than the margin, and ties go to the
@@ -37,10 +37,11 @@ import numpy as np
 import tvm
 
 from graphopt.errors import UserError
-from kerneltune.targets import TargetSpec, vector_lanes
-from pipeline import layout, pbqp
-from pipeline.layout_cost import ConvOption, Pricer
-from pipeline.layout_modes import LAYOUTS
+from kerneltune.targets.host import vector_lanes
+from kerneltune.targets.registry import TargetSpec
+from pipeline.layout import nchwc, pbqp
+from pipeline.layout.cost import ConvOption, Pricer
+from pipeline.layout.modes import LAYOUTS
 from pipeline.partition import Partition, partition
 
 log = logging.getLogger(__name__)
@@ -49,20 +50,20 @@ MARGIN = 0.05
 MAX_MERGE = 4  # merged groups cost ``merge``x the FLOPs: beyond 4x not worth pricing
 
 
-def candidates(cls: layout.TensorClass, lanes: int, touched: bool) -> list[int | None]:
+def candidates(cls: nchwc.TensorClass, lanes: int, touched: bool) -> list[int | None]:
     """A class's candidate layouts, preferred first: blocks that divide its channels (vector width, half of
-    it, its own :func:`~pipeline.layout.channel_block`, the group widths of grouped convs at it), then NCHW.
+    it, its own :func:`~pipeline.layout.nchwc.channel_block`, the group widths of grouped convs at it), then NCHW.
     A class no conv reads or writes stays NCHW (ConvertLayout only starts from convs)."""
     if not touched or cls.channels <= 0:
         return [None]
     out: list[int | None] = []
-    for b in (layout.channel_block(cls.channels, lanes), lanes, lanes // 2, *sorted(cls.group_widths, reverse=True)):
+    for b in (nchwc.channel_block(cls.channels, lanes), lanes, lanes // 2, *sorted(cls.group_widths, reverse=True)):
         if 2 <= b <= lanes and cls.channels % b == 0 and b not in out:
             out.append(b)
     return out + [None]
 
 
-def conv_options(site: layout.ConvSite, a_cands, d_cands) -> list[ConvOption]:
+def conv_options(site: nchwc.ConvSite, a_cands, d_cands) -> list[ConvOption]:
     """Every kernel the conv can run as: NCHW, and each pair of candidate blocks its compute accepts."""
     opts = [ConvOption(None, None)]
     spec = site.spec
@@ -72,8 +73,8 @@ def conv_options(site: layout.ConvSite, a_cands, d_cands) -> list[ConvOption]:
         for d in d_cands:
             if a is None or d is None:
                 continue
-            p = layout.plan(spec.c, spec.f, spec.groups, a, d, "merge")
-            if isinstance(p, layout.ConvPlan) and p.merge <= MAX_MERGE:
+            p = nchwc.plan(spec.c, spec.f, spec.groups, a, d, "merge")
+            if isinstance(p, nchwc.ConvPlan) and p.merge <= MAX_MERGE:
                 opts.append(ConvOption(a, d, p.merge))
     return opts
 
@@ -82,7 +83,7 @@ def conv_options(site: layout.ConvSite, a_cands, d_cands) -> list[ConvOption]:
 class _Edge:
     """One conv's cost matrix over (input class layout, output class layout) and the option behind each."""
 
-    site: layout.ConvSite
+    site: nchwc.ConvSite
     matrix: np.ndarray
     best: list[list[ConvOption]]
 
@@ -104,11 +105,11 @@ def realizable(opt: ConvOption, lp: int | None, lq: int | None) -> bool:
     return lq is not None and opt.d == lq and (lp is None or opt.a == lp)
 
 
-def _conv_edge(site: layout.ConvSite, cin, cout, lanes: int, graph: layout.LayoutGraph, pricer: Pricer) -> _Edge:
+def _conv_edge(site: nchwc.ConvSite, cin, cout, lanes: int, graph: nchwc.LayoutGraph, pricer: Pricer) -> _Edge:
     spec = site.spec
     opts = conv_options(site, cin, cout)
-    preferred = (layout.channel_block(graph.classes[site.inp].channels, lanes),
-                 layout.channel_block(graph.classes[site.out].channels, lanes))
+    preferred = (nchwc.channel_block(graph.classes[site.inp].channels, lanes),
+                 nchwc.channel_block(graph.classes[site.out].channels, lanes))
     kernel = {o: (pricer.conv(spec, o) if spec is not None else 0.0) * (1 + MARGIN * _rank(o, preferred))
               for o in opts}
     m = np.zeros((len(cin), len(cout)))
@@ -124,11 +125,11 @@ def _conv_edge(site: layout.ConvSite, cin, cout, lanes: int, graph: layout.Layou
 
 @dataclass
 class Decision:
-    plans: layout._Plans
+    plans: nchwc._Plans
     summary: dict
 
 
-def search(graph: layout.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
+def search(graph: nchwc.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
     """Each conv's layout (see the module docstring), and a summary for report.json."""
     t0, looked_up, measured = time.perf_counter(), pricer.looked_up, pricer.measured
     touched = {s.inp for s in graph.convs} | {s.out for s in graph.convs}
@@ -144,7 +145,7 @@ def search(graph: layout.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
         edges.append(e)
     pricer.flush()
     pick = pbqp.solve(problem)
-    plans = layout._Plans()
+    plans = nchwc._Plans()
     for e in edges:
         o = e.best[pick[e.site.inp]][pick[e.site.out]]
         if e.site.spec is None:
@@ -152,12 +153,12 @@ def search(graph: layout.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
         elif o.nchw:
             plans.set(e.site.weight, "the NCHW kernel (with its transforms) priced cheaper")
         else:
-            plans.set(e.site.weight, layout.ConvPlan(o.a, o.d, o.merge))
+            plans.set(e.site.weight, nchwc.ConvPlan(o.a, o.d, o.merge))
 
     def select(layout_of) -> list[int]:
         return [c.index(layout_of(i)) if layout_of(i) in c else len(c) - 1 for i, c in enumerate(cands)]
 
-    heuristic = select(lambda i: layout.channel_block(graph.classes[i].channels, lanes) if i in touched else None)
+    heuristic = select(lambda i: nchwc.channel_block(graph.classes[i].channels, lanes) if i in touched else None)
     blocks: dict[str, int] = {}
     for i in sorted(touched):
         name = "nchw" if cands[i][pick[i]] is None else f"{cands[i][pick[i]]}c"
@@ -175,31 +176,31 @@ def search(graph: layout.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
 
 
 def has_convs(mod: tvm.IRModule) -> bool:
-    return any(layout._is_op(b.value, layout.CONV) for blk in mod["main"].body.blocks for b in blk.bindings)
+    return any(nchwc._is_op(b.value, nchwc.CONV) for blk in mod["main"].body.blocks for b in blk.bindings)
 
 
 def convert(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto",
-            pricer: Pricer | None = None) -> tuple[tvm.IRModule, layout.LayoutReport]:
+            pricer: Pricer | None = None) -> tuple[tvm.IRModule, nchwc.LayoutReport]:
     """The module in the layouts ``mode`` asks for (see the module docstring), and what was done."""
     if mode not in LAYOUTS:
         raise UserError(f"--layout {mode}: use one of {', '.join(LAYOUTS)}")
     if mode == "nchw" or spec.kind != "llvm" or "main" not in mod or not has_convs(mod):
-        return mod, layout.LayoutReport(mode="nchw")
+        return mod, nchwc.LayoutReport(mode="nchw")
     lanes = vector_lanes(spec.target, "float32")
     if mode == "nchwc" or (pricer is None and not spec.can_run):
         # a target built here but run elsewhere (a cross build) cannot be priced: the heuristic blocks
-        out, report = layout.to_nchwc(mod, lanes)
+        out, report = nchwc.to_nchwc(mod, lanes)
         if mode == "auto":
             report.search = {"skipped": "the target does not run here: heuristic blocks, no prices"}
         return out, report
     pricer = pricer or Pricer(spec)
     decisions: list[Decision] = []
 
-    def planner(graph: layout.LayoutGraph) -> layout._Plans:
+    def planner(graph: nchwc.LayoutGraph) -> nchwc._Plans:
         decisions.append(search(graph, lanes, pricer))
         return decisions[-1].plans
 
-    out, report = layout.to_nchwc(mod, lanes, planner=planner)
+    out, report = nchwc.to_nchwc(mod, lanes, planner=planner)
     report.mode = "auto"
     report.search = decisions[0].summary
     return out, report
@@ -210,7 +211,7 @@ def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> 
 
     The blocked layout is an optimization: where TVM's ``ConvertLayout`` rejects a plan (an internal check
     in its layout inference, or a ValueError from type-checking the IR its layout inference wrote, as its
-    ``split`` did), the convs whose blocked layout it cannot carry stay NCHW (:func:`layout.realize_locally`);
+    ``split`` did), the convs whose blocked layout it cannot carry stay NCHW (:func:`nchwc.realize_locally`);
     only when even that fails (or any other step of the stage) does the model run as imported, in NCHW, and
     the report says why, rather than the user getting no model at all."""
     try:
@@ -218,7 +219,7 @@ def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> 
     except (tvm.error.InternalError, ValueError) as exc:
         first = next((ln for ln in str(exc).splitlines() if "Check failed" in ln), str(exc).splitlines()[0])
         log.warning("warning: the NCHWc layout pass failed (%s); the model runs in NCHW", first.strip()[:200])
-        converted, report = mod, layout.LayoutReport(mode="nchw", failed=f"{mode}: {first.strip()[:200]}")
+        converted, report = mod, nchwc.LayoutReport(mode="nchw", failed=f"{mode}: {first.strip()[:200]}")
     part = partition(converted)
     part.layout = report.to_json()
     return part

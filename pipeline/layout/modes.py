@@ -1,4 +1,4 @@
-"""The ``--layout`` choices (what they do: :mod:`pipeline.layout_search`); here so the CLIs' ``--help`` and
+"""The ``--layout`` choices (what they do: :mod:`pipeline.layout.search`); here so the CLIs' ``--help`` and
 argument checks load no TVM."""
 
 LAYOUTS = ("auto", "nchwc", "nchw")

@@ -1,0 +1,77 @@
+"""report.md, the human-readable summary of an optimize-model build's report.json, and the one line the CLI
+prints when the shipped build is slower than onnxruntime.  Pure formatting of the report's dict: no TVM."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def slower_warning(latency: dict[str, Any], tuned: bool) -> str | None:
+    """The one line optimize-model prints when the build it ships is slower than onnxruntime end to end
+    (never silently slower), with what to try."""
+    if not latency.get("slower_than_onnxruntime"):
+        return None
+    hint = ("tune longer (more --trials) or try --layout nchwc" if tuned else
+            "tune it (--trials 500 is a start) or try --layout nchwc for a CNN")
+    return (f"warning: this build runs {latency['compiled_ms']} ms per inference, onnxruntime "
+            f"{latency['onnxruntime_ms']} ms: slower than onnxruntime on this CPU; {hint}")
+
+
+# report.json facts that are times, by name: the unit report.md prints them in.
+_SECONDS_FACTS = ("cost_before", "cost_after")  # the graph stage's cost model prices in seconds
+
+
+def _fact(key: str, value: Any) -> str:
+    """``key=value`` with the unit of a time: milliseconds for latencies, seconds for durations."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        words = key.split("_")
+        if "ms" in words:  # kernel_ms_after, e2e_ms_before, onnxruntime_ms
+            return f"{key}={_ms(value)}"
+        if key in _SECONDS_FACTS:
+            return f"{key}={_ms(value * 1e3)}"
+        if "s" in words or "seconds" in words:
+            return f"{key}={value:.2f} s"
+    return f"{key}={value}"
+
+
+def _ms(value: float | None) -> str:
+    """Milliseconds to 4 significant digits (a 2 us kernel and a 120 ms model alike)."""
+    return "-" if value is None else f"{value:.4g} ms"
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """A human-readable summary of report.json: every time with its unit, the end-to-end latency first."""
+    lines = [f"# optimize-model: {report['model']} on {report['target']}", ""]
+    lat = report.get("latency") or {}
+    if lat.get("measured"):
+        speedup = f"{lat['speedup']:.2f}x" if lat.get("speedup") else "-"
+        threads = f"{lat['threads']} thread{'s' * (lat['threads'] != 1)}"
+        lines += ["## End-to-end latency", "",
+                  f"- compiled model (model.so): **{_ms(lat['compiled_ms'])}** per inference "
+                  f"(best {_ms(lat['compiled_min_ms'])})",
+                  f"- onnxruntime on the input model: {_ms(lat['onnxruntime_ms'])} "
+                  f"(best {_ms(lat['onnxruntime_min_ms'])})",
+                  f"- speed-up over onnxruntime: {speedup} ({threads}; {lat['runs']} runs each, {lat['timer']}; "
+                  "`bench-model` for a longer comparison)", ""]
+    elif lat:
+        lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
+    lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
+    for name, st in report["stages"].items():
+        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
+        lines.append(f"| {name} | {st['time_s']:.2f} s | {facts} |")
+    tune = report["stages"].get("tune", {})
+    if tune.get("e2e"):
+        e2e = tune["e2e"]
+        ms = (f"; default build {_ms(e2e['default_ms'])}, tuned build {_ms(e2e['tuned_ms'])}"
+              if e2e.get("tuned_ms") is not None else "")
+        lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
+    if tune.get("tasks"):
+        lines += ["", "## Tuned tasks", "", "| idx | task | weight | trials | default | best |",
+                  "|---|---|---|---|---|---|"]
+        for t in tune["tasks"]:
+            lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {_ms(t['default_ms'])} "
+                         f"| {_ms(t['best_ms'])} |")
+    lines += ["", "## Kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
+    for t in report["tasks"]:
+        lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {t['flops'] / 1e9:.4f} | {t['schedule']} "
+                     f"| {t['name']} |")
+    return "\n".join(lines) + "\n"
