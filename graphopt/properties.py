@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -52,10 +52,20 @@ PARAM_VALUES: dict[str, tuple] = {
 
 
 @dataclass(frozen=True)
+class Cond:
+    """A side condition on a property's parameters, in its two forms kept together: ``python`` (dict param ->
+    value -> bool) decides which concrete parameter values validation tries, ``z3`` ((dict param -> Z3 Int,
+    rank fn) -> BoolRef) guards the axiom."""
+
+    python: Callable[[dict], bool]
+    z3: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class Property:
     """``lhs == rhs`` for all tensors of the given ranks (``ranks``: var -> rank; vars in ``guard`` also get a
-    Z3 rank guard) and all parameter values satisfying ``cond`` (a Python predicate for validation, mirrored
-    by ``z3_cond`` for the axiom).  ``tree_vars`` are tensors that a ``split`` reads: when validating they are
+    Z3 rank guard) and all parameter values satisfying ``cond`` (a :class:`Cond`: its Python predicate for
+    validation, its Z3 form for the axiom).  ``tree_vars`` are tensors that a ``split`` reads: when validating they are
     built as a concat along ``$a`` of two fresh tensors (TASO's split-tree semantics)."""
 
     name: str
@@ -63,17 +73,15 @@ class Property:
     rhs: Any
     ranks: tuple[tuple[str, int], ...]
     guard: tuple[str, ...] = ()
-    cond: Any = None      # python: dict param -> value -> bool
-    z3_cond: Any = None   # z3: (dict param -> z3 Int, rank fn) -> BoolRef
+    cond: Cond | None = None
     tree_vars: tuple[str, ...] = ()
     origin: str = "taso"  # "taso" (TASO's table 2) or "ours" (transformer and bias ops)
     triggers: tuple = ()  # extra Z3 multi-patterns (tuples of terms), e.g. "both halves of a split exist"
 
 
-def P(name, lhs, rhs, origin="taso", guard=(), cond=None, z3_cond=None, tree_vars=(), triggers=(),
-      **ranks) -> Property:
-    return Property(name, lhs, rhs, tuple(sorted(ranks.items())), tuple(guard), cond, z3_cond, tuple(tree_vars),
-                    origin, tuple(triggers))
+def P(name, lhs, rhs, origin="taso", guard=(), cond=None, tree_vars=(), triggers=(), **ranks) -> Property:
+    return Property(name, lhs, rhs, tuple(sorted(ranks.items())), tuple(guard), cond, tuple(tree_vars), origin,
+                    tuple(triggers))
 
 
 N = dict(act="none")
@@ -163,7 +171,7 @@ def _build() -> list[Property]:
         add(P(f"{pool}_concat", E(pool, E("concat", "x", "y", axis="$a"), kernel="$k", stride="$s", pad="$p"),
               E("concat", E(pool, "x", kernel="$k", stride="$s", pad="$p"),
                 E(pool, "y", kernel="$k", stride="$s", pad="$p"), axis="$a"),
-              x=4, y=4, cond=lambda v: v["$a"] <= 1, z3_cond=lambda v, rank: v["$a"] <= 1))
+              x=4, y=4, cond=Cond(lambda v: v["$a"] <= 1, lambda v, rank: v["$a"] <= 1)))
     # ---- matmul --------------------------------------------------------------------------------------
     add(P("matmul_assoc", E("matmul", E("matmul", "x", "y"), "z"), E("matmul", "x", E("matmul", "y", "z")),
           x=2, y=2, z=2))
@@ -184,7 +192,7 @@ def _build() -> list[Property]:
               guard=("x",), x=r, y=2, z=2, origin=org))
         add(P(f"matmul_concat_rows_r{r}", E("concat", E("matmul", "x", "y"), E("matmul", "z", "y"), axis="$a"),
               E("matmul", E("concat", "x", "z", axis="$a"), "y"), guard=("x",), x=r, y=2, z=r,
-              cond=lambda v, r=r: v["$a"] <= r - 2, z3_cond=lambda v, rank, r=r: v["$a"] <= r - 2, origin="ours"))
+              cond=Cond(lambda v, r=r: v["$a"] <= r - 2, lambda v, rank, r=r: v["$a"] <= r - 2), origin="ours"))
     # ---- batched matmul (attention) ------------------------------------------------------------------
     add(P("bmatmul_assoc", E("bmatmul", E("bmatmul", "x", "y"), "z"), E("bmatmul", "x", E("bmatmul", "y", "z")),
           x=3, y=3, z=3, origin="ours"))
@@ -217,7 +225,7 @@ def _build() -> list[Property]:
     add(P("concat_interchange", E("concat", E("concat", "x", "y", axis="$b"), E("concat", "z", "w", axis="$b"),
                                   axis="$a"),
           E("concat", E("concat", "x", "z", axis="$a"), E("concat", "y", "w", axis="$a"), axis="$b"),
-          x=3, y=3, z=3, w=3, cond=lambda v: v["$a"] != v["$b"], z3_cond=lambda v, rank: v["$a"] != v["$b"]))
+          x=3, y=3, z=3, w=3, cond=Cond(lambda v: v["$a"] != v["$b"], lambda v, rank: v["$a"] != v["$b"])))
     add(P("split0_concat", E("split", E("concat", "x", "y", axis="$a"), axis="$a", out=0), "x", x=2, y=2))
     add(P("split1_concat", E("split", E("concat", "x", "y", axis="$a"), axis="$a", out=1), "y", x=2, y=2))
     add(P("concat_split", E("concat", E("split", "x", axis="$a", out=0), E("split", "x", axis="$a", out=1),
@@ -227,11 +235,11 @@ def _build() -> list[Property]:
     add(P("bias_concat", E("concat", E("bias_add", "x", "b"), E("bias_add", "y", "d"), axis="$a"),
           E("bias_add", E("concat", "x", "y", axis="$a"), E("concat", "b", "d", axis="$b")),
           x=3, y=3, b=1, d=1,
-          cond=lambda v: v["$a"] - v["$b"] == 2, z3_cond=lambda v, rank: v["$a"] - v["$b"] == rank("x") - rank("b"),
+          cond=Cond(lambda v: v["$a"] - v["$b"] == 2, lambda v, rank: v["$a"] - v["$b"] == rank("x") - rank("b")),
           origin="ours"))
     add(P("bias_concat_shared", E("concat", E("bias_add", "x", "b"), E("bias_add", "y", "b"), axis="$a"),
           E("bias_add", E("concat", "x", "y", axis="$a"), "b"), x=3, y=3, b=1,
-          cond=lambda v: v["$a"] < 2, z3_cond=lambda v, rank: v["$a"] < rank("x") - rank("b"), origin="ours"))
+          cond=Cond(lambda v: v["$a"] < 2, lambda v, rank: v["$a"] < rank("x") - rank("b")), origin="ours"))
     add(P("bias_ewadd", E("bias_add", E("ewadd", "x", "y"), "b"), E("ewadd", E("bias_add", "x", "b"), "y"),
           x=3, y=3, b=1, origin="ours"))
     add(P("bias_comm", E("bias_add", E("bias_add", "x", "b"), "d"), E("bias_add", E("bias_add", "x", "d"), "b"),
@@ -347,8 +355,8 @@ def z3_axiom(prop: Property, env: Any):
     _equal_rank_vars(prop.lhs, parent)
     _equal_rank_vars(prop.rhs, parent)
     conds += [env.rank(tvars[v]) == env.rank(tvars[_find(parent, v)]) for v in parent if _find(parent, v) != v]
-    if prop.z3_cond is not None:
-        conds.append(prop.z3_cond(ivars, lambda v: env.rank(tvars[v])))
+    if prop.cond is not None:
+        conds.append(prop.cond.z3(ivars, lambda v: env.rank(tvars[v])))
     body = lhs == rhs if not conds else z3.Implies(z3.And(*conds), lhs == rhs)
     patterns = [s for s, side in ((lhs, prop.lhs), (rhs, prop.rhs))
                 if isinstance(side, Term) and set(tensor_vars(side)) == set(names)
@@ -396,7 +404,7 @@ def _instances(prop: Property, per_params: int, rng: random.Random) -> Iterator[
     ranks = dict(prop.ranks)
     for combo in itertools.product(*(PARAM_VALUES[p] for p in pv)):
         pvals = dict(zip(pv, combo))
-        if prop.cond is not None and not prop.cond(pvals):
+        if prop.cond is not None and not prop.cond.python(pvals):
             continue
         found: list[dict] = []
         for _ in range(1500):

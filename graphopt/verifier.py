@@ -178,8 +178,8 @@ def redundant_properties(properties: Sequence[Property] = PROPERTIES, timeout_ms
         s.add(others)
         s.add([env.rank(tvars[v]) == dict(p.ranks)[v] for v in p.guard])
         s.add([env.rank(tvars[v]) == r for v, r in p.ranks])  # a concrete instance of the property's ranks
-        if p.z3_cond is not None:
-            s.add(p.z3_cond(ivars, lambda v: env.rank(tvars[v])))
+        if p.cond is not None:
+            s.add(p.cond.z3(ivars, lambda v: env.rank(tvars[v])))
         s.add(z3_term(p.lhs, env, tvars, ivars) != z3_term(p.rhs, env, tvars, ivars))
         if s.check() == z3.unsat:
             out.append(p.name)
