@@ -31,7 +31,7 @@ from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.validate import TensorSize, check_memory, check_threads
 from kerneltune.baseline import numpy_baseline
 from kerneltune.records import RecordLog
-from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, make_searcher
+from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, check_searcher, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
 from kerneltune.targets.host import default_threads
 from kerneltune.targets.parse import TARGET_HELP, build_spec, check_name
@@ -89,8 +89,7 @@ def _check_operator_args(args: argparse.Namespace) -> TargetRequest:
         raise UserError("--shape is required (" + ", ".join(f"{k.shape} for {k.name}" for k in OP_KINDS.values())
                         + ")")
     dims = parse_shape(args.op, args.shape)
-    if args.searcher not in SEARCHERS:
-        raise UserError(f"unknown searcher {args.searcher!r}; use one of {', '.join(sorted(SEARCHERS))}")
+    check_searcher(args.searcher)
     if args.trials <= 0:
         raise UserError("--trials must be positive")
     shapes = operand_shapes(args.op, dims, args.stride or 1, args.pad or 0, args.groups or 1)

@@ -22,7 +22,7 @@ from graphopt.errors import UserError
 from graphopt.onnx_io import InputShapes
 from kerneltune.records import RecordLog
 from kerneltune.scheduler import SCHEDULERS
-from kerneltune.searchers import SEARCHERS
+from kerneltune.searchers import check_searcher
 from kerneltune.targets.parse import build_spec, check_name
 from kerneltune.targets.registry import TargetRequest
 
@@ -54,7 +54,9 @@ class TuneOptions:
             return "trials"
         if self.scheduler not in SCHEDULERS:
             return "scheduler"
-        if self.searcher not in SEARCHERS:
+        try:
+            check_searcher(self.searcher)
+        except UserError:
             return "searcher"
         return None
 
@@ -66,7 +68,7 @@ class TuneOptions:
         if bad == "scheduler":  # argparse's choices refuse it first on the command lines
             raise UserError(f"--scheduler {self.scheduler!r}: use one of {', '.join(SCHEDULERS)}")
         if bad == "searcher":
-            raise UserError(f"unknown searcher {self.searcher!r}; use one of {', '.join(SEARCHERS)}")
+            check_searcher(self.searcher)
         return self
 
 

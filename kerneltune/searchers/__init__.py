@@ -21,16 +21,21 @@ SEARCHERS: dict[str, type[Searcher]] = {c.name: c for c in (OpEvo, GBFS, NA2C, R
 FACTOR_ONLY = {"gbfs", "na2c"}
 
 
+def check_searcher(name: str) -> None:
+    """The one check of a searcher name (the CLIs, the Python API and :func:`make_searcher` call it)."""
+    if name not in SEARCHERS:
+        raise UserError(f"unknown searcher {name!r}; use one of {', '.join(sorted(SEARCHERS))}")
+
+
 def make_searcher(name: str, space: SearchSpace, seed: int = 0, fixed: Config | None = None,
                   **opts: Any) -> Searcher:
     """Build searcher ``name``; with ``fixed`` and a factor-only searcher, non-factor knobs stay at ``fixed``."""
-    if name not in SEARCHERS:
-        raise UserError(f"unknown searcher '{name}'; choose one of {sorted(SEARCHERS)}")
+    check_searcher(name)
     cls = SEARCHERS[name]
     if name in FACTOR_ONLY and fixed is not None and not space.factor_only:
         return FixedKnobs(space, fixed, lambda sub: cls(sub, seed, **opts), seed)
     return cls(space, seed, **opts)
 
 
-__all__ = ["FACTOR_ONLY", "SEARCHERS", "FixedKnobs", "GBFS", "NA2C", "OpEvo", "RandomSearch", "Searcher",
+__all__ = ["FACTOR_ONLY", "SEARCHERS", "FixedKnobs", "check_searcher", "GBFS", "NA2C", "OpEvo", "RandomSearch", "Searcher",
            "make_searcher"]
