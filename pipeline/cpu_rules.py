@@ -199,7 +199,7 @@ class RowReduction(CPUScheduleRule):
             return None
         try:
             return self._schedule(s_tir.Schedule(func), target)
-        except tvm.error.TVMError:  # a form the primitives refuse (a reducer rfactor cannot split): dlight's
+        except RuntimeError:  # a ScheduleError (a reducer rfactor cannot split): dlight's Reduction rule next
             return None
 
     def _schedule(self, sch: s_tir.Schedule, target: Target) -> s_tir.Schedule | None:
@@ -279,7 +279,7 @@ class LaneReduction(CPUScheduleRule):
         for info in infos[:infos.index(red)]:  # producers (a pool's padding): read through, in the reduction
             try:
                 sch.compute_inline(info.block_rv)
-            except tvm.error.TVMError:
+            except RuntimeError:  # ScheduleError (tvm.error.TVMError is gone in 0.27)
                 return None
         infos = infos[infos.index(red):]
         kinds = red.dom_kind()
