@@ -20,7 +20,8 @@ from graphopt.library import add_rules_parser
 from graphopt.onnx_io import parse_input_shapes, save_model
 from graphopt.roundtrip import roundtrip
 from graphopt.stage import E2E_MARGIN, E2E_RUNS, GraphStageOptions, optimize_onnx
-from graphopt.validate import ModelInput, check_model, check_threads
+from graphopt.limits import check_threads
+from graphopt.validate import ModelInput, check_model
 
 
 @dataclass(frozen=True)

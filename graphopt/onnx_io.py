@@ -34,7 +34,7 @@ InputShapes = dict[str, tuple[int, ...]]
 
 
 # Largest dimension --input-shape takes: ONNX stores dims as int64; anything near that is refused here, and
-# sizes the machine cannot hold are refused by the memory estimate (graphopt.validate.check_memory).
+# sizes the machine cannot hold are refused by the memory estimate (graphopt.limits.check_memory).
 MAX_DIM = 2**62
 
 

@@ -15,6 +15,10 @@ Application is a local edit on a copy of the graph:
 Constant folding (:func:`graphopt.cleanup.fold_constants`) runs once on the final graph, not per rewrite:
 during search the concatenation of two weights stays a node (so later rules can match on it, e.g. a third
 matmul joining the merged pair) but costs nothing, since the cost model prices weight-only nodes at zero.
+
+Rewriting knows nothing of cost (as egg keeps cost in ``extract.rs``, out of ``rewrite.rs``): what a
+target pattern will cost once built - which of its nodes are folded or fused - is the cost side's
+(:meth:`graphopt.cost.base.CostModel.pattern_cost`), which the search asks when it prices a candidate.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphopt import ops
-from graphopt.cost.analysis import ELEMENTWISE_OPS, FUSION_ANCHOR_OPS
 from graphopt.ir import Graph, Node, TensorInfo
 from graphopt.match import GraphIndex, Match, _ref
 
@@ -43,8 +46,6 @@ class TargetNode:
     params: dict[str, Any]
     in_shapes: list[Shape]
     out_shapes: list[Shape]
-    constant: bool  # computes only from weights: folded before export, so it costs nothing
-    fused: bool = False  # element-wise op on the single use of a fusable target node's output
 
 
 @dataclass
@@ -56,22 +57,19 @@ class Plan:
     src_outputs: list[str] = field(default_factory=list)
 
 
-def target_plan(match: Match, index: GraphIndex, constants: set[str] | None = None) -> Plan:
-    """Shapes (and weight-only-ness) of every target node; raises :class:`RewriteError` if invalid."""
+def target_plan(match: Match, index: GraphIndex) -> Plan:
+    """Shapes of every target node; raises :class:`RewriteError` if invalid."""
     rule, graph = match.rule, index.graph
     bind = match.binding()
-    constants = constants or set()
     src_outputs = [match.tensor(o, index) for o in rule.src.outputs]
     out_info = graph.tensor(src_outputs[0]) if src_outputs else None
     dtype = out_info.dtype if out_info is not None else "float32"
     shapes: dict[str, Shape] = {}
-    const: dict[str, bool] = {}
     for x, t in bind.items():
         s = graph.shape(t)
         if s is None or not all(isinstance(d, int) for d in s):
             raise RewriteError(f"input {t} has no static shape")
         shapes[x] = tuple(s)  # type: ignore[arg-type]
-        const[x] = t in constants
     nodes: list[TargetNode] = []
     for j, pn in enumerate(rule.dst.nodes):
         refs = []
@@ -85,12 +83,9 @@ def target_plan(match: Match, index: GraphIndex, constants: set[str] | None = No
             outs = [tuple(s) for s in ops.infer_shape(pn.op, params, in_shapes)]
         except ValueError as exc:
             raise RewriteError(str(exc)) from None
-        shape_only = set(getattr(ops.REGISTRY.get(pn.op), "shape_inputs", ()) or ())
-        is_const = all(const[r] for k, r in enumerate(refs) if k not in shape_only)
         for k, s in enumerate(outs):
             shapes[f"n{j}:{k}"] = s
-            const[f"n{j}:{k}"] = is_const
-        nodes.append(TargetNode(pn.op, params, in_shapes, outs, is_const, _fused_in_target(rule.dst, j)))
+        nodes.append(TargetNode(pn.op, params, in_shapes, outs))
     for r, t in zip(rule.dst.outputs, src_outputs):
         have = graph.shape(t)
         if r not in shapes or have is None or tuple(have) != shapes[r]:
@@ -117,24 +112,6 @@ def creates_cycle(match: Match, index: GraphIndex) -> bool:
             continue
         seen.add(n)
         stack.extend(index.producer[t][0] for t in index.nodes[n].inputs if t in index.producer)
-    return False
-
-
-def _fused_in_target(pattern, j: int) -> bool:
-    """Target node ``j`` is element-wise and reads the only use of a fusable target node's output (the
-    pattern-local version of :func:`graphopt.cost.analysis.fused_epilogue`, for estimating a rewrite's cost)."""
-
-    if pattern.nodes[j].op not in ELEMENTWISE_OPS:
-        return False
-    uses: dict[str, int] = {}
-    for pn in pattern.nodes:
-        for r in pn.inputs:
-            uses[r] = uses.get(r, 0) + 1
-    for r in pattern.nodes[j].inputs:
-        ref = _ref(r)
-        if (ref is not None and pattern.nodes[ref[0]].op in FUSION_ANCHOR_OPS and uses[r] == 1
-                and r not in pattern.outputs):
-            return True
     return False
 
 

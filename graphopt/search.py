@@ -9,8 +9,9 @@ hash; the search stops after ``budget`` dequeued graphs, ``time_limit`` seconds,
 Two things make it fast enough for BERT-base (~1000 nodes, hundreds of matches per graph):
 
 * *lazy children*: a queue entry is (parent graph, match) with the child's cost known exactly from the
-  parent's cost plus the rewrite's cost delta (target nodes priced from inferred shapes minus the matched
-  nodes' costs) - only dequeued entries are built, copied and hashed;
+  parent's cost plus the rewrite's cost delta (the target pattern priced by the cost model from the shapes
+  the rewriter infers, :meth:`graphopt.cost.base.CostModel.pattern_cost`, minus the matched nodes' costs) -
+  only dequeued entries are built, copied and hashed;
 * *incremental matching*: a child inherits its parent's matches except those touching what the rewrite
   changed, and re-matches only around the changed nodes (:meth:`RuleIndex.matches_around`); costs are
   re-priced only for the changed nodes and the readers of values whose producer or readers changed;
@@ -86,13 +87,14 @@ class Searcher:
     def _delta(self, match: Match, state_index: GraphIndex, node_cost: dict[str, float],
                constants: set[str]) -> float | None:
         try:
-            plan = target_plan(match, state_index, constants)
+            plan = target_plan(match, state_index)
         except RewriteError:
             return None
         if creates_cycle(match, state_index):
             return None
-        new = sum(self.cost.op_cost(t.op, t.params, t.in_shapes, plan.dtype) for t in plan.nodes
-                  if not t.constant and not (self.cost.fusion and t.fused))
+        weights = {x for x, t in match.binding().items() if t in constants}
+        new = self.cost.pattern_cost(match.rule.dst, [(t.op, t.params, t.in_shapes) for t in plan.nodes], plan.dtype,
+                                     weights)
         return new - sum(node_cost[n] for n in match.nodes)
 
     def _priced(self, matches: list[Match], index: GraphIndex, node_cost: dict[str, float],

@@ -18,6 +18,9 @@ internal error, a ``RecursionError`` or a wrong success.  In order, cheapest fir
 7. an onnxruntime session on the model (it is the reference every check compares with: a model it rejects
    cannot be checked), unknown custom-domain operators named.
 
+What the machine allows (a thread count, the memory estimate against this machine's memory) is checked by
+:mod:`graphopt.limits`, which needs no ONNX: kerneltune's single-operator mode uses it too.
+
 No TVM here: a bad file must fail in well under a second.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ import onnx
 from onnx import helper, shape_inference
 
 from graphopt.errors import UserError
+from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
 from graphopt.onnx_io import SUPPORTED_DTYPES, InputShapes, apply_input_shapes, load_model, require_static_inputs
 
 # The newest IR version onnxruntime 1.31 reads; the pinned onnx writes 14 by default (onnx.IR_VERSION), so a
@@ -64,8 +68,9 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     """Run every check (module docstring) on the model at ``path``; a UserError for the first that fails."""
     with contextlib.suppress(OSError):  # a missing file is load_model's to report
         if Path(path).stat().st_size > (memory_limit or memory_limit_bytes()):
-            raise UserError(f"{str(path)!r} is {_gb(Path(path).stat().st_size)}, more than this machine's "
-                            f"{_gb(memory_limit or memory_limit_bytes())} of memory: it cannot be loaded here")
+            limit = memory_limit or memory_limit_bytes()
+            raise UserError(f"{str(path)!r} is {format_bytes(Path(path).stat().st_size)}, more than this machine's "
+                            f"{format_bytes(limit)} of memory: it cannot be loaded here")
     proto = load_model(path)
     name = Path(path).name
     check_structure(proto.graph)
@@ -90,15 +95,6 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     check_onnxruntime(proto, path)
     samples = load_inputs(inputs_file, headers) if inputs_file else None  # last: the memory check passed them
     return ModelInput(str(path), proto, shapes, samples, memory)
-
-
-def check_threads(threads: int | None, option: str = "--threads") -> int | None:
-    """A positive thread count this machine can sensibly run (a huge one makes TVM's pool and onnxruntime
-    start that many threads); None stays None (the caller's default)."""
-    limit = 4 * (os.cpu_count() or 1)
-    if threads is not None and not 1 <= threads <= limit:
-        raise UserError(f"{option} {threads}: give a number from 1 to {limit} (4 x this machine's cores)")
-    return threads
 
 
 # ---- 2. structure ------------------------------------------------------------------------------------------
@@ -368,20 +364,7 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
                         "re-export it") from None
 
 
-# ---- 6. memory ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TensorSize:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    kind: str  # "weight" | "input" | "value"
-
-    @property
-    def bytes(self) -> int:
-        itemsize = 1 if self.dtype == "bool" else np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
-        return math.prod(self.shape) * itemsize
-
+# ---- 6. memory (the estimate; graphopt.limits.check_memory checks it) ------------------------------------------
 
 def tensor_sizes(model: onnx.ModelProto) -> list[TensorSize]:
     """Every tensor of a shape-inferred model whose shape is fully known (Python ints: no overflow)."""
@@ -408,49 +391,6 @@ def tensor_sizes(model: onnx.ModelProto) -> list[TensorSize]:
                     out.append(TensorSize(n.output[0], tuple(int(d) for d in a.t.dims), _dtype_name(a.t.data_type),
                                           "weight"))
     return out
-
-
-def memory_limit_bytes() -> int:
-    """This machine's memory for one process: physical memory, or the cgroup's limit when lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(f).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
-
-
-def check_memory(sizes: list[TensorSize], limit: int | None = None, hint: str = "pass smaller --input-shape "
-                 "values") -> int:
-    """Refuse a model whose tensors cannot fit this machine's memory; returns the estimate in bytes.
-
-    The estimate is a lower bound on the peak of any run: every weight and input, plus the largest other
-    tensor twice (an operator reads at least one tensor while it writes another; runtimes reuse the rest).
-    A model above it would be killed by the kernel's OOM killer after minutes of work, or spin in loops
-    over impossible extents."""
-    limit = limit or memory_limit_bytes()
-    if not sizes:
-        return 0
-    biggest = max(sizes, key=lambda t: t.bytes)
-    if biggest.bytes > limit:
-        raise UserError(f"tensor {biggest.name!r} of shape {list(biggest.shape)} ({biggest.dtype}) alone needs "
-                        f"{_gb(biggest.bytes)}, more than this machine's {_gb(limit)} of memory: {hint}, or "
-                        "check the model's sizes")
-    fixed = sum(t.bytes for t in sizes if t.kind in ("weight", "input"))
-    values = [t for t in sizes if t.kind == "value"]
-    largest = max((t.bytes for t in values), default=0)
-    need = fixed + 2 * largest
-    if need > limit:
-        raise UserError(f"the model needs at least {_gb(need)} of memory (weights and inputs {_gb(fixed)}, largest "
-                        f"intermediate {_gb(largest)} twice), more than this machine's {_gb(limit)}: {hint}")
-    return need
 
 
 # ---- 7. onnxruntime ----------------------------------------------------------------------------------------

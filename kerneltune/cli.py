@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from graphopt.errors import ArgumentParser, UserError, seed
 from graphopt.fileio import check_output_file, write_text_atomic
-from graphopt.validate import TensorSize, check_memory, check_threads
+from graphopt.limits import TensorSize, check_memory, check_threads
 from kerneltune.baseline import numpy_baseline
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, check_searcher, make_searcher

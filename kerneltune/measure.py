@@ -7,6 +7,8 @@ API::
     results = m.measure(task, configs)      # list[MeasureResult], same order as configs
     m.close()                               # or use ``with Measurer(...) as m:``
 
+    Measurer(target, builder=my_builder, runner=my_runner)   # injected parts (a test, a remote setup)
+
 ``MeasureResult``: ``config``, ``latency_s`` (median of ``repeat`` timings, each the mean of ``number``
 calls, or of enough calls to last ``min_repeat_ms``, or of fewer calls when one call is so slow that they
 would take over ``TIMING_BUDGET_S``; None on failure), ``gflops`` (0 on failure),
@@ -22,19 +24,23 @@ Timed warm, the tuned BERT-base matmuls ran 1.4-1.6x slower in the model than in
 1.35 ms tuned, 2.16 ms in place; timed cold: 1.98 ms), and the configs that win warm are not the ones
 that win cold.  Ansor and MetaSchedule flush the same way (``enable_cpu_cache_flush``).
 
-The measurer composes four parts, each in its own module (MetaSchedule's builder / runner split):
+The measurer composes a builder and a runner, each a small interface in its own module (as MetaSchedule's
+``Builder.build(list[BuilderInput]) -> list[BuilderResult]`` and ``Runner.run(list[RunnerInput]) ->
+list[RunnerResult]``), injected or built from the options:
 
-* :mod:`kerneltune.builder` - schedule + compile + export one config, in a pool of ``workers`` spawned
-  processes started once and reused (:mod:`kerneltune.pool`; importing TVM costs seconds,
-  ``tvm.s_tir.tensor_intrin`` is never imported).  A build that hangs past ``build_timeout`` or crashes its
-  process is recorded as a failure and the worker is replaced -- the tuner never dies with it.
-* :mod:`kerneltune.runner` - load + time + check, local or over RPC behind one session interface.  All builds
-  of a batch finish before any timing starts, and configs are timed one after another in one runner
-  process: on a 2-core machine a concurrent compile would corrupt the timings.  The runner is killed and
-  replaced when a run exceeds ``run_timeout`` (an infinite or pathological kernel).
+* :mod:`kerneltune.builder` - schedule + compile + export configs; :class:`~kerneltune.builder.LocalBuilder`
+  builds in a pool of ``workers`` spawned processes started once and reused (:mod:`kerneltune.pool`;
+  importing TVM costs seconds, ``tvm.s_tir.tensor_intrin`` is never imported).  A build that hangs past
+  ``build_timeout`` or crashes its process is recorded as a failure and the worker is replaced -- the tuner
+  never dies with it.
+* :mod:`kerneltune.runner` - load + time + check; :class:`~kerneltune.runner.SessionRunner` runs local and
+  RPC devices behind one interface (a TVM RPC session: ``LocalSession`` here, a server or a tracker's device
+  with ``rpc``).  All builds of a batch finish before any timing starts, and configs are timed one after
+  another in one runner process: on a 2-core machine a concurrent compile would corrupt the timings.  The
+  runner is killed and replaced when a run exceeds ``run_timeout`` (an infinite or pathological kernel).
 * :mod:`kerneltune.check` - the output is compared with the task's reference for the first successful config
   of a task and for every config that beats the best so far, so a wrong fast kernel can never become the
-  best one (this module keeps the best so far).
+  best one (this module keeps the best so far and hands it to the runner as ``check_above``).
 
 Runners and builders read ``TVM_NUM_THREADS`` from the environment; when unset they use the target's
 ``num-cores`` (TVM would use one thread on this VM otherwise).
@@ -44,17 +50,13 @@ numpy's own matmul on the same shape, for comparisons in one run, is :mod:`kerne
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import tvm
 
-from kerneltune.pool import WorkerPool
-from kerneltune.runner import RunConfig, check_rpc
+from kerneltune.builder import Builder, BuilderInput, LocalBuilder
+from kerneltune.runner import RunConfig, Runner, RunnerInput, RunnerResult, SessionRunner, check_rpc
 from kerneltune.targets.registry import kind_of
 from kerneltune.targets.threads import tvm_num_threads
 
@@ -117,36 +119,38 @@ class MeasureOptions:
     session_timeout: int = 60  # seconds an --rpc session is held
 
 
-class Measurer:
-    """Builds (parallel, in worker processes) and times (sequentially, in one runner process) configs."""
+def worker_env(target) -> dict[str, str]:
+    """The environment of the build and run workers: ``TVM_NUM_THREADS`` from the environment, else the
+    target's ``num-cores`` (TVM would use one thread on this VM otherwise)."""
+    cores = int(target.attrs["num-cores"]) if "num-cores" in target.attrs else (os.cpu_count() or 1)
+    return {"TVM_NUM_THREADS": str(tvm_num_threads(cores))}
 
-    PREPARE_TIMEOUT = 900.0  # naive reference of the largest benchmark operators, on a loaded machine
+
+class Measurer:
+    """Builds configs with a :class:`~kerneltune.builder.Builder` (parallel, in worker processes), times them
+    with a :class:`~kerneltune.runner.Runner` (sequentially, in one runner process) and keeps each task's
+    best verified GFLOPS, the threshold of the reference check.
+
+    ``builder`` and ``runner`` are injected when given (a test, a remote build farm); by default a
+    :class:`~kerneltune.builder.LocalBuilder` of ``workers`` processes and a
+    :class:`~kerneltune.runner.SessionRunner` on this machine or the ``rpc`` device, both from ``options``.
+    The measurer closes them."""
 
     def __init__(self, target, options: MeasureOptions = MeasureOptions(), workers: int | None = None,
-                 rpc: str | None = None, cache_flush: bool = False):
+                 rpc: str | None = None, cache_flush: bool = False, *, builder: Builder | None = None,
+                 runner: Runner | None = None):
         self.target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-        self.device = kind_of(self.target).device  # a UserError for kinds we cannot measure on
+        device = kind_of(self.target).device  # a UserError for kinds we cannot measure on
         # The flush is a CPU instruction (clflush): a GPU kernel's operands live in device memory.
-        self.cache_flush = cache_flush and self.device == "cpu"
-        self.number, self.repeat, self.min_repeat_ms = options.number, options.repeat, options.min_repeat_ms
-        self.build_timeout, self.run_timeout = options.build_timeout, options.run_timeout
+        self.cache_flush = cache_flush and device == "cpu"
         check_rpc(rpc)
-        self.rpc, self.session_timeout = rpc, options.session_timeout
-        cores = int(self.target.attrs["num-cores"]) if "num-cores" in self.target.attrs else (os.cpu_count() or 1)
-        env = {"TVM_NUM_THREADS": str(tvm_num_threads(cores))}
-        self._target_json = str(self.target)
-        self._tmp = tempfile.mkdtemp(prefix="kerneltune-")
-        self._builders = WorkerPool(workers or max(1, min(os.cpu_count() or 1, 4)), env, "kerneltune.builder:warm")
-        self._runner = WorkerPool(1, env, "kerneltune.runner:warm")
+        env = worker_env(self.target) if builder is None or runner is None else {}
+        self.builder = builder if builder is not None else LocalBuilder(
+            self.target, workers or max(1, min(os.cpu_count() or 1, 4)), env, options.build_timeout)
+        self.runner = runner if runner is not None else SessionRunner(
+            RunConfig(device, options.number, options.repeat, options.min_repeat_ms, self.cache_flush, rpc,
+                      options.session_timeout), env, options.run_timeout)
         self._best: dict[str, float] = {}  # task key -> best verified GFLOPS
-        self._prepared: tuple[str, int] | None = None  # (task key, runner generation) holding its reference
-        self._counter = 0
-        self._lock = threading.Lock()
-
-    @property
-    def run_config(self) -> RunConfig:
-        return RunConfig(self.device, self.number, self.repeat, self.min_repeat_ms, self.cache_flush, self.rpc,
-                         self.session_timeout)
 
     @property
     def timing(self) -> str:
@@ -160,63 +164,35 @@ class Measurer:
         self.close()
 
     def close(self) -> None:
-        self._builders.close()
-        self._runner.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-    def _lib_path(self) -> str:
-        with self._lock:
-            self._counter += 1
-            return os.path.join(self._tmp, f"k{self._counter}.so")
+        self.builder.close()
+        self.runner.close()
 
     def measure(self, task, configs: Sequence[tuple]) -> list[MeasureResult]:
-        """Build every config, then time them in order; failures get gflops 0 and a reason."""
+        """Build every config, then time them in order; failures get gflops 0 and a reason.
+
+        Each config is handed to the runner alone: the reference check's threshold is the best GFLOPS so
+        far, which the config before may have just raised."""
         configs = [tuple(tuple(v) if isinstance(v, list) else v for v in c) for c in configs]
-
-        def build(config):
-            path = self._lib_path()
-            t0 = time.perf_counter()
-            status, value = self._builders.call("kerneltune.builder:build", (task, config, self._target_json, path),
-                                                self.build_timeout)
-            return status, value, time.perf_counter() - t0
-
-        built = self._builders.map(build, configs)
+        built = self.builder.build([BuilderInput(task, config) for config in configs])
         results = []
-        for config, (status, value, build_s) in zip(configs, built):
-            if status != "ok":
-                error = {"invalid": f"invalid config: {value}", "error": f"build failed: {value}",
-                         "timeout": "build timeout", "crash": f"build failed: {value}"}[status]
-                results.append(MeasureResult(config, None, 0.0, error, build_s, 0.0))
+        for config, b in zip(configs, built):
+            if b.error is not None:
+                results.append(MeasureResult(config, None, 0.0, b.error, b.build_s, 0.0))
                 continue
-            path, build_s, packings = value
-            results.append(self._run(task, config, path, build_s, tuple(packings)))
+            best = self._best.get(task.key)
+            r = self.runner.run([RunnerInput(task, b.artifact_path, b.packings, best)])[0]
+            results.append(self._result(task, config, b.build_s, r))
             try:
-                os.remove(path)
+                os.remove(b.artifact_path)
             except OSError:
                 pass
         return results
 
-    def _run(self, task, config, lib_path: str, build_s: float, packings: tuple = ()) -> MeasureResult:
+    def _result(self, task, config, build_s: float, r: RunnerResult) -> MeasureResult:
+        if r.error is not None:
+            return MeasureResult(config, r.latency_s, 0.0, r.error, build_s, r.run_s)
+        gflops = task.flops / r.latency_s / 1e9
         best = self._best.get(task.key)
-        runner = self._runner.workers[0]
-        if self._prepared != (task.key, runner.generation):
-            status, value = self._runner.call("kerneltune.runner:prepare", (task,), self.PREPARE_TIMEOUT)
-            if status != "ok":
-                return MeasureResult(config, None, 0.0, f"run failed: reference: {value or status}", build_s, 0.0)
-            self._prepared = (task.key, runner.generation)
-        t0 = time.perf_counter()
-        status, value = self._runner.call("kerneltune.runner:run", (task, lib_path, self.run_config, best, packings),
-                                          self.run_timeout)
-        run_s = time.perf_counter() - t0
-        if status == "timeout":
-            return MeasureResult(config, None, 0.0, "run timeout", build_s, run_s)
-        if status != "ok":
-            return MeasureResult(config, None, 0.0, f"run failed: {value}", build_s, run_s)
-        latency, error = value
-        if error is not None:
-            return MeasureResult(config, latency, 0.0, error, build_s, run_s)
-        gflops = task.flops / latency / 1e9
         if best is None or gflops > best:
             self._best[task.key] = gflops
-        return MeasureResult(config, latency, gflops, None, build_s, run_s)
-
+        return MeasureResult(config, r.latency_s, gflops, None, build_s, r.run_s)

@@ -1,14 +1,19 @@
-"""The runner: a built kernel loaded on its device, timed, and checked against the task's reference.
+"""The runner: built kernels loaded on their device, timed, and checked against the task's reference.
 
-Local and remote devices take the same path, one interface: an RPC session (``tvm.rpc.LocalSession``
-locally; a tracker session with ``rpc="host:port:key"``; a server reached directly with ``rpc="host:port"``)
-uploads the built library, loads it and runs ``time_evaluator``.  The reference output is always computed on
-the host.  Runs inside the measurer's runner worker (:mod:`kerneltune.pool`), one config at a time: on a
-2-core machine a concurrent compile would corrupt the timings.
+One small interface, as MetaSchedule has it: ``Runner.run(list[RunnerInput]) -> list[RunnerResult]`` (same
+order), plus ``close()``.  :class:`SessionRunner` is the default, for local and remote devices alike: an RPC
+session (``tvm.rpc.LocalSession`` locally; a tracker session with ``rpc="host:port:key"``; a server reached
+directly with ``rpc="host:port"``, :class:`RunConfig`'s ``rpc``) uploads the built library, loads it and runs
+``time_evaluator``.  The reference output is always computed on the host.  It runs in one worker process
+(:mod:`kerneltune.pool`), one config at a time: on a 2-core machine a concurrent compile would corrupt the
+timings; a run past its timeout kills and replaces that process.  A test or a remote setup hands its own
+runner to :class:`kerneltune.measure.Measurer`.
 
 ``cache_flush`` (CPU targets) flushes every argument but the first from the caches before each call and times
 calls one by one: inside a model a kernel's weights come from DRAM while its activation input was just
 written by the previous kernel (see :mod:`kerneltune.measure`).
+
+:func:`warm`, :func:`prepare` and :func:`run` run inside the runner worker (called by name).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import tvm
@@ -26,7 +31,7 @@ from tvm import rpc as tvm_rpc
 from graphopt.errors import UserError
 from kerneltune.check import output_error
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.pool import short_error
+from kerneltune.pool import WorkerPool, short_error
 from kerneltune.prepack import pack_inputs
 
 # Timed calls with cold caches (one call per timing: the flush runs before each timing, not each call).
@@ -47,6 +52,73 @@ class RunConfig:
     cache_flush: bool = False
     rpc: str | None = None  # None: this machine
     session_timeout: int = 60
+
+
+@dataclass(frozen=True)
+class RunnerInput:
+    """One built config to time: its library, the packings its inputs need, and ``check_above``: the output
+    is checked against the reference when the config's GFLOPS beat it (None: always)."""
+
+    task: object  # kerneltune.task.Task
+    artifact_path: str
+    packings: tuple = ()
+    check_above: float | None = None
+
+
+@dataclass(frozen=True)
+class RunnerResult:
+    """The median latency (None when no timing came back) and ``error``: None, ``"run timeout"``,
+    ``"run failed: ..."`` or ``"wrong result: max err ..."``; ``run_s``: wall seconds of the timed run."""
+
+    latency_s: float | None
+    error: str | None
+    run_s: float
+
+
+class Runner(Protocol):
+    def run(self, inputs: Sequence[RunnerInput]) -> list[RunnerResult]: ...
+
+    def close(self) -> None: ...
+
+
+class SessionRunner:
+    """Times configs one after another in one worker process, each in an RPC session of ``config.rpc``
+    (this machine's ``LocalSession`` when None).  The task's inputs and reference are prepared in the worker
+    once per task (and again after the worker was replaced), under :data:`PREPARE_TIMEOUT`, so the naive
+    reference never counts against a config's ``timeout``."""
+
+    PREPARE_TIMEOUT = 900.0  # naive reference of the largest benchmark operators, on a loaded machine
+
+    def __init__(self, config: RunConfig, env: dict[str, str], timeout: float = 30.0):
+        self.config = config
+        self.timeout = timeout  # seconds one config's run may take
+        self.pool = WorkerPool(1, env, "kerneltune.runner:warm")
+        self._prepared: tuple[str, int] | None = None  # (task key, worker generation) holding its reference
+
+    def _run_one(self, item: RunnerInput) -> RunnerResult:
+        task = item.task
+        worker = self.pool.workers[0]
+        if self._prepared != (task.key, worker.generation):
+            status, value = self.pool.call("kerneltune.runner:prepare", (task,), self.PREPARE_TIMEOUT)
+            if status != "ok":
+                return RunnerResult(None, f"run failed: reference: {value or status}", 0.0)
+            self._prepared = (task.key, worker.generation)
+        t0 = time.perf_counter()
+        status, value = self.pool.call("kerneltune.runner:run", (task, item.artifact_path, self.config,
+                                                                 item.check_above, item.packings), self.timeout)
+        run_s = time.perf_counter() - t0
+        if status == "timeout":
+            return RunnerResult(None, "run timeout", run_s)
+        if status != "ok":
+            return RunnerResult(None, f"run failed: {value}", run_s)
+        latency, error = value
+        return RunnerResult(latency, error, run_s)
+
+    def run(self, inputs: Sequence[RunnerInput]) -> list[RunnerResult]:
+        return [self._run_one(item) for item in inputs]
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def check_rpc(rpc: str | None) -> None:
@@ -131,6 +203,8 @@ def open_session(rpc: str | None, session_timeout: int):
     tracker = tvm_rpc.connect_tracker(host, int(port))
     return tracker.request(key, priority=1, session_timeout=session_timeout)
 
+
+# --- in the runner worker ---------------------------------------------------------------------------------
 
 _RUN_CACHE: dict[str, Any] = {}
 _PACKED: dict[tuple, list] = {}  # (task key, packings) -> inputs with packed weights, the last one used

@@ -43,7 +43,7 @@ def prime_factors(n: int) -> list[int]:
 def divisors(n: int) -> list[int]:
     """The divisors of n, ascending, built from its prime factors: O(sqrt n) for the factoring instead of a
     scan of 1..n, which spun for minutes on a 99999999999-long axis.  (Extents are bounded by memory before
-    they get here - graphopt.validate.check_memory - so sqrt n stays small.)"""
+    they get here - graphopt.limits.check_memory - so sqrt n stays small.)"""
     out = [1]
     factors = prime_factors(n)
     for p in sorted(set(factors)):

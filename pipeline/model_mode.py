@@ -11,7 +11,8 @@ from pathlib import Path
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir
 from graphopt.onnx_io import parse_input_shapes
-from graphopt.validate import check_model, check_threads
+from graphopt.limits import check_threads
+from graphopt.validate import check_model
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.targets.host import default_threads

@@ -138,3 +138,25 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     edges = imports(sources)
     assert upward(edges) == ["graphopt.a:2 imports pipeline.x", "models.m:2 imports graphopt.a"]
     assert cycles(edges) == [["graphopt.a", "kerneltune.t", "pipeline.x"], ["graphopt.b", "graphopt.c"]]
+
+
+def test_the_rewrite_knows_no_cost():
+    """Rewriting matches and applies; what a candidate costs is the cost side's (graphopt.cost), which the
+    search asks (as egg keeps cost in extract.rs, out of rewrite.rs)."""
+    edges = imports(project_sources())
+    assert [f"{a}:{line} imports {b}" for a, b, line in edges if a in ("graphopt.rewrite", "graphopt.match")
+            and b.startswith("graphopt.cost")] == []
+
+
+def test_the_single_operator_tuner_loads_no_onnx():
+    """kerneltune's command line checks its threads and memory with graphopt.limits: the ONNX importer (and
+    graphopt.validate, the model checks) stays out of its imports."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, kerneltune.cli; print(sorted(m for m in ('onnx', 'graphopt.validate', 'graphopt.onnx_io') " \
+           "if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

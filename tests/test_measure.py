@@ -45,28 +45,28 @@ def test_measure_valid_invalid_and_broken_configs(measurer):
     assert after.error is None and after.gflops > 0
 
     # Builders never import the slow tensor intrinsics module.
-    status, modules = measurer._builders.call("kerneltune.pool:loaded_modules", (), 60)
+    status, modules = measurer.builder.pool.call("kerneltune.pool:loaded_modules", (), 60)
     assert status == "ok" and "tvm.s_tir.tensor_intrin" not in modules and "tvm" in modules
 
 
 def test_build_and_run_timeouts_do_not_stop_tuning(measurer):
     task = make_task("matmul", "16,16,32")
     good = templates.default_config(task, LLVM)
-    measurer.build_timeout = 0.001  # nothing builds this fast: the worker is killed and replaced
+    measurer.builder.timeout = 0.001  # nothing builds this fast: the worker is killed and replaced
     try:
         timed_out = measurer.measure(task, [good])[0]
     finally:
-        measurer.build_timeout = 120
+        measurer.builder.timeout = 120
     assert timed_out.error == "build timeout" and timed_out.gflops == 0
     # a kernel whose timed runs take tens of ms: the 16x16x32 one answered within 1 ms, or its answer was
     # already waiting when a loaded parent polled for it, and the test depended on the machine's load
     task = make_task("matmul", "512,512,512")
     good = templates.default_config(task, LLVM)
-    measurer.run_timeout = 0.001
+    measurer.runner.timeout = 0.001
     try:
         run_out = measurer.measure(task, [good])[0]
     finally:
-        measurer.run_timeout = 60
+        measurer.runner.timeout = 60
     assert run_out.error == "run timeout" and run_out.gflops == 0
     again = measurer.measure(task, [good])[0]
     assert again.error is None and again.gflops > 0
@@ -168,3 +168,50 @@ def test_slow_kernels_get_fewer_timed_calls():
     assert timing_plan(1e-4, 10, 3, True) == (1, COLD_REPEAT)
     assert timing_plan(5.0, 10, 3, True) == (1, 3)
 
+
+
+def test_measurer_composes_an_injected_builder_and_runner():
+    """The measurer only composes its parts: a builder and a runner handed in (a test, a remote setup) are
+    used as they are, and closed with it; each run gets the best verified GFLOPS so far as ``check_above``;
+    failures keep their messages."""
+    from kerneltune.builder import BuilderResult
+    from kerneltune.runner import RunnerResult
+
+    task = make_task("matmul", "16,16,16")
+    lat = {(1,): 2e-6, (2,): 1e-6, (3,): 4e-6}  # (4,) fails to build, (5,) runs wrong
+
+    class Builder:
+        closed = False
+
+        def build(self, inputs):
+            return [BuilderResult(None, "invalid config: no", 0.5) if i.config == (4,) else
+                    BuilderResult(f"/nonexistent/{i.config[0]}.so", None, 0.25, ("p",)) for i in inputs]
+
+        def close(self):
+            self.closed = True
+
+    class Runner:
+        closed = False
+        seen: list = []
+
+        def run(self, inputs):
+            (item,) = inputs
+            self.seen.append((item.artifact_path, item.packings, item.check_above))
+            n = int(item.artifact_path.rsplit("/", 1)[1].split(".")[0])
+            if n == 5:
+                return [RunnerResult(3e-6, "wrong result: max err 1", 0.125)]
+            return [RunnerResult(lat[(n,)], None, 0.125)]
+
+        def close(self):
+            self.closed = True
+
+    builder, runner = Builder(), Runner()
+    with Measurer(LLVM, builder=builder, runner=runner) as m:
+        results = m.measure(task, [(1,), (4,), (2,), (3,), (5,)])
+    assert builder.closed and runner.closed
+    g = [task.flops / lat[(n,)] / 1e9 for n in (1, 2)]
+    assert [r.error for r in results] == [None, "invalid config: no", None, None, "wrong result: max err 1"]
+    assert results[0].gflops == pytest.approx(g[0]) and results[1].build_s == 0.5 and results[1].run_s == 0.0
+    assert results[4].gflops == 0 and results[4].latency_s == 3e-6 and results[2].build_s == 0.25
+    assert [s[2] for s in runner.seen] == [None, g[0], g[1], g[1]]
+    assert all(s[1] == ("p",) for s in runner.seen)

@@ -1,6 +1,7 @@
 """What does not run: weight-only nodes (folded into initializers before export) and element-wise epilogues
-fused into their producer's kernel.  Every cost model prices these at zero, and the rewriter uses the same
-op sets to know which target nodes of a rule will be fused.
+fused into their producer's kernel.  Every cost model prices these at zero, in a graph
+(:func:`foldable`, :func:`fused_epilogue`) and in a rule's target pattern before the search builds it
+(:func:`free_targets`).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Sequence
 
 from graphopt import ops
 from graphopt.ir import Graph, Node
+from graphopt.match import _ref
 
 # ---- constant folding -------------------------------------------------------------------------------------
 
@@ -83,3 +85,42 @@ def fused_epilogue(node: Node, index: Any) -> bool:
                 and len(index.consumers.get(t, ())) == 1):
             return True
     return False
+
+
+# ---- a rule's target pattern, priced before it is built ----------------------------------------------------
+
+def weight_only_targets(pattern: Any, weight_inputs: set[str]) -> list[bool]:
+    """Per node of a rule's target ``pattern`` (a :class:`graphopt.rules.Pattern` whose references
+    :func:`graphopt.rewrite.target_plan` checked): does it compute only from weights - the pattern inputs
+    in ``weight_inputs`` and target values computed from them; an operator's shape inputs do not count - so
+    that it is folded before export?"""
+    out: list[bool] = []
+    for pn in pattern.nodes:
+        shape_only = set(getattr(ops.REGISTRY.get(pn.op), "shape_inputs", ()) or ())
+        refs = [(_ref(r), r) for k, r in enumerate(pn.inputs) if k not in shape_only]
+        out.append(all(out[ref[0]] if ref is not None else r in weight_inputs for ref, r in refs))
+    return out
+
+
+def fused_target(pattern: Any, j: int) -> bool:
+    """Target node ``j`` is element-wise and reads the only use of a fusable target node's output (the
+    pattern-local version of :func:`fused_epilogue`)."""
+    if pattern.nodes[j].op not in ELEMENTWISE_OPS:
+        return False
+    uses: dict[str, int] = {}
+    for pn in pattern.nodes:
+        for r in pn.inputs:
+            uses[r] = uses.get(r, 0) + 1
+    for r in pattern.nodes[j].inputs:
+        ref = _ref(r)
+        if (ref is not None and pattern.nodes[ref[0]].op in FUSION_ANCHOR_OPS and uses[r] == 1
+                and r not in pattern.outputs):
+            return True
+    return False
+
+
+def free_targets(pattern: Any, weight_inputs: set[str], fusion: bool) -> list[bool]:
+    """Per node of a rule's target ``pattern``: does it cost nothing once built (weight-only, or, with
+    ``fusion``, a fused element-wise epilogue)?"""
+    weight_only = weight_only_targets(pattern, weight_inputs)
+    return [w or (fusion and fused_target(pattern, j)) for j, w in enumerate(weight_only)]

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from graphopt import ops
-from graphopt.cost.analysis import constant_tensors, foldable, fused_epilogue
+from graphopt.cost.analysis import constant_tensors, foldable, free_targets, fused_epilogue
 from graphopt.ir import Graph, Node, TensorInfo
 from graphopt.match import GraphIndex
 
@@ -88,6 +88,15 @@ class CostModel:
                 dtype = (graph.tensor(inputs[0]) or TensorInfo("", "float32", None)).dtype
                 return self.op_cost(op, params, [tuple(s) for s in shapes], dtype)  # type: ignore[arg-type]
         return self.opaque_cost(node, graph)
+
+    def pattern_cost(self, pattern: Any, views: Sequence[tuple[str, dict[str, Any], Sequence[Shape]]], dtype: str,
+                     weight_inputs: set[str]) -> float:
+        """Seconds a rule's target ``pattern`` adds once built, priced before it is built: ``views`` are its
+        nodes' ``(op, params, input shapes)`` as inferred on a match (:func:`graphopt.rewrite.target_plan`);
+        ``weight_inputs`` the pattern inputs bound to weights.  Weight-only nodes and (with :attr:`fusion`)
+        fused epilogues cost nothing, as :meth:`node_cost` prices them once built."""
+        free = free_targets(pattern, weight_inputs, self.fusion)
+        return sum(self.op_cost(op, params, shapes, dtype) for (op, params, shapes), f in zip(views, free) if not f)
 
     def graph_cost(self, graph: Graph) -> float:
         constants = constant_tensors(graph)

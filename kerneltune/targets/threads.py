@@ -33,7 +33,7 @@ def set_num_threads(threads: int) -> None:
 
 def use_threads(threads: int | None, option: str = "--threads") -> int:
     """Check a thread count (None: the cores this process may use) and size TVM's pool with it; returns it."""
-    from graphopt.validate import check_threads
+    from graphopt.limits import check_threads
 
     n = check_threads(threads, option) or default_threads()
     set_num_threads(n)
