@@ -130,7 +130,7 @@ class Searcher:
         # (whether an element-wise reader is fused into its producer depends on both).
         src_outputs = [match.tensor(o, parent.index) for o in match.rule.src.outputs]
         reprice = changed | {c for t in read.union(src_outputs) for c in index.consumers.get(t, ())}
-        for n in reprice:
+        for n in sorted(reprice):  # a fixed order: float sums differ in the last bit with the set's hash order
             cost -= node_cost.pop(n, 0.0)
             c = self.cost.node_cost(index.nodes[n], g, constants, index)
             node_cost[n] = c
