@@ -148,11 +148,10 @@ class RecordLog:
         check before long work; the lock itself is taken by :meth:`acquire`)."""
         if self.path.is_dir():
             raise UserError(f"the records file {self.path} is a directory; pass a file: --records FILE")
-        if not self.path.exists():
+        if not self.path.exists() or self._fh is not None:  # absent, or already held by this run
             return
-        probe = RecordLog(self.path)
-        probe.acquire(wait_s)
-        probe.close()
+        self.acquire(wait_s)  # taken and given back: the run takes it again when it starts writing
+        self.close()
 
     def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
         """Open the file for appending and take its exclusive lock (one tuner per file); wait up to
