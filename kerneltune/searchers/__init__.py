@@ -37,5 +37,5 @@ def make_searcher(name: str, space: SearchSpace, seed: int = 0, fixed: Config | 
     return cls(space, seed, **opts)
 
 
-__all__ = ["FACTOR_ONLY", "SEARCHERS", "FixedKnobs", "check_searcher", "GBFS", "NA2C", "OpEvo", "RandomSearch", "Searcher",
-           "make_searcher"]
+__all__ = ["FACTOR_ONLY", "SEARCHERS", "FixedKnobs", "GBFS", "NA2C", "OpEvo", "RandomSearch", "Searcher",
+           "check_searcher", "make_searcher"]

@@ -206,7 +206,8 @@ def _lane_padding(task: Task) -> list[int] | None:
     """``pad_einsum`` multiples that pad the vector axis, when it is split past its end (an activation no
     vector width divides: ViT's 197 x 197 attention scores): a split past the end masks the vector lanes,
     which LLVM turns into scalar code (12 x 197 x 64 x 197 on an Intel Xeon, 2 threads: 0.86 ms, 70 GFLOP/s);
-    computed on a zero-padded copy of the operand and cropped, 0.21 ms."""
+    computed on a zero-padded copy of the operand and cropped, 0.39 ms (0.21 ms for 208 columns: the copy and
+    the masked write-back's last lanes are the rest)."""
     wide = padded_extents(task).get(task.vector_axis)
     if wide is None:
         return None
@@ -398,7 +399,11 @@ def _fill_accumulators(extent: int, rows: int, lanes: int, accumulators: int, wi
     each B vector loaded for one FMA; 2 vectors x 7 rows fills 14 of AVX-512's 16 (Intel Xeon, 1 thread,
     35 x 650 x 10048: 4.8 vs 7.5 ms)."""
     options = [d for d in divisors(extent) if d % lanes == 0 and d <= widest] or [widest]
-    used = lambda w: _largest_divisor_at_most(rows, max(1, accumulators // -(-w // lanes))) * -(-w // lanes)  # noqa: E731
+
+    def used(width: int) -> int:
+        vectors = -(-width // lanes)
+        return _largest_divisor_at_most(rows, max(1, accumulators // vectors)) * vectors
+
     return max(options, key=lambda w: (used(w), w))
 
 
@@ -407,9 +412,10 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int, vector: str | None
     From a role, a prime that makes the chunks a multiple of ``want`` goes first: 5 chunks on 2 cores (ViT's
     200 rows as 5 x 40) leave one core idle a sixth of the time, 2 do not.  Else the smallest factor giving at
     least 4 chunks per core (an odd count then idles a core at most 1/8 of the time): GPT-2's LM head splits
-    its 1571 column tiles, not its rows, so each core streams half of the 154 MB weight, not all of it.  The vector axis' S3 (the register tile's width) is split only when nothing else is left: halving
-    it to make 2 chunks gave a 35 x 650 x 10000 matmul 8-lane vectors, 3.5 ms vs 2.9 for 25 x 25 chunks of
-    16 lanes (Intel Xeon, 2 threads)."""
+    its 1571 column tiles, not its rows, so each core streams half of the 154 MB weight, not all of it.  The
+    vector axis' S3 (the register tile's width) is split only when nothing else is left: halving it to make
+    2 chunks gave a 35 x 650 x 10000 matmul 8-lane vectors, 3.5 ms vs 2.9 for 25 x 25 chunks of 16 lanes
+    (Intel Xeon, 2 threads)."""
     def par() -> int:
         out = 1
         for r in roles:
