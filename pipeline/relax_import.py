@@ -9,10 +9,11 @@ Operators TVM's importer lacks (LSTM, GRU, RNN, ReverseSequence) or mishandles (
 are first rewritten into primitive ops (:func:`pipeline.frontend.legalize_for_tvm`); only what is still
 unsupported after that is an error, one line naming the operators.
 
-Then a few rewrites of the Relax module (:func:`import_rewrites`): integer division by a tensor never divides by
+Then constants are folded (weights the graph computes, such as an unrolled GRU's transposed gate weights,
+become constants) and a few rewrites of the Relax module run (:func:`import_rewrites`): integer division by a tensor never divides by
 zero in the compiled code (the CPU's divide instruction traps, and SIGFPE kills the whole process without a
 message; onnxruntime raises), small constant powers become products (``power`` is a scalar libm call per
-element), and constant weights no vector width divides get padded columns.
+element), and constant weights whose columns do not split into whole vectors get padded columns.
 """
 from __future__ import annotations
 
@@ -142,8 +143,8 @@ def _small_power(call: relax.Call, builder) -> relax.Expr | None:
 
 
 def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
-    """A matmul by a constant weight whose column count no vector width divides (GPT-2's 768 x 50257 LM head)
-    multiplies by the weight padded with zero columns, then drops them: the kernel's vector axis then splits
+    """A matmul by a constant weight whose columns do not split into whole vectors (GPT-2's 768 x 50257 LM
+    head, an LSTM's 2600 gate columns) multiplies by the weight padded with zero columns, then drops them: the kernel's vector axis then splits
     into whole vectors (:func:`kerneltune.templates.cpu.weight_padding`); the slice is one copy of the output."""
     w = call.args[1]
     if not isinstance(w, tvm.ir.Constant) or len(w.value.shape) != 2 or not str(w.value.dtype).startswith("float"):
