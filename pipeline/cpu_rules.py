@@ -229,9 +229,13 @@ class RowReduction(CPUScheduleRule):
         out = infos[-1].block_rv
         loops = sch.get_loops(out)
         row = sch.fuse(*loops[:n - 1]) if n > 2 else loops[0]
-        if int(target.attrs.get("num-cores", 1)) > 1:
+        elements = 1
+        for extent in rows + [get_extent(sch, loops[-1])]:
+            elements *= extent if isinstance(extent, int) else 0
+        if int(target.attrs.get("num-cores", 1)) > 1 and elements >= MIN_PARALLEL_ELEMS:
             sch.parallel(row)
-        names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+        root = sch.get_sblock(sch.mod["main"].body.block.name_hint)
+        names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
         output = sch.get(out).name_hint
         producers = [name for name in names if name != output]
         for name in reversed(producers):  # consumers first: each producer lands before its first consumer
