@@ -283,10 +283,10 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
         if a.reduce and a.role != "rc" and a.role != "k":
             window *= a.extent
     padded = padded_extents(task)
-    vec_s3 = _vector_tile(padded.get(vec, task.axis(vec).extent), lanes)
+    extent = {a.role: padded.get(a.role, a.extent) for a in task.axes}  # as split: masked past the end
+    vec_s3 = _vector_tile(extent[vec], lanes)
     if rows is not None and task.kind != "conv2d":
-        vec_s3 = _fill_accumulators(padded.get(vec, task.axis(vec).extent), padded.get(rows, task.axis(rows).extent),
-                                    lanes, accumulators, vec_s3)
+        vec_s3 = _fill_accumulators(extent[vec], extent[rows], lanes, accumulators, vec_s3)
     nvec = -(-vec_s3 // lanes)
     # conv: a second output row shares every weight broadcast, then filters fill 16 vector accumulators
     y_s3 = _largest_divisor_at_most(task.axis("y").extent, 2) if task.kind == "conv2d" else 1
@@ -294,7 +294,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     for a in task.axes:
         if a.extent == 1:
             continue
-        e = padded.get(a.role, a.extent)
+        e = extent[a.role]
         if a.reduce:
             inner = e if a.role not in ("k", "rc") else _largest_divisor_at_most(e, max(1, 64 // window))
             cfg[a.role] = [e // inner, inner]
@@ -311,8 +311,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
             s3 = 1
         cfg[a.role] = [1, e // (s2 * s3), s2, s3]
     split = [a.role for a in task.axes if not a.reduce and a.extent > 1]
-    if rows in split and vec in split and split.index(vec) > split.index(rows) \
-            and padded.get(vec, task.axis(vec).extent) > padded.get(rows, task.axis(rows).extent):
+    if rows in split and vec in split and split.index(vec) > split.index(rows) and extent[vec] > extent[rows]:
         # the cores split the larger operand: B (K x N) is larger than A (M x K) when N > M, and split by rows
         # each core streams all of it (BERT's 128 x 768 x 3072, 2 threads, cold: 241 GFLOP/s by rows, 276 by
         # columns on an Intel Xeon)
