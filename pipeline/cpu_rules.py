@@ -225,7 +225,9 @@ class RowReduction(CPUScheduleRule):
             column = get_extent(sch, sch.get_loops(info.block_rv)[-1])
             if kind.endswith("R") and isinstance(column, int) and column >= 2 * lanes and column % lanes == 0:
                 _, lane = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, lanes])
-                partial.append(sch.get(sch.rfactor(lane, n - 1)).name_hint)
+                # the lanes last in the partial-result buffer (-1: after every axis the reduced buffer has, unit ones
+                # included), so each vector of partial results is one contiguous load and store
+                partial.append(sch.get(sch.rfactor(lane, -1)).name_hint)
         out = infos[-1].block_rv
         loops = sch.get_loops(out)
         row = sch.fuse(*loops[:n - 1]) if n > 2 else loops[0]

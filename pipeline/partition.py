@@ -26,10 +26,12 @@ from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
 from pipeline.fast_sigmoid import FastSigmoid
+from pipeline.lane_softmax import LaneSoftmax
 
 KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
 
-# FastMathTransform first (with our FastSigmoid, pipeline.fast_sigmoid, just before it): it swaps
+# FastMathTransform first (with our LaneSoftmax and FastSigmoid, pipeline.lane_softmax and pipeline.fast_sigmoid,
+# just before it): it swaps
 # erf/exp/tanh/softmax for TOPI's polynomial versions, which vectorize;
 # the exact ones lower to scalar libm calls, and on BERT the GELU's erf alone made the FFN1 kernel ~4x
 # slower than the same matmul without it.  The approximations are accurate to ~1e-7 relative; the whole
@@ -78,7 +80,7 @@ class Partition:
 
 def fuse(mod: tvm.IRModule) -> tvm.IRModule:
     """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out)."""
-    seq = tvm.transform.Sequential([FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES])
+    seq = tvm.transform.Sequential([LaneSoftmax(), FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES])
     with quiet_native_stderr():  # TOPI's fast take warns once per Gather
         return seq(mod)
 

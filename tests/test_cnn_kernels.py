@@ -16,6 +16,7 @@ from kerneltune.searchers import make_searcher
 from kerneltune.space import SearchSpace
 from kerneltune.targets.parse import parse_target
 from pipeline.compile import compile_partition
+from pipeline.cpu_rules import MIN_PARALLEL_ELEMS
 from pipeline.partition import partition
 
 LLVM = parse_target("llvm", 2)
@@ -113,21 +114,28 @@ def test_nchwc_space_only_holds_register_tiles_that_fit():
         searcher.observe(batch, [rng.uniform(1, 100) for _ in batch])
 
 
-@pytest.mark.parametrize("columns", [128, 197, 768])
+@pytest.mark.parametrize("columns", [17, 49, 128, 197, 768])
 def test_softmax_and_layer_norm_reduce_in_vectors_and_match_numpy(columns):
     """Reductions along the last axis (softmax, layer norm) are summed in vector partials (an ``_rf`` block,
-    vectorized) when 16 lanes divide the row, and stay exact either way (197: scalar reductions)."""
+    vectorized) when 16 lanes divide the row, and stay exact either way.  A softmax row that no vector width
+    divides (49, 197) is cut into whole vectors and a tail (pipeline.lane_softmax), its body reduced in
+    vectors too; a layer norm over such a row keeps scalar reductions."""
     from pipeline.compile import schedule
 
     rng = np.random.default_rng(2)
-    x = (rng.standard_normal((4, 16, columns)) * 4).astype(np.float32)  # >= MIN_PARALLEL_ELEMS: rows in parallel
+    x = (rng.standard_normal((4, 16, columns)) * 4).astype(np.float32)
     gamma, beta = rng.standard_normal(columns).astype(np.float32), rng.standard_normal(columns).astype(np.float32)
+    x[0, 1, columns // 2:] = -np.inf  # a causal mask's row: the masked entries (body and tail) weigh 0
+    x[1, 2, -1] = 30.0                  # the row's max in the tail
     out, part, _ = run_relax(lambda v: relax.op.nn.softmax(v, axis=-1), x)
     e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
     np.testing.assert_allclose(out, e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-7)
     mod, _ = schedule(part, LLVM)
     script = mod[part.tasks[0].names[0]].script()
-    assert ("_rf" in script) == (columns % 16 == 0) and "T.parallel" in script
+    assert ("_rf" in script) == (columns >= 32)
+    assert ("T.parallel" in script) == (x.size >= MIN_PARALLEL_ELEMS)
+    x = x.copy()
+    x[0, 1, :] = 1.0  # layer norm: finite rows
 
     out, part, _ = run_relax(lambda v, g, b: relax.op.nn.layer_norm(v, g, b, axes=[-1]), x, gamma, beta)
     mean = x.mean(axis=-1, keepdims=True, dtype=np.float64)
