@@ -111,7 +111,11 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         else:
             log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
 
-        compiled = stages.build(lowered, spec, tuned)
+        if tune_result is None:  # default schedules, none of them pathological (pipeline.sanity)
+            compiled, floor = stages.build_untuned(lowered, ctx)
+            log.add("sanity", floor.pop("seconds", 0.0), **floor)
+        else:
+            compiled = stages.build(lowered, spec, tuned)
         if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
             compiled, choice = pick_build(compiled, lowered, ctx, tuned, optimized.SerializeToString())
             log.stages["tune"]["e2e"] = choice.to_json()

@@ -56,7 +56,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
     lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
     for name, st in report["stages"].items():
-        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e"))
+        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e", "flagged"))
         lines.append(f"| {name} | {st['time_s']:.2f} s | {facts} |")
     tune = report["stages"].get("tune", {})
     if tune.get("e2e"):
@@ -70,6 +70,14 @@ def report_markdown(report: dict[str, Any]) -> str:
         for t in tune["tasks"]:
             lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {_ms(t['default_ms'])} "
                          f"| {_ms(t['best_ms'])} |")
+    flagged = report["stages"].get("sanity", {}).get("flagged")
+    if flagged:
+        lines += ["", "## Kernels under the sanity floor", "",
+                  "| idx | kernel | GFLOP/s in the model | roofline | default alone | replacement alone |",
+                  "|---|---|---|---|---|---|"]
+        for k in flagged:
+            lines.append(f"| {k['index']} | {k['name']} | {k['gflops']:.1f} | {k['roofline_gflops']:.1f} | "
+                         f"{_ms(k['default_ms'])} | {_ms(k['replacement_ms']) if k['replaced'] else 'kept'} |")
     lines += ["", "## Kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
     for t in report["tasks"]:
         lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {t['flops'] / 1e9:.4f} | {t['schedule']} "

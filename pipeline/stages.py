@@ -11,7 +11,7 @@ optimize-model (:mod:`pipeline.optimize_model`), bench-model (:func:`pipeline.be
 * :func:`lower`: Relax import (:func:`pipeline.relax_import.import_model`), the layout stage
   (:func:`pipeline.layout.search.partition_model`; none for the graph runner) and the partition;
 * :func:`build`: the partition compiled (:func:`pipeline.compile.compile_partition`) with tuned configs or
-  default schedules.
+  default schedules; :func:`build_untuned` the default build held to the sanity floor (:mod:`pipeline.sanity`).
 
 Each takes the build context (:class:`pipeline.context.BuildContext`) or the target spec it holds.
 """
@@ -124,6 +124,30 @@ def build(lowered: Lowered, spec: TargetSpec, tuned: dict[str, Any] | None = Non
     """The partition compiled: each task by its tuned config (``tuned``: task key -> config), else its
     default schedule; ``base`` a module scheduled already (MetaSchedule's)."""
     return compile_partition(lowered.imported, lowered.part, spec, tuned, base=base)
+
+
+def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, dict[str, Any]]:
+    """The partition with default schedules, held to the sanity floor (:mod:`pipeline.sanity`) where its
+    kernels run here: a templated kernel far below its roofline on this CPU gets a replacement config and
+    the model is rebuilt.  Returns the build and what the floor found (report.json's ``sanity`` stage)."""
+    from pipeline import sanity
+    from pipeline.profile import profile_kernels
+
+    spec = ctx.spec
+    compiled = build(lowered, spec)
+    if spec.is_gpu or not spec.can_run or not any(t.task is not None for t in lowered.part.tasks):
+        return compiled, {"checked": False}
+    t0 = time.perf_counter()
+    peak, bandwidth = sanity.cpu_facts(spec.target)
+    profile = profile_kernels(compiled, lowered.imported, runs=1, seed=ctx.seed, samples=ctx.samples)
+    rates = sanity.kernel_rates(lowered.part, profile, peak, bandwidth)
+    replaced = sanity.replace_slow(lowered.part, rates, spec.target, ctx.seed)
+    if replaced:
+        compiled = build(lowered, spec, replaced)
+    flagged = [r.to_json() for r in rates if r.flagged]
+    return compiled, {"checked": True, "seconds": round(time.perf_counter() - t0, 2), "floor": sanity.FLOOR,
+                      "peak_gflops": peak, "bandwidth_gbs": bandwidth, "kernels": len(rates),
+                      "flagged": flagged, "replaced": len(replaced)}
 
 
 def compile_graph(model: onnx.ModelProto, spec: TargetSpec) -> CompiledModel:
