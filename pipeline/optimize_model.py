@@ -114,10 +114,9 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         if tune_result is None:  # default schedules, none of them pathological (pipeline.sanity)
             compiled, floor = stages.build_untuned(lowered, ctx)
             log.add("sanity", floor.pop("seconds", 0.0), **floor)
-        else:
-            compiled = stages.build(lowered, spec, tuned)
-        if tune_result is not None:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
-            compiled, choice = pick_build(compiled, lowered, ctx, tuned, optimized.SerializeToString())
+        else:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
+            compiled, choice = pick_build(stages.build(lowered, spec, tuned), lowered, ctx, tuned,
+                                          optimized.SerializeToString())
             log.stages["tune"]["e2e"] = choice.to_json()
         facts: dict[str, Any] = {"schedules": compiled.schedules}
         if spec.can_run:

@@ -17,9 +17,14 @@ gets here, not a datasheet's), the bandwidth as one thread streaming a buffer fa
 """
 from __future__ import annotations
 
+import math
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
+import tvm
 
 from kerneltune import templates
 from kerneltune.calibrate import calibrated
@@ -54,9 +59,6 @@ class KernelRate:
 
 def measure_peak(target) -> int:
     """GFLOP/s the matmul template's default reaches on :data:`PEAK_SHAPE` with warm caches (best of 5)."""
-    import numpy as np
-    import tvm
-
     from kerneltune.prepack import strip
     from kerneltune.task import build_func, make_task
 
@@ -73,10 +75,6 @@ def measure_peak(target) -> int:
 
 def measure_bandwidth(_target) -> int:
     """GB/s one thread reads a 256 MiB buffer at (best of 3)."""
-    import time
-
-    import numpy as np
-
     a = np.ones(64 << 20, dtype=np.float32)
     best = 0.0
     for _ in range(3):
@@ -104,7 +102,7 @@ def kernel_rates(part: Partition, profile: list[KernelTime], peak_gflops: float,
         total = sum(ms.get(n, 0.0) for n in t.names)
         if t.task is None or total <= 0:
             continue
-        nbytes = sum(_size(s) for s in t.shapes) * _itemsize(t.dtype)
+        nbytes = sum(math.prod(s) for s in t.shapes) * np.dtype(t.dtype).itemsize
         gflops = t.flops * t.weight / (total * 1e6)
         line = roofline(t.flops, nbytes, peak_gflops, bandwidth_gbs)
         out.append(KernelRate(t.index, t.name, total, gflops, line,
@@ -145,16 +143,3 @@ def cpu_facts(target) -> tuple[float, float]:
     """(practical peak GFLOP/s, bandwidth GB/s) of this CPU for ``target``, measured once and cached."""
     return (float(calibrated("practical_peak_gflops", target, STATIC_PEAK_GFLOPS, measure_peak)),
             float(calibrated("read_bandwidth_gbs", target, STATIC_BANDWIDTH_GBS, measure_bandwidth)))
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    import numpy as np
-
-    return np.dtype(dtype).itemsize
