@@ -89,7 +89,9 @@ def test_default_register_tile_fills_the_accumulators(shape, rows, width, split)
     """35-row matmuls (an LM over 35 tokens) took the widest vector tile and so one row: 2 vectors x 7 rows
     fills 14 of 16 accumulators.  The vector tile is never halved to feed the cores (10000 columns: 25 x 25
     chunks of 16 lanes, not 2 chunks of 8).  The cores split the larger operand: B's columns when N > M (an
-    LM head's 1571 column tiles, not its 128 rows), else A's rows."""
+    LM head's 1571 column tiles, not its 128 rows), else A's rows.  Rows whose A block fits in L1 with a B
+    block (35 x 50 floats) all repeat inside one k-block (S2 = every row tile); others take the rows tile
+    given (row_repeat=1 here)."""
     from kerneltune.templates import cpu
 
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})  # any host
@@ -97,6 +99,8 @@ def test_default_register_tile_fills_the_accumulators(shape, rows, width, split)
     cfg = dict(zip(cpu.space(task).names, cpu.default_config(task, avx512, row_repeat=1)))
     assert (cfg["tile_i"][3], cfg["tile_j"][3]) == (rows, width)
     assert cfg[f"tile_{split}"][0] >= 2 and cfg[f"tile_{'ij'[split == 'i']}"][0] == 1
+    short = shape.startswith("35,")
+    assert (cfg["tile_i"][1], cfg["tile_i"][2] * cfg["tile_i"][3]) == (1, 35) if short else cfg["tile_i"][2] == 1
 
 
 def _np_conv(x, w, stride, pad, groups):
