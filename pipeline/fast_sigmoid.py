@@ -13,6 +13,8 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from pipeline.relax_rewrite import rewrite_functions
+
 
 def fast_sigmoid(x: te.Tensor) -> te.Tensor:
     e = topi.fast_exp(topi.negative(x))
@@ -35,8 +37,4 @@ class FastSigmoid:
     """Every float32/float64 ``relax.sigmoid`` becomes :func:`fast_sigmoid` (before LegalizeOps)."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        m = _FastSigmoid(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(func))
-        return m.builder_.get()
+        return rewrite_functions(mod, _FastSigmoid)

@@ -20,6 +20,8 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from pipeline.relax_rewrite import rewrite_functions
+
 # A multiple of every x86 vector width (8 fp32 lanes with AVX2, 16 with AVX-512), as the CPU template's
 # VECTOR_PAD: the kernel is the same whatever the target.
 ROW_MULTIPLE = 16
@@ -86,8 +88,4 @@ class LaneSoftmax:
     :func:`split_softmax` (before FastMathTransform and LegalizeOps)."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        m = _LaneSoftmax(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(func))
-        return m.builder_.get()
+        return rewrite_functions(mod, _LaneSoftmax)
