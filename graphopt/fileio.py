@@ -277,7 +277,7 @@ class OutputDir:
         leave it behind."""
         staging: Path | None = None
         try:
-            with _signals_held():
+            with signals_held():
                 staging = self._staging()
             try:
                 yield staging
@@ -294,7 +294,7 @@ class OutputDir:
                                else self.path) from None
         finally:  # the unfinished build, or the old folder after the swap
             if staging is not None:
-                with _signals_held():
+                with signals_held():
                     for d in (staging, staging.with_name(staging.name + ".old")):
                         _remove_folder(d)
 
@@ -382,16 +382,17 @@ def _swap_in(new: Path, dest: Path) -> None:
     except OSError as exc:
         if exc.errno not in _NO_EXCHANGE:
             raise
-        with _signals_held():
+        with signals_held():
             with contextlib.suppress(FileNotFoundError):
                 os.rename(dest, new.with_name(new.name + ".old"))
             os.rename(new, dest)
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM noted, not acted on, inside the block (a Python handler may run between any two
-    statements), then delivered to the handlers in place again."""
+    statements, or inside a Python callback that native code called, where the KeyboardInterrupt it raises
+    comes back out of the native call as a RuntimeError), then delivered to the handlers in place again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -482,14 +483,14 @@ def lock_output_dir(path: str | os.PathLike, option: str = "-o") -> Iterator[Out
     with _sigterm_as_ctrl_c():
         fd: int | None = None
         try:
-            with _signals_held():  # a signal between creating the lock file and holding it would leave it
+            with signals_held():  # a signal between creating the lock file and holding it would leave it
                 fd = _lock(folder)
             for d in folder.stale():
                 shutil.rmtree(d, ignore_errors=True)
             yield folder
         finally:
             if fd is not None:
-                with _signals_held():
+                with signals_held():
                     with contextlib.suppress(OSError):
                         os.unlink(folder.lock_file)
                     os.close(fd)

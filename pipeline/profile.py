@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from graphopt.feeds import sample_feeds
+from graphopt.fileio import signals_held
 from kerneltune.targets.registry import device_for
 from pipeline.compile import to_device
 
@@ -41,7 +42,10 @@ def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0, samples: d
             calls[name] = calls.get(name, 0) + 1
 
     vm.set_instrument(instrument)
-    for _ in range(runs):
-        vm["main"](*args)
+    # The timer is a Python callback inside the VM: a Ctrl-C raised there would come out of the VM as a
+    # RuntimeError (an "internal error", not an interrupt), so it waits for the runs.
+    with signals_held():
+        for _ in range(runs):
+            vm["main"](*args)
     out = [KernelTime(n, calls[n] // runs, total[n] / runs * 1e3) for n in total]
     return sorted(out, key=lambda k: -k.ms)

@@ -88,3 +88,32 @@ def test_pathological_default_is_flagged_replaced_and_still_correct(monkeypatch)
     assert compiled.schedules[task.name] == "tuned"
     check = check_outputs(compiled, lowered.imported.graph, model, ctx.seed)
     assert check.ok, check.reason()
+
+
+def test_ctrl_c_during_the_profile_run_is_an_interrupt_not_an_internal_error(monkeypatch):
+    """The in-place profile times kernels with a Python callback inside the VM; a KeyboardInterrupt raised
+    there came out of the VM as a bare RuntimeError, which optimize-model reported as an internal error.
+    Signals now wait for the run's end and arrive as KeyboardInterrupt (exit 130, temporaries removed)."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from pipeline import profile
+
+    ctx = BuildContext.create("llvm", threads=1, skip_graph=True, tuning=TuneOptions(skip=True, progress=False))
+    lowered = stages.lower(_matmul_model(), ctx.spec, ctx.layout)
+    compiled = stages.build(lowered, ctx.spec)
+    real, calls = time.perf_counter, []
+
+    def clock():  # the instrument's clock: the third reading is inside the VM's run
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real()
+
+    monkeypatch.setattr(profile.time, "perf_counter", clock)
+    with pytest.raises(KeyboardInterrupt):
+        profile.profile_kernels(compiled, lowered.imported, runs=1)
+    assert len(calls) >= 4  # the run went on to its end
