@@ -96,7 +96,8 @@ def kernel_rates(part: Partition, profile: list[KernelTime], peak_gflops: float,
     ms: dict[str, float] = {}
     model_ms = sum(k.ms for k in profile)
     for k in profile:
-        ms[k.name.removesuffix("_prepacked")] = ms.get(k.name.removesuffix("_prepacked"), 0.0) + k.ms
+        name = k.name.removesuffix("_prepacked")
+        ms[name] = ms.get(name, 0.0) + k.ms
     out = []
     for t in part.tasks:
         total = sum(ms.get(n, 0.0) for n in t.names)

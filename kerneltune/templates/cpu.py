@@ -308,14 +308,16 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     nvec = -(-vec_s3 // lanes)
     # conv: a second output row shares every weight broadcast, then filters fill 16 vector accumulators
     y_s3 = _largest_divisor_at_most(task.axis("y").extent, 2) if task.kind == "conv2d" else 1
+    # R1 of each reduction: k / rc deep enough for the operand panels to stay in L1, the others whole
+    inner = {a.role: _largest_divisor_at_most(extent[a.role], max(1, K_INNER // window))
+             if a.role in ("k", "rc") else extent[a.role] for a in task.axes if a.reduce}
     cfg: dict = {}
     for a in task.axes:
         if a.extent == 1:
             continue
         e = extent[a.role]
         if a.reduce:
-            inner = e if a.role not in ("k", "rc") else _largest_divisor_at_most(e, max(1, K_INNER // window))
-            cfg[a.role] = [e // inner, inner]
+            cfg[a.role] = [e // inner[a.role], inner[a.role]]
             continue
         s2 = 1
         if a.role == vec:
@@ -324,7 +326,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
             s3 = _largest_divisor_at_most(e, max(1, accumulators // (nvec * y_s3)))
             if task.kind == "conv2d":
                 s2 = 1
-            elif _rows_fit_l1(e, vec_s3, _k_inner(task, extent), task.dtype):
+            elif _rows_fit_l1(e, vec_s3, inner.get("k", 1), task.dtype):
                 s2 = e // s3  # every row inside the k-block: each B block read once, from L1
             else:
                 s2 = _largest_divisor_at_most(e // s3, row_repeat)
@@ -368,19 +370,13 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
 K_INNER, L1_BLOCK_BYTES = 64, 16 * 1024
 
 
-def _k_inner(task: Task, extent: dict[str, int]) -> int:
-    k = extent.get("k")
-    return _largest_divisor_at_most(k, K_INNER) if k else 1
-
-
 def _rows_fit_l1(rows: int, width: int, k_inner: int, dtype: str) -> bool:
     """Whether the A block of every row (rows x k_inner) and one B block (k_inner x width) fit in
     :data:`L1_BLOCK_BYTES`: then the register tile repeats down all the rows inside one k-block (S2 = every
     row tile) and each B block is read once, from L1.  A 35-token LM's 35 x 650 x 10048 decoder, cold, 2
     threads, Intel Xeon: 2.96 -> 2.70 ms (it streams a 26 MB weight); its 35 x 650 x 2624 input projection
     0.75 -> 0.73.  128 rows (BERT) need 32 KiB for A alone and keep the calibrated rows tile."""
-    itemsize = 2 if "16" in dtype else 8 if "64" in dtype else 4
-    return (rows + width) * k_inner * itemsize <= L1_BLOCK_BYTES
+    return (rows + width) * k_inner * (tvm.DataType(dtype).bits // 8) <= L1_BLOCK_BYTES
 
 
 # The matmul rows tile (S2) without a measurement (tuned on a Zen 5), the candidates (preferred first on
