@@ -16,6 +16,7 @@ from kerneltune.targets.host import llvm_target
 from kerneltune.task import build_func, run_func
 
 LLVM = llvm_target(2)
+AVX512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})  # rules that name a tile
 
 
 def np_conv(x, w, spec: ConvSpec) -> np.ndarray:
@@ -189,6 +190,55 @@ def test_avx2_default_tile_of_a_prime_wide_map_holds_a_whole_row():
         task = make_task(ConvSpec(1, 512, 7, 7, 512, 3, 3, pad=(1, 1, 1, 1), ic_block=lanes, oc_block=lanes))
         cfg = templates.space_for(task, target).as_dict(templates.default_config(task, target))
         assert (cfg["tile_ob"][2], cfg["tile_x"][1] * cfg["tile_y"][2]) == want, cfg
+
+
+@pytest.mark.parametrize("spec,epilogue", [
+    (ConvSpec(1, 64, 6, 7, 64, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bn_relu_residual"),
+    (ConvSpec(1, 64, 9, 9, 32, 1, 1, stride=(2, 2), ic_block=16, oc_block=16), "none"),
+    (ConvSpec(1, 40, 5, 11, 32, 1, 3, pad=(0, 1, 0, 1), ic_block=8, oc_block=16), "relu"),  # padded x split
+], ids=["3x3-residual", "1x1-stride2", "1x3-wide"])
+def test_input_channels_outside_the_rows_match_numpy(spec, epilogue):
+    """``ic_order=outer``: the input-channel chunks run outside every row and column tile of a parallel chunk,
+    the partial sums wait in memory and the epilogue runs once after the last chunk.  The same conv as the
+    default order, over several chunk splits and with the rows in S1 (the default where it applies)."""
+    task = make_task(spec, epilogue)
+    inputs = task.make_inputs(seed=2)
+    named = {s.name: x for s, x in zip(task.inputs, inputs)}
+    want = np_epilogue(np_conv(from_blocked(named["data"], spec.c), named["weight"], spec), epilogue, named)
+    space = templates.space_for(task, LLVM)
+    default = space.as_dict(templates.default_config(task, LLVM))
+    rco = default["tile_ic"][0] * default["tile_ic"][1]
+    oh = default["tile_y"][0] * default["tile_y"][1] * default["tile_y"][2]
+    for ic1 in sorted({1, rco}):
+        config = space.from_dict(default | {"ic_order": "outer", "tile_ic": (rco // ic1, ic1), "tile_y": (1, oh, 1)})
+        got = from_blocked(run_config(task, config, inputs), spec.f)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+
+
+def test_default_puts_input_channels_outside_the_rows_only_for_panels_past_l1():
+    """The default reads a large weight panel chunk by chunk from L1 (ResNet-50's 256 3x3 at 14x14: a 288
+    KiB panel per register tile), keeps the order where the panel fits L1 (256->1024 1x1: 32 KiB) or where
+    the cores split rows (64 3x3 at 56x56), and sizes a 1x1 conv's chunk to one L1 block (AVX-512, 2 cores)."""
+    def default(spec):
+        task = make_task(spec, "relu")
+        return templates.space_for(task, AVX512).as_dict(templates.default_config(task, AVX512))
+
+    big = default(ConvSpec(1, 256, 14, 14, 256, 3, 3, pad=(1, 1, 1, 1)))
+    one = default(ConvSpec(1, 1024, 14, 14, 256, 1, 1))
+    assert (big["ic_order"], big["tile_ic"], big["tile_y"][1]) == ("outer", (16, 1), 14)
+    assert (one["ic_order"], one["tile_ic"]) == ("outer", (8, 8))
+    assert default(ConvSpec(1, 256, 14, 14, 1024, 1, 1))["ic_order"] == "inner"
+    assert default(ConvSpec(1, 64, 56, 56, 64, 3, 3, pad=(1, 1, 1, 1)))["ic_order"] == "inner"
+
+
+def test_default_register_tile_leaves_room_for_broadcasts_and_weights():
+    """Inception-v3's 80->192 3x3 on a 71-wide map (split as 72): 2 blocks x 12 columns held 24 accumulators
+    plus 12 broadcast inputs and 2 weight vectors, past AVX-512's 32 registers (8.3 ms); 9 columns fit."""
+    task = make_task(ConvSpec(1, 80, 73, 73, 192, 3, 3), "relu")
+    cfg = templates.space_for(task, AVX512).as_dict(templates.default_config(task, AVX512))
+    live = cfg["tile_ob"][2] * cfg["tile_x"][1] * cfg["tile_y"][2] + cfg["tile_x"][1] * cfg["tile_y"][2] \
+        + cfg["tile_ob"][2]
+    assert live <= 32 and cfg["tile_x"][1] == 9, cfg
 
 
 def test_merged_groups_are_the_same_convolution():
