@@ -226,16 +226,19 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
       Inception-v3's 80->192 3x3 on a 71-wide map: 2 blocks x 12 columns, 38 live vectors, 8.3 ms; 9
       columns, 29 live, 5.9 ms);
     * ``ic_bn`` = one input block (NeoCPU's order: input-channel chunks outside the kernel window).  Where
-      the cores split channels and one register tile's weight panel (``oc_bn`` x C x KH x KW) is over two
-      L1 blocks, the chunks go outside the rows instead (``ic_order=outer``, ``ic_bn`` up to one L1 block):
-      otherwise every register tile streams the whole panel from L2 (Intel Xeon, 2 threads, cold weights:
-      ResNet-50's 256 3x3 at 14x14 0.89 -> 0.82 ms, 512 3x3 at 7x7 1.33 -> 1.23, 1024->256 1x1 0.49 ->
-      0.43, 2048->512 0.57 -> 0.52; the model 38.4 -> 35.8 ms, A/B).  Smaller panels are read from L1
-      already and lose to the partial sums' extra traffic (256->1024 1x1, 32 KiB: 0.39 -> 0.43 ms);
+      one register tile's weight panel (``oc_bn`` x C x KH x KW) is over two L1 blocks and the weights are
+      at least half the input, the chunks go outside the rows instead (``ic_order=outer``, ``ic_bn`` up to
+      one L1 block) and the cores split channels: otherwise every register tile streams the whole panel
+      from L2 (Intel Xeon, 2 threads, cold weights: ResNet-50's 256 3x3 at 14x14 0.89 -> 0.82 ms, 512 3x3
+      at 7x7 1.33 -> 1.23, 1024->256 1x1 0.49 -> 0.43, 2048->512 0.57 -> 0.52, the model 38.4 -> 35.8 ms
+      A/B; Inception-v3's 768->192 1x1 at 17x17, whose cores split rows before, 0.38 -> 0.34 ms, the model
+      53.6 -> 52.6 ms).  Smaller panels are read from L1 already and lose to the partial sums' extra traffic
+      (256->1024 1x1, 32 KiB: 0.39 -> 0.43 ms), and much smaller weights keep the rows split (64 3x3 at
+      56x56: 0.78 -> 0.82 ms with it);
     * everything else in S0, which is parallel: many small chunks balance two cores.  The cores split rows
-      (``s0_order=y_outer``) where the weights are smaller than the input: each core then keeps its own rows
-      of the activations from one conv to the next instead of reading the half the other core wrote, and
-      reads every weight (Intel Xeon, 2 threads: ResNet-50 31.0 -> 29.6 ms, MobileNet-v2 3.16 -> 3.00 ms in
+      (``s0_order=y_outer``) where the weights are smaller than the input (and not taken by the rule
+      above): each core then keeps its own rows of the activations from one conv to the next instead of
+      reading the half the other core wrote, and reads every weight (Intel Xeon, 2 threads: ResNet-50 31.0 -> 29.6 ms, MobileNet-v2 3.16 -> 3.00 ms in
       alternating blocks, Inception-v3 unchanged; timed in the model, ResNet-50's convs ran 1.17x slower
       than the same calls repeated warm with channels split, 1.06x on one thread).  Larger weights (the
       7x7 and 14x14 stages) keep channels split, each core reading half of them;
@@ -243,7 +246,10 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
       depthwise convs read each input once per tap, where the extra pass over the input costs more than the
       checks: padding inlined (MobileNet-v2 144x56x56: 87 vs 39 GFLOP/s, 1 thread), and a smaller register
       tile of ~8 accumulators (no input reuse between them, only the tap's weight vector);
-    * ``unroll_kw`` on, unroll 16; a dense 1x1 conv whose output row fits one register tile (OW <= 8: the
+    * ``unroll_kw`` on up to 5 taps: a dense conv with 7 taps in a row runs faster with the tap loop kept
+      (Intel Xeon, 2 threads, cold weights: ResNet-50's 7x7 stem 1.07 -> 0.78 ms, Inception-v3's 1x7 convs
+      0.61 -> 0.51 ms at 192 channels, 0.52 -> 0.43 at 160; 3x3, 5x5 and 1x3 convs within 1% either way);
+    * unroll 16; a dense 1x1 conv whose output row fits one register tile (OW <= 8: the
       7x7 maps of ResNet's and MobileNet's last stages) unrolls 512, the whole channel block of the tile
       (Intel Xeon, 2 threads, cold weights: 1.06-1.14x on 512->2048, 2048->512, 960->160, 1280->320 at 7x7
       and 8x8; 3x3 convs lose 13-28% with it, and 17x17 maps 43%, whose tiles are wider).
@@ -271,18 +277,19 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
         # block and 7 outputs): one block, the whole row.
         ob2 = 1
         x1, y2 = spatial(1)
-    s0_rows = _weights_smaller_than_input(task)
+    weights_per_input = _weights_per_input(task)
+    s0_rows = weights_per_input < 1
     tile_y, tile_ic, ic_order = (oh // y2, 1, y2), (_extent(task, "rco"), 1), "inner"
-    if not dw and not s0_rows and _panel_bytes(task, ob2 * d) > 2 * L1_BLOCK_BYTES:
+    if not dw and weights_per_input >= 0.5 and _panel_bytes(task, ob2 * d) > 2 * L1_BLOCK_BYTES:
         tile_y, tile_ic = _ic_outer_tiles(task, target, ob2 * d, ob_ext // ob2, oh // y2, y2)
-        ic_order = "outer"
+        ic_order, s0_rows = "outer", False
     return {
         "tile_ob": (ob_ext // ob2, 1, ob2),
         "tile_y": tile_y,
         "tile_x": (ow // x1, x1),
         "tile_ic": tile_ic,
         "ic_order": ic_order,
-        "unroll_kw": True,
+        "unroll_kw": dw or task.dims["KW"] <= 5,
         "s1_order": "oc_outer",
         "s0_order": "y_outer" if s0_rows else "oc_outer",
         "pad": "inline" if dw else "stage",
@@ -308,10 +315,10 @@ def _ic_outer_tiles(task: Task, target: tvm.target.Target, oc_bn: int, chunks: i
     return (y0, rows // y0, y2), (blocks // ic1, ic1)
 
 
-def _weights_smaller_than_input(task: Task) -> bool:
-    """Whether the conv's weight holds fewer elements than its input (both of the task's dtype)."""
+def _weights_per_input(task: Task) -> float:
+    """Elements of the conv's weight per element of its input."""
     d = task.dims
-    return d["F"] * (d["C"] // d["G"]) * d["KH"] * d["KW"] < d["N"] * d["C"] * d["H"] * d["W"]
+    return d["F"] * (d["C"] // d["G"]) * d["KH"] * d["KW"] / (d["N"] * d["C"] * d["H"] * d["W"])
 
 
 __all__ = ["space", "schedule", "default_config", "InvalidConfig"]
