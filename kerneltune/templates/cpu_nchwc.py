@@ -249,10 +249,11 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     * ``unroll_kw`` on up to 5 taps: a dense conv with 7 taps in a row runs faster with the tap loop kept
       (Intel Xeon, 2 threads, cold weights: ResNet-50's 7x7 stem 1.07 -> 0.78 ms, Inception-v3's 1x7 convs
       0.61 -> 0.51 ms at 192 channels, 0.52 -> 0.43 at 160; 3x3, 5x5 and 1x3 convs within 1% either way);
-    * unroll 16; a dense 1x1 conv whose output row fits one register tile (OW <= 8: the
-      7x7 maps of ResNet's and MobileNet's last stages) unrolls 512, the whole channel block of the tile
+    * unroll 16; a dense 1x1 conv whose output row is one or two whole register tiles (the 7x7 and 14x14
+      maps of ResNet's and MobileNet's last stages) unrolls 512, the whole channel block of the tile
       (Intel Xeon, 2 threads, cold weights: 1.06-1.14x on 512->2048, 2048->512, 960->160, 1280->320 at 7x7
-      and 8x8; 3x3 convs lose 13-28% with it, and 17x17 maps 43%, whose tiles are wider).
+      and 8x8, 1.03-1.07x on 256->1024, 1024->256, 1024->512 at 14x14; 3x3 convs lose 13-28% with it, 28-
+      and 56-wide rows 1-6%, and a 17-wide row split as 18 runs 1.8x slower).
     """
     lanes = vector_lanes(target, task.dtype)
     d = task.dims["d"]
@@ -293,7 +294,8 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
         "s1_order": "oc_outer",
         "s0_order": "y_outer" if s0_rows else "oc_outer",
         "pad": "inline" if dw else "stage",
-        "unroll": 512 if not dw and task.dims["KH"] == task.dims["KW"] == 1 and ow <= 8 else 16,
+        "unroll": 512 if not dw and task.dims["KH"] == task.dims["KW"] == 1 and ow <= 2 * x1
+        and ow == _extent(task, "x") else 16,
     }
 
 
