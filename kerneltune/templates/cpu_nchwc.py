@@ -37,6 +37,7 @@ from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSp
 from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
+from .conv_nchwc import MAX_UNROLLED_TAPS, compute_width
 from .cpu import L1_BLOCK_BYTES, _largest_divisor_at_most, has_producers
 
 UNROLL = (0, 16, 64, 512)
@@ -59,20 +60,11 @@ def _vectors_per_block(task: Task, target: tvm.target.Target | None) -> int:
     return -(-d // vector_lanes(target, task.dtype)) if target is not None else 1
 
 
-# Output widths whose register tile would be thin are split as if padded (the extra columns masked): the
-# widest tile of X_TILES that wastes the fewest columns.
-X_TILES = range(4, 13)
-
-
 def padded_width(task: Task) -> int:
-    """The output width the ``x`` axis is split as.  Inception-v3's 71- and 17-wide maps (primes) left
-    1-column register tiles, 2 vector accumulators: its 80->192 3x3 conv ran at 120 GFLOP/s of 466 and
-    the model at 2.3x onnxruntime on an Intel Xeon.  Split as 72 (12 x 6) or 18 (9 x 2), the tile holds
-    9-12 columns; the mask falls on ``x``, not on the vector lanes, so the code stays vectorized."""
-    ow = _extent(task, "x")
-    if ow <= max(X_TILES) or _largest_divisor_at_most(ow, max(X_TILES)) >= min(X_TILES):
-        return ow
-    return min((-(-ow // t) * t for t in X_TILES), key=lambda p: (p, -max(t for t in X_TILES if p % t == 0)))
+    """The output width the ``x`` axis is split as (:func:`~kerneltune.templates.conv_nchwc.compute_width`).
+    A dense conv with unrolled taps is already computed that wide; the others are split as if they were,
+    the extra columns masked on ``x``, not on the vector lanes, so the code stays vectorized."""
+    return compute_width(_extent(task, "x"))
 
 
 def space(task: Task, target: tvm.target.Target | None = None) -> SearchSpace:
@@ -290,12 +282,12 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
         "tile_x": (ow // x1, x1),
         "tile_ic": tile_ic,
         "ic_order": ic_order,
-        "unroll_kw": dw or task.dims["KW"] <= 5,
+        "unroll_kw": dw or task.dims["KW"] <= MAX_UNROLLED_TAPS,
         "s1_order": "oc_outer",
         "s0_order": "y_outer" if s0_rows else "oc_outer",
         "pad": "inline" if dw else "stage",
         "unroll": 512 if not dw and task.dims["KH"] == task.dims["KW"] == 1 and ow <= 2 * x1
-        and ow == _extent(task, "x") else 16,
+        and ow == task.dims["OW"] else 16,
     }
 
 
