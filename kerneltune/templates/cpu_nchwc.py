@@ -230,10 +230,11 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     * everything else in S0, which is parallel: many small chunks balance two cores.  The cores split rows
       (``s0_order=y_outer``) where the weights are smaller than the input (and not taken by the rule
       above): each core then keeps its own rows of the activations from one conv to the next instead of
-      reading the half the other core wrote, and reads every weight (Intel Xeon, 2 threads: ResNet-50 31.0 -> 29.6 ms, MobileNet-v2 3.16 -> 3.00 ms in
-      alternating blocks, Inception-v3 unchanged; timed in the model, ResNet-50's convs ran 1.17x slower
-      than the same calls repeated warm with channels split, 1.06x on one thread).  Larger weights (the
-      7x7 and 14x14 stages) keep channels split, each core reading half of them;
+      reading the half the other core wrote, and reads every weight (Intel Xeon, 2 threads: ResNet-50 31.0
+      -> 29.6 ms, MobileNet-v2 3.16 -> 3.00 ms in alternating blocks, Inception-v3 unchanged; timed in the
+      model, ResNet-50's convs ran 1.17x slower than the same calls repeated warm with channels split, 1.06x
+      on one thread).  Larger weights (the 7x7 and 14x14 stages) keep channels split, each core reading
+      half of them;
     * dense convs pad in a separate parallel copy (bounds checks in their long inner loops cost ~15%);
       depthwise convs read each input once per tap, where the extra pass over the input costs more than the
       checks: padding inlined (MobileNet-v2 144x56x56: 87 vs 39 GFLOP/s, 1 thread), and a smaller register
@@ -302,7 +303,8 @@ def _ic_outer_tiles(task: Task, target: tvm.target.Target, oc_bn: int, chunks: i
     """(``tile_y``, ``tile_ic``) of the input-channel-outer order: the rows of a parallel chunk move to S1 so
     one L1-sized chunk of the weights (``ic_bn`` channels, at most :data:`L1_BLOCK_BYTES`) serves them all,
     while as many row groups stay parallel as two chunks per core need."""
-    y0 = next(y for y in range(1, rows + 1) if rows % y == 0 and (chunks * y >= 2 * num_cores(target) or y == rows))
+    cores = num_cores(target)
+    y0 = next(y for y in range(1, rows + 1) if rows % y == 0 and (chunks * y >= 2 * cores or y == rows))
     blocks, a = _extent(task, "rco"), task.dims["a"]
     block_bytes = _panel_bytes(task, oc_bn) * a // (task.dims["C"] // task.dims["G"])  # one input block's
     ic1 = _largest_divisor_at_most(blocks, max(1, L1_BLOCK_BYTES // max(1, block_bytes)))
