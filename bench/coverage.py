@@ -18,7 +18,9 @@ inputs as the product's check (or the model's sample inputs) and compared with o
 one comparison (:mod:`graphopt.compare`: abs and scale-relative error, NaN/Inf by position, top-1 agreement
 for classifier-like outputs).
 
-Writes ``OUT.json`` (one object per row) and ``OUT.md`` (the table), atomically after every row.
+Writes ``OUT.json`` (one object per row), ``OUT.md`` (the table: onnxruntime, OpenVINO where the ``[bench]``
+extra is installed, our untuned build, the graph stage's decision and seconds, the layout report) and
+``OUT.png`` (the latency ratios to onnxruntime), atomically after every row.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graphopt.fileio import write_text_atomic  # noqa: E402
+from graphopt.fileio import save_figure, write_text_atomic  # noqa: E402
 
 STEPS = ("export", "import", "graph", "relax", "partition", "compile", "check")
 # Function names in a traceback, innermost first wins, and the step they belong to.  Resolved from the frame
@@ -74,7 +76,9 @@ class Row:
     max_rel_err: float | None = None  # max |ours - ref| / max |ref| (graphopt.compare)
     nonfinite_mismatch: int | None = None  # NaN/Inf in only one result
     top1_agreement: float | None = None  # classifier-like outputs
+    layout: str | None = None  # the layout stage's report: mode, convs blocked, transforms, convs kept NCHW
     ort_ms: float | None = None
+    openvino_ms: float | None = None  # bench-model's OpenVINO engine (f32, latency hint), when installed
     tvm_ms: float | None = None
     bench_error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -269,6 +273,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
         if graph.get("e2e_ms_before") is not None:
             row.graph_e2e_ms = [graph.get("e2e_ms_before"), graph.get("e2e_ms_after")]
         row.tasks = stages.get("partition", {}).get("tasks")
+        row.layout = _layout_line(stages.get("partition", {}).get("layout"))
         row.passed += [s for s in STEPS[1:] if not (s == "graph" and args.skip_graph)]
         try:
             row.__dict__.update(verify(out_dir, path, meta["input_shapes"], npz, args.threads))
@@ -295,7 +300,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
         b = _run(bcmd, args.timeout, env)
         if b.rc == 0 and bench_json.exists():
             res = json.loads(bench_json.read_text())
-            row.ort_ms, row.tvm_ms = res.get("ort_ms"), res.get("tvm_ms")
+            row.ort_ms, row.openvino_ms, row.tvm_ms = res.get("ort_ms"), res.get("openvino_ms"), res.get("tvm_ms")
         else:
             row.bench_error = (_user_line(b.stderr, b.rc) if not b.timed_out else f"timed out after {args.timeout:.0f} s")
     if not args.keep_outputs:
@@ -303,6 +308,17 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
     if not args.warm_cache:
         shutil.rmtree(env["OPTIMIZE_MODEL_CACHE"], ignore_errors=True)
     return row
+
+
+def _layout_line(layout: Any) -> str | None:
+    """report.json's layout stage in one cell: ``auto: 94/94 blocked, 2 transforms`` (+ the convs kept NCHW)."""
+    if not isinstance(layout, dict):
+        return None
+    line = f"{layout.get('mode')}: {layout.get('blocked')}/{layout.get('convs')} blocked, " \
+           f"{layout.get('transforms')} transforms"
+    kept = sum((layout.get("kept_nchw") or {}).values())  # reason -> convs
+    line += f", {kept} kept NCHW" if kept else ""
+    return line + (f", failed: {str(layout['failed'])[:80]}" if layout.get("failed") else "")
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -334,24 +350,53 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
              f"`optimize-model --skip-tune`{' --skip-graph' if header['skip_graph'] else ''}, timeout "
              f"{header['timeout']} s, {header['cost_cache']} cost cache; steps: {', '.join(STEPS)}.  rel err = "
              f"max |ours-ref| / max |ref| (graphopt.compare); top-1 = arg-max agreement on classifier-like outputs.",
-             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | run s | abs err | "
-             "rel err | top-1 | ORT ms | TVM ms | error |", "|" + "---|" * 15]
+             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | layout | run s | "
+             "abs err | rel err | top-1 | ORT ms | OpenVINO ms | TVM ms | TVM / ORT | error |", "|" + "---|" * 18]
     for r in rows:
         passed = f"{len(r.passed)}/{len(STEPS)}"
         err = (r.error or r.bench_error or "; ".join(r.notes) or "").replace("|", "\\|")
         lines.append(f"| {r.model} | {r.exporter} | {r.size} | {_fmt(r.opset)} | {passed} | {_fmt(r.failed_step)} | "
-                     f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.run_s, '.1f')} | "
+                     f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.layout)} | {_fmt(r.run_s, '.1f')} | "
                      f"{_fmt(r.max_abs_err, '.2g')} | {_fmt(r.max_rel_err, '.2g')} | {_fmt(r.top1_agreement, '.0%')} | "
-                     f"{_fmt(r.ort_ms, '.2f')} | {_fmt(r.tvm_ms, '.2f')} | {err[:160]} |")
+                     f"{_fmt(r.ort_ms, '.2f')} | {_fmt(r.openvino_ms, '.2f')} | {_fmt(r.tvm_ms, '.2f')} | "
+                     f"{_fmt(_ratio(r.tvm_ms, r.ort_ms), '.2f')} | {err[:160]} |")
     ok = sum(r.failed_step is None for r in rows)
     lines += ["", f"{ok} of {len(rows)} went through."]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def plot(rows: list[Row], path: Path, header: dict[str, Any]) -> None:
+    """Bars of our untuned build's and OpenVINO's latency over onnxruntime's, one group per benchmarked row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.ort_ms and r.tvm_ms]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(2.0 + 0.7 * len(rows), 3.8))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [_ratio(r.tvm_ms, r.ort_ms) for r in rows], 0.4, label="ours, untuned")
+    ax.bar([x + 0.2 for x in xs], [_ratio(r.openvino_ms, r.ort_ms) or 0 for r in rows], 0.4, label="OpenVINO")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(xs), [f"{r.model}\n{r.exporter}" for r in rows], fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel("latency / onnxruntime's")
+    ax.set_title(f"{header['cpu']}, {header['threads']} threads, {header['size']} size", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
 
 
 def write(rows: list[Row], out: Path, header: dict[str, Any]) -> None:
     data = {"header": header, "rows": [_finite(asdict(r)) for r in rows]}
     write_text_atomic(out.with_suffix(".json"), json.dumps(data, indent=1, allow_nan=False) + "\n")
     write_text_atomic(out.with_suffix(".md"), markdown(rows, header))
+    plot(rows, out.with_suffix(".png"), header)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -372,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-cache", action="store_true",
                    help="use the user's per-op cost cache (default: an empty one per model, as on a first run)")
     p.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "coverage"),
-                   help="output path without suffix: writes OUT.json and OUT.md (default bench/results/coverage)")
+                   help="output path without suffix: writes OUT.json, OUT.md and OUT.png (default bench/results/coverage)")
     p.add_argument("--work-dir", help="keep the exported models here (reused when present) instead of a temp dir")
     p.add_argument("--keep-outputs", action="store_true", help="keep each optimize-model output directory")
     p.add_argument("--resume", action="store_true", help="keep the rows already in OUT.json and skip them")
