@@ -198,7 +198,7 @@ def test_avx2_default_tile_of_a_prime_wide_map_holds_a_whole_row():
 @pytest.mark.parametrize("spec,epilogue", [
     (ConvSpec(1, 64, 6, 7, 64, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bn_relu_residual"),
     (ConvSpec(1, 64, 9, 9, 32, 1, 1, stride=(2, 2), ic_block=16, oc_block=16), "none"),
-    (ConvSpec(1, 40, 5, 11, 32, 1, 3, pad=(0, 1, 0, 1), ic_block=8, oc_block=16), "relu"),  # padded x split
+    (ConvSpec(1, 40, 5, 11, 32, 1, 3, pad=(0, 1, 0, 1), ic_block=8, oc_block=16), "relu"),  # 5 input blocks
 ], ids=["3x3-residual", "1x1-stride2", "1x3-wide"])
 def test_input_channels_outside_the_rows_match_numpy(spec, epilogue):
     """``ic_order=outer``: the input-channel chunks run outside every row and column tile of a parallel chunk,
