@@ -22,13 +22,13 @@ How, with TVM's own machinery (the path MetaSchedule's ``RewriteLayout`` takes):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tvm
 from tvm import s_tir, tirx
 
-from kerneltune.task import root_blocks
+from kerneltune.task import Task, build_func, root_blocks
 
 PREPROC = "meta_schedule.layout_rewrite_preproc"
 
@@ -86,6 +86,22 @@ def pack_inputs(inputs: Sequence[np.ndarray], packings: Sequence[Packing]) -> li
     for p in packings:
         out[p.param] = p.apply(out[p.param])
     return out
+
+
+def kernel_timer(func: tirx.PrimFunc, task: Task, inputs: Sequence[np.ndarray], target: tvm.target.Target,
+                 number: int, repeat: int, cold: bool) -> Callable[[], list[float]]:
+    """``func`` (a scheduled kernel of ``task``) built for this machine and timed as the model runs it: its
+    weight-packing copies stripped, ``inputs`` packed beforehand (``cold``: caches flushed before every run,
+    as the tuner times).  Each call of the result times ``repeat`` runs of ``number`` calls (seconds): the
+    in-process calibrations (the rows tile, the practical peak) time their candidates with it."""
+    stripped, packings = strip(func)
+    lib = build_func(stripped, target)
+    dev = tvm.cpu()
+    args = ([tvm.runtime.tensor(x, dev) for x in pack_inputs(inputs, packings)]
+            + [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs])
+    flush = {"f_preproc": "cache_flush_cpu_non_first_arg"} if cold else {}
+    evaluator = lib.time_evaluator("main", dev, number=number, repeat=repeat, **flush)
+    return lambda: [float(t) for t in evaluator(*args).results]
 
 
 def fold_weight_packing(mod: tvm.IRModule) -> tvm.IRModule:

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import tvm
 
 from kerneltune import templates
 from kerneltune.calibrate import calibrated
@@ -59,18 +58,13 @@ class KernelRate:
 
 def measure_peak(target) -> int:
     """GFLOP/s the matmul template's default reaches on :data:`PEAK_SHAPE` with warm caches (best of 5)."""
-    from kerneltune.prepack import strip
-    from kerneltune.task import build_func, make_task
+    from kerneltune.prepack import kernel_timer
+    from kerneltune.task import make_task
 
     task = make_task("matmul", ",".join(map(str, PEAK_SHAPE)))
-    sch = templates.schedule(task, templates.default_config(task, target), target)
-    func, _ = strip(sch.mod["main"].with_attr("tirx.is_scheduled", True))
-    lib = build_func(func, target)
-    dev = tvm.cpu()
-    args = [tvm.runtime.tensor(x, dev) for x in task.make_inputs(0)] + [
-        tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs]
-    seconds = lib.time_evaluator("main", dev, number=20, repeat=5)(*args).results
-    return max(1, int(task.flops / float(np.min(seconds)) / 1e9))
+    timer = kernel_timer(templates.apply(task, templates.default_config(task, target), target), task,
+                         task.make_inputs(0), target, number=20, repeat=5, cold=False)
+    return max(1, int(task.flops / min(timer()) / 1e9))
 
 
 def measure_bandwidth(_target) -> int:

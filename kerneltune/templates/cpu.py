@@ -400,27 +400,22 @@ def time_row_repeats(target: tvm.target.Target) -> int:
 
     import numpy as np
 
-    from ..prepack import pack_inputs, strip
-    from ..task import build_func, make_task
+    from ..prepack import kernel_timer
+    from ..task import make_task
 
-    dev = tvm.cpu()
     timers: dict[int, list] = {s2: [] for s2 in ROW_REPEATS}
     for m, k, n in ROW_REPEAT_SHAPES:
         task = make_task("matmul", f"{m},{k},{n}")
         inputs = task.make_inputs(0)
         for s2 in ROW_REPEATS:
             sch = schedule(task, default_config(task, target, s2), target)
-            func, packings = strip(sch.mod["main"].with_attr("tirx.is_scheduled", True))
-            lib = build_func(func, target)
-            args = ([tvm.runtime.tensor(x, dev) for x in pack_inputs(inputs, packings)]
-                    + [tvm.runtime.empty(o.shape, o.dtype, dev) for o in task.outputs])
-            timers[s2].append((lib.time_evaluator("main", dev, number=1, repeat=9,
-                                                  f_preproc="cache_flush_cpu_non_first_arg"), args))
+            timers[s2].append(kernel_timer(sch.mod["main"].with_attr("tirx.is_scheduled", True), task, inputs,
+                                           target, number=1, repeat=9, cold=True))
     best: dict[int, list[float]] = {s2: [math.inf] * len(ROW_REPEAT_SHAPES) for s2 in ROW_REPEATS}
     for _ in range(ROW_REPEAT_ROUNDS):  # interleaved: a noisy moment slows every candidate alike
         for s2 in ROW_REPEATS:
-            for i, (timer, args) in enumerate(timers[s2]):
-                best[s2][i] = min(best[s2][i], float(np.median(timer(*args).results)))
+            for i, timer in enumerate(timers[s2]):
+                best[s2][i] = min(best[s2][i], float(np.median(timer())))
     score = {s2: math.exp(float(np.mean(np.log(best[s2])))) for s2 in ROW_REPEATS}
     pick = min(ROW_REPEATS, key=lambda s2: (score[s2], ROW_REPEATS.index(s2)))
     return pick if score[pick] < score[STATIC_ROW_REPEAT] * (1 - ROW_REPEAT_MARGIN) else STATIC_ROW_REPEAT
