@@ -44,6 +44,7 @@ from tvm import relax, te, tirx
 from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
 
 from ..task import Axis, Task, _epilogue_names, _int, _io_specs, layout_free_params, root_blocks
+from .cpu import _largest_divisor_at_most
 
 # the annotation key the computes tag their anchor with: part of every task key (records), so it keeps
 # the name of this module's former home (kerneltune/conv_nchwc.py)
@@ -164,10 +165,7 @@ def compute_width(ow: int) -> int:
     register tiles, 2 vector accumulators: its 80->192 3x3 conv ran at 120 GFLOP/s of 466 and the model at
     2.3x onnxruntime on an Intel Xeon.  Computed 72 (12 x 6) or 18 (9 x 2) wide, a tile holds 9-12
     columns."""
-    def divisor_at_most(n: int, cap: int) -> int:
-        return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-    if ow <= max(X_TILES) or divisor_at_most(ow, max(X_TILES)) >= min(X_TILES):
+    if ow <= max(X_TILES) or _largest_divisor_at_most(ow, max(X_TILES)) >= min(X_TILES):
         return ow
     return min((-(-ow // t) * t for t in X_TILES), key=lambda p: (p, -max(t for t in X_TILES if p % t == 0)))
 
