@@ -277,8 +277,8 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
 
     * vector axis: S3 = whole vectors (up to 4: 64 fp32 lanes with AVX-512), else the largest divisor that
       fits one vector (a 56-wide conv row: 4 x 14 lanes, 105 GFLOP/s, vs 7 x 8 lanes 69, vs 2 x 28 lanes 7);
-    * rows axis: S3 = accumulators / (vectors x conv rows), accumulators = half the vector registers (16 of
-      32 zmm with AVX-512, 8 of 16 ymm with AVX2).  Matmuls repeat the
+    * rows axis: S3 = accumulators / (vectors x conv rows), accumulators: :func:`_accumulators`.  Matmuls
+      repeat the
       register tile down the rows inside one k-block (S2) so the B block is reused from L1: 4x on this Zen 5
       (1 thread, 128x768x768: 157 vs 135 GFLOP/s for S2 = 2), 1-2x on an Intel Xeon, so it is measured once
       per CPU (``row_repeat``: :func:`time_row_repeats`).  Convs take 2 output rows (y) and 8 filters,
@@ -292,9 +292,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     if row_repeat is None and task.kind != "conv2d":
         row_repeat = calibrated("matmul_row_repeat", target, STATIC_ROW_REPEAT, time_row_repeats)
     lanes = vector_lanes(target, task.dtype)
-    # half the vector registers hold accumulators, the rest the operands: 16 of AVX-512's 32, 8 of AVX2's 16
-    # (x86-64-v3 on an Intel Xeon, 128x768x3072: 2 rows x 4 vectors 148 GFLOP/s, 4 x 4 spilled: 110)
-    accumulators = vector_registers(target) // 2
+    accumulators = _accumulators(task, target)
     vec, rows = task.vector_axis, rows_axis(task)
     window = 1
     for a in task.axes:
@@ -365,6 +363,22 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     return tuple(values[name] for name in sp.names)
 
 
+# Vector registers a matmul's register tile leaves to its operands: up to 4 B vectors and a broadcast of A,
+# with room to spare.
+OPERAND_REGISTERS = 8
+
+
+def _accumulators(task: Task, target: tvm.target.Target) -> int:
+    """Vector accumulators of the default register tile.  A matmul keeps all but :data:`OPERAND_REGISTERS`:
+    24 of AVX-512's 32 (8 rows x 3 vectors: each B vector loaded feeds 8 FMAs, not 4), 8 of AVX2's 16
+    (x86-64-v3 on an Intel Xeon, 128x768x3072: 2 rows x 4 vectors 148 GFLOP/s, 4 x 4 spilled: 110).  On an
+    Intel Xeon (AVX-512, 2 threads, weights cold) 8 x 3 vectors against 4 x 4: BERT-base's 128x768x3072
+    2.64 -> 2.43 ms, 128x3072x768 2.66 -> 2.49, 128x768x768 0.67 -> 0.64.  NCHW convs keep half the
+    registers (their rows are filters, 2 output rows share each weight broadcast)."""
+    registers = vector_registers(target)
+    return registers // 2 if task.kind == "conv2d" else registers - OPERAND_REGISTERS
+
+
 # Reduction depth of one k-block (R1), and the L1 bytes a k-block may take when every row is inside it: half of
 # 32 KiB, the smallest L1 data cache x86 cores have had since 2006.
 K_INNER, L1_BLOCK_BYTES = 64, 16 * 1024
@@ -380,11 +394,12 @@ def _rows_fit_l1(rows: int, width: int, k_inner: int, dtype: str) -> bool:
 
 
 # The matmul rows tile (S2) without a measurement (tuned on a Zen 5), the candidates (preferred first on
-# ties), the shapes they are timed on (BERT-base's and ViT-B/16's first MLP matmul), and the margin a
+# ties), the shapes they are timed on (BERT-base's two MLP matmuls: 16 row tiles of 8, so every candidate
+# is a different schedule; ViT-B/16's 197 tokens, 25 tiles, leave S2 = 1 only), and the margin a
 # candidate must win by over the static choice.
 STATIC_ROW_REPEAT, ROW_REPEATS = 4, (4, 2, 1)
-ROW_REPEAT_SHAPES = ((128, 768, 3072), (197, 768, 3072))
-ROW_REPEAT_MARGIN, ROW_REPEAT_ROUNDS = 0.03, 3
+ROW_REPEAT_SHAPES = ((128, 768, 3072), (128, 3072, 768))
+ROW_REPEAT_MARGIN, ROW_REPEAT_ROUNDS = 0.03, 5
 
 
 def time_row_repeats(target: tvm.target.Target) -> int:
@@ -396,6 +411,7 @@ def time_row_repeats(target: tvm.target.Target) -> int:
     base 104 vs 108).  Each candidate of :data:`ROW_REPEATS` is timed on :data:`ROW_REPEAT_SHAPES` with cold
     weights, in interleaved rounds (min over rounds of each round's median); one replaces the static choice
     only when faster by more than :data:`ROW_REPEAT_MARGIN` on the geometric mean."""
+    import dataclasses
     import math
 
     import numpy as np
@@ -405,12 +421,14 @@ def time_row_repeats(target: tvm.target.Target) -> int:
 
     timers: dict[int, list] = {s2: [] for s2 in ROW_REPEATS}
     for m, k, n in ROW_REPEAT_SHAPES:
-        task = make_task("matmul", f"{m},{k},{n}")
+        # B is a model weight, as in the models the rows tile is for: pre-packed, the default for a weight (a
+        # run-time panel copy, what a weightless task gets, is another kernel: it picked 4 where 1 ran 6% faster)
+        task = dataclasses.replace(make_task("matmul", f"{m},{k},{n}"), weights=("B",))
         inputs = task.make_inputs(0)
         for s2 in ROW_REPEATS:
             sch = schedule(task, default_config(task, target, s2), target)
             timers[s2].append(kernel_timer(sch.mod["main"].with_attr("tirx.is_scheduled", True), task, inputs,
-                                           target, number=1, repeat=9, cold=True))
+                                           target, number=1, repeat=15, cold=True))
     best: dict[int, list[float]] = {s2: [math.inf] * len(ROW_REPEAT_SHAPES) for s2 in ROW_REPEATS}
     for _ in range(ROW_REPEAT_ROUNDS):  # interleaved: a noisy moment slows every candidate alike
         for s2 in ROW_REPEATS:
