@@ -69,7 +69,11 @@ def schedule(task: Task, config, target) -> s_tir.Schedule:
 
 
 def apply(task: Task, config, target) -> tvm.tirx.PrimFunc:
-    return schedule(task, config, target).mod["main"].with_attr("tirx.is_scheduled", True)
+    t = _target(target)
+    template = _template(task, t)
+    if hasattr(template, "apply"):   # a template that adds what no schedule primitive expresses (cpu: prefetch)
+        return template.apply(task, config, t)
+    return template.schedule(task, config, t).mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def default_config(task: Task, target):

@@ -30,6 +30,7 @@ from ..calibrate import calibrated
 from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..prepack import PREPROC
 from ..task import Task, root_blocks
+from . import prefetch
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob
 
 UNROLL = (0, 16, 64, 512)
@@ -145,6 +146,22 @@ def _operand_along(block, task: Task) -> str:
 
 
 def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
+    """The schedule of ``config`` (its trace replays the primitives: the MetaSchedule export)."""
+    return _schedule(task, config, target)[0]
+
+
+def apply(task: Task, config, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """The scheduled kernel as it is built: the schedule's function, plus the software prefetch of a
+    pre-packed weight's next panel (:mod:`.prefetch`; no schedule primitive expresses it, so the trace of
+    :func:`schedule` leaves it out)."""
+    sch, panel_prefetch = _schedule(task, config, target)
+    func = sch.mod["main"]
+    if panel_prefetch is not None:
+        func = prefetch.insert(func, panel_prefetch)
+    return func.with_attr("tirx.is_scheduled", True)
+
+
+def _schedule(task: Task, config, target: tvm.target.Target):
     cfg = check_config(space(task), config)
     factors = tiles(task, cfg, 4, 2)
     p = prepare(task, inline_producers=cfg.get("pad", "inline") == "inline", einsum_padding=_lane_padding(task))
@@ -164,6 +181,7 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     if cfg.get("s1_order") == "reversed":
         s[1] = s[1][::-1]
     sch.reorder(*s[0], *s[1], *r[0], *s[2], *r[1], *s[3])
+    s0_extents = [int(sch.get(lp).extent) for lp in s[0]]   # the parallel loop's parts, read before fusing
     outer = sch.fuse(*s[0]) if len(s[0]) > 1 else s[0][0]
     sch.parallel(outer)
     if cfg["unroll"]:
@@ -194,13 +212,18 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
                 sch.vectorize(loops[-2])
         elif nb > 1:
             sch.vectorize(loops[-1])
-    elif cfg.get("pack") == "prepack":
-        _prepack(sch, p.anchor, task, factors)
+    panels = _prepack(sch, p.anchor, task, factors) if cfg.get("pack") == "prepack" else None
     sch.reverse_compute_at(p.writeback, s[1][-1])
     if nb > 1:
         _vectorize(sch, sch.get_loops(p.writeback)[-1], nb, lanes)
     sch.decompose_reduction(p.anchor, r[0][0])
-    return sch
+    panel_prefetch = None
+    vec = [a.role for a in task.axes].index(task.vector_axis)
+    if panels is not None and len(factors[vec]) == 4:
+        spatial_roles = [a.role for a in task.axes if not a.reduce]
+        panel_prefetch = prefetch.plan(sch, panels, outer, s0_extents, spatial_roles.index(task.vector_axis),
+                                       s[1], parts[vec][1], r[0][0])
+    return sch, panel_prefetch
 
 
 def _vectorize(sch, loop, width: int, lanes: int) -> None:
@@ -238,7 +261,7 @@ def _panel_width(task: Task, factors) -> int:
     return factors[vec][2] * factors[vec][3]
 
 
-def _prepack(sch, anchor, task: Task, factors) -> None:
+def _prepack(sch, anchor, task: Task, factors):
     """Store the weight B as panels ``[.., N/nb, K, nb]`` (nb = the S2*S3 tile of the vector axis), so the
     k-loop over one output tile reads one contiguous stream.  The copy is a root block annotated for
     ``RemoveWeightLayoutRewriteBlock`` (tuning) and ``SplitLayoutRewritePreproc`` + ``FoldConstant`` (build)."""
@@ -253,6 +276,7 @@ def _prepack(sch, anchor, task: Task, factors) -> None:
     else:                     # B[.., k, j]
         sch.transform_layout(packed, ("write", 0), lambda *i: (*i[:-2], i[-1] // nb, i[-2], i[-1] % nb))
     sch.annotate(packed, PREPROC, True)
+    return packed
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -426,8 +450,7 @@ def time_row_repeats(target: tvm.target.Target) -> int:
         task = dataclasses.replace(make_task("matmul", f"{m},{k},{n}"), weights=("B",))
         inputs = task.make_inputs(0)
         for s2 in ROW_REPEATS:
-            sch = schedule(task, default_config(task, target, s2), target)
-            timers[s2].append(kernel_timer(sch.mod["main"].with_attr("tirx.is_scheduled", True), task, inputs,
+            timers[s2].append(kernel_timer(apply(task, default_config(task, target, s2), target), task, inputs,
                                            target, number=1, repeat=15, cold=True))
     best: dict[int, list[float]] = {s2: [math.inf] * len(ROW_REPEAT_SHAPES) for s2 in ROW_REPEATS}
     for _ in range(ROW_REPEAT_ROUNDS):  # interleaved: a noisy moment slows every candidate alike
@@ -499,4 +522,4 @@ def _balance_parallel(cfg: dict, roles: list[str], want: int, vector: str | None
                 take(r, lvl, min(d for d in divisors(cfg[r][lvl]) if d > 1))
 
 
-__all__ = ["space", "schedule", "default_config", "InvalidConfig"]
+__all__ = ["space", "schedule", "apply", "default_config", "InvalidConfig"]

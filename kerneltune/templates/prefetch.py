@@ -1,0 +1,119 @@
+"""Software prefetch of a pre-packed weight's next panel, spread over the current panel's work.
+
+A matmul with a constant B runs over B's column panels (``[N/nb, K, nb]``, :func:`.cpu._prepack`), and each
+core computes every row tile of one panel before the next.  In a model the weights come from DRAM (BERT-base
+streams 340 MB per inference), and the hardware prefetchers only see a panel once its first row tile reads
+it: that tile then waits on DRAM at its full FMA rate of demand (192 bytes per 12 cycles), and the other row
+tiles find the panel in L2.  Prefetching the *next* panel a few lines at a time, at the start of every
+k-block of every row tile, spreads the stream evenly over the panel's work: on an Intel Xeon (AVX-512, 2
+threads) BERT-base's 128x768x3072 with cold weights ran 2.56 -> 2.05 ms, within 5% of the same kernel with
+the weights already in cache (1.95 ms).  Prefetches go to L2 (``prefetcht1``): a panel (147 KB) is larger
+than L1.
+
+TVM's schedule primitives have no prefetch, so it is inserted into the scheduled PrimFunc as a loop of
+``tirx.prefetch`` calls (LLVM's ``llvm.prefetch``) at the top of the k-block loop.  A prefetch never faults and
+changes no value: the kernel computes what it did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir, tirx
+
+CACHE_LINE = 64
+L2_LOCALITY = 2   # llvm.prefetch locality 2: x86 prefetcht1, into L2
+
+
+@dataclass(frozen=True)
+class PanelPrefetch:
+    """Where and what to prefetch.  ``panel`` is the current panel's index and ``slot`` the position of the
+    current k-block among the panel's (``slots`` of them), both in loop variables bound at ``at``'s top."""
+    buffer: tirx.Buffer          # the packed weight, [panels, K, nb]
+    at: tirx.Var                 # the k-block loop: each iteration first prefetches its share
+    panel: tirx.PrimExpr
+    slot: tirx.PrimExpr
+    slots: int
+    index_dtype: str             # the loops' index type (int64 in imported models)
+
+
+def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int], vec_position: int,
+         s1_loops: list, vec_s1, k_block) -> PanelPrefetch | None:
+    """The prefetch for a schedule whose vector axis' panel index is ``S0 * S1`` of that axis.
+
+    ``outer_fused``: the parallel loop, the fusion of one S0 loop per spatial axis (``outer_extents``, the
+    vector axis at ``vec_position``); ``s1_loops``: the S1 loops, outermost first, ``vec_s1`` among them;
+    ``k_block``: the R0 loop.  The S1 loops inside ``vec_s1`` share one panel, so they count slots with the
+    k-blocks.  None when the packed buffer is not ``[panels, K, nb]`` (batched weights) or one row tile
+    reads each panel."""
+    buffer = sch.get(packed_block).writes[0].source
+    if len(buffer.shape) != 3:
+        return None
+    fused = sch.get(outer_fused).loop_var
+    inner = 1
+    for e in outer_extents[vec_position + 1:]:
+        inner *= e
+    vec_s0 = tirx.floormod(tirx.floordiv(fused, inner), outer_extents[vec_position]) if len(outer_extents) > 1 else fused
+    vec_loop = sch.get(vec_s1)
+    panel = vec_s0 * vec_loop.extent + vec_loop.loop_var
+    slot, slots = 0, 1
+    for rv in s1_loops[[sch.get(x).loop_var.same_as(vec_loop.loop_var) for x in s1_loops].index(True) + 1:]:
+        loop = sch.get(rv)
+        slot, slots = slot * loop.extent + loop.loop_var, slots * int(loop.extent)
+    if slots == 1:
+        # one row tile reads the panel once: a plain stream, which the hardware prefetchers follow (a matrix-
+        # vector product, 1 x 650 x 2624 on an Intel Xeon: 0.36 ms without, 0.40 with)
+        return None
+    k = sch.get(k_block)
+    return PanelPrefetch(buffer, k.loop_var, panel, slot * k.extent + k.loop_var, slots * int(k.extent),
+                         str(k.extent.ty))
+
+
+def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
+    """``func`` with the prefetch loop placed first in the body of the loop over ``p.at``."""
+    panels, depth, width = (int(x) for x in p.buffer.shape)
+    per_line = CACHE_LINE * 8 // tvm.DataType(str(p.buffer.dtype)).bits
+    lines = -(-depth * width // per_line)
+    share = -(-lines // p.slots)
+    i64 = p.index_dtype
+    t = tirx.Var("prefetch_line", i64)
+    flat = (p.slot * share + t) * per_line
+    nxt = tirx.min(p.panel + 1, tirx.const(panels - 1, i64))
+    row = tirx.min(tirx.floordiv(flat, width), tirx.const(depth - 1, i64))
+    address = tirx.address_of(tirx.BufferLoad(p.buffer, [nxt, row, tirx.floormod(flat, width)]))
+    call = tirx.call_intrin("void", "tirx.prefetch", address, 0, L2_LOCALITY, 1)
+    loop = tirx.For(t, tirx.const(0, i64), tirx.const(share, i64), tirx.ForKind.SERIAL, tirx.Evaluate(call))
+    body, found = _prepend_in_loop(func.body, p.at, loop)
+    if not found:
+        raise ValueError(f"no loop over {p.at.name} in the scheduled kernel")
+    return func.with_body(body)
+
+
+def _prepend_in_loop(stmt, var: tirx.Var, first):
+    """Rebuild the statements on the path to the ``For`` over ``var``, with ``first`` ahead of its body."""
+    if isinstance(stmt, tirx.For):
+        if stmt.loop_var.same_as(var):
+            return _for(stmt, tirx.SeqStmt([first, stmt.body])), True
+        body, found = _prepend_in_loop(stmt.body, var, first)
+        return (_for(stmt, body), True) if found else (stmt, False)
+    if isinstance(stmt, tirx.SeqStmt):
+        seq = list(stmt.seq)
+        for i, s in enumerate(seq):
+            new, found = _prepend_in_loop(s, var, first)
+            if found:
+                seq[i] = new
+                return tirx.SeqStmt(seq), True
+        return stmt, False
+    if isinstance(stmt, s_tir.SBlockRealize):
+        b = stmt.block
+        body, found = _prepend_in_loop(b.body, var, first)
+        if not found:
+            return stmt, False
+        block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init, b.alloc_buffers,
+                             b.match_buffers, b.annotations)
+        return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block), True
+    return stmt, False
+
+
+def _for(loop: tirx.For, body) -> tirx.For:
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
