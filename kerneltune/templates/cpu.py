@@ -219,10 +219,12 @@ def _schedule(task: Task, config, target: tvm.target.Target):
     sch.decompose_reduction(p.anchor, r[0][0])
     panel_prefetch = None
     vec = [a.role for a in task.axes].index(task.vector_axis)
-    if panels is not None and len(factors[vec]) == 4:
+    if panels is not None and len(factors[vec]) == 4 and len(sch.get(panels).writes[0].source.shape) == 3:
         spatial_roles = [a.role for a in task.axes if not a.reduce]
+        panel_s1 = parts[vec][1]
+        sharing = s[1][[sch.get(x).same_as(sch.get(panel_s1)) for x in s[1]].index(True) + 1:]
         panel_prefetch = prefetch.plan(sch, panels, outer, s0_extents, spatial_roles.index(task.vector_axis),
-                                       s[1], parts[vec][1], r[0][0])
+                                       panel_s1, sharing, r[0][0])
     return sch, panel_prefetch
 
 

@@ -10,6 +10,11 @@ threads) BERT-base's 128x768x3072 with cold weights ran 2.56 -> 2.05 ms, within 
 the weights already in cache (1.95 ms).  Prefetches go to L2 (``prefetcht1``): a panel (147 KB) is larger
 than L1.
 
+The NCHW[x]c convs do not take it: their input-channel chunks are short (a 1x1 conv's is 256 FMAs), so the
+prefetch loop's index arithmetic costs more than it hides (Intel Xeon, cold weights: ResNet-50's 64->256 1x1
+at 56x56 0.44 -> 0.54 ms with it, 256->1024 at 14x14 0.45 -> 0.47), and with the channel chunks outside the
+rows (their default where weights are large) each chunk is read once, in order, already.
+
 TVM's schedule primitives have no prefetch, so it is inserted into the scheduled PrimFunc as a loop of
 ``tirx.prefetch`` calls (LLVM's ``llvm.prefetch``) at the top of the k-block loop.  A prefetch never faults and
 changes no value: the kernel computes what it did.
@@ -29,7 +34,7 @@ L2_LOCALITY = 2   # llvm.prefetch locality 2: x86 prefetcht1, into L2
 class PanelPrefetch:
     """Where and what to prefetch.  ``panel`` is the current panel's index and ``slot`` the position of the
     current k-block among the panel's (``slots`` of them), both in loop variables bound at ``at``'s top."""
-    buffer: tirx.Buffer          # the packed weight, [panels, K, nb]
+    buffer: tirx.Buffer          # the packed weight, [panels, ...]: one panel contiguous
     at: tirx.Var                 # the k-block loop: each iteration first prefetches its share
     panel: tirx.PrimExpr
     slot: tirx.PrimExpr
@@ -37,32 +42,30 @@ class PanelPrefetch:
     index_dtype: str             # the loops' index type (int64 in imported models)
 
 
-def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int], vec_position: int,
-         s1_loops: list, vec_s1, k_block) -> PanelPrefetch | None:
-    """The prefetch for a schedule whose vector axis' panel index is ``S0 * S1`` of that axis.
+def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int], panel_position: int,
+         panel_loop, sharing_loops: list, k_block) -> PanelPrefetch | None:
+    """The prefetch of a schedule whose current panel is ``S0 * S1`` of one axis (the matmul's columns, the
+    conv's output-channel blocks).
 
-    ``outer_fused``: the parallel loop, the fusion of one S0 loop per spatial axis (``outer_extents``, the
-    vector axis at ``vec_position``); ``s1_loops``: the S1 loops, outermost first, ``vec_s1`` among them;
-    ``k_block``: the R0 loop.  The S1 loops inside ``vec_s1`` share one panel, so they count slots with the
-    k-blocks.  None when the packed buffer is not ``[panels, K, nb]`` (batched weights) or one row tile
-    reads each panel."""
+    ``outer_fused``: the parallel loop, the fusion of loops of ``outer_extents`` (the panel axis' S0 at
+    ``panel_position``); ``panel_loop``: the panel axis' S1 loop; ``sharing_loops``: the loops between it and
+    ``k_block`` (the k-block / input-channel-chunk loop), whose iterations all read the same panel, so they
+    count the slots with the k-blocks.  None when no loop shares the panel: one register tile then reads
+    each panel once, a plain stream the hardware prefetchers follow (a matrix-vector product, 1 x 650 x
+    2624 on an Intel Xeon: 0.36 ms without, 0.40 with)."""
     buffer = sch.get(packed_block).writes[0].source
-    if len(buffer.shape) != 3:
-        return None
     fused = sch.get(outer_fused).loop_var
     inner = 1
-    for e in outer_extents[vec_position + 1:]:
+    for e in outer_extents[panel_position + 1:]:
         inner *= e
-    vec_s0 = tirx.floormod(tirx.floordiv(fused, inner), outer_extents[vec_position]) if len(outer_extents) > 1 else fused
-    vec_loop = sch.get(vec_s1)
-    panel = vec_s0 * vec_loop.extent + vec_loop.loop_var
+    s0 = tirx.floormod(tirx.floordiv(fused, inner), outer_extents[panel_position]) if len(outer_extents) > 1 else fused
+    loop = sch.get(panel_loop)
+    panel = s0 * loop.extent + loop.loop_var
     slot, slots = 0, 1
-    for rv in s1_loops[[sch.get(x).loop_var.same_as(vec_loop.loop_var) for x in s1_loops].index(True) + 1:]:
+    for rv in sharing_loops:
         loop = sch.get(rv)
         slot, slots = slot * loop.extent + loop.loop_var, slots * int(loop.extent)
     if slots == 1:
-        # one row tile reads the panel once: a plain stream, which the hardware prefetchers follow (a matrix-
-        # vector product, 1 x 650 x 2624 on an Intel Xeon: 0.36 ms without, 0.40 with)
         return None
     k = sch.get(k_block)
     return PanelPrefetch(buffer, k.loop_var, panel, slot * k.extent + k.loop_var, slots * int(k.extent),
@@ -71,16 +74,21 @@ def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int
 
 def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
     """``func`` with the prefetch loop placed first in the body of the loop over ``p.at``."""
-    panels, depth, width = (int(x) for x in p.buffer.shape)
+    panels, *inner = (int(x) for x in p.buffer.shape)
+    size = 1
+    for e in inner:
+        size *= e
     per_line = CACHE_LINE * 8 // tvm.DataType(str(p.buffer.dtype)).bits
-    lines = -(-depth * width // per_line)
-    share = -(-lines // p.slots)
+    share = -(-(-(-size // per_line)) // p.slots)
     i64 = p.index_dtype
     t = tirx.Var("prefetch_line", i64)
-    flat = (p.slot * share + t) * per_line
+    flat = tirx.min((p.slot * share + t) * per_line, tirx.const(size - 1, i64))
+    index = []
+    for e in reversed(inner):   # the panel's element at ``flat``, in the buffer's own axes
+        index.insert(0, tirx.floormod(flat, e))
+        flat = tirx.floordiv(flat, e)
     nxt = tirx.min(p.panel + 1, tirx.const(panels - 1, i64))
-    row = tirx.min(tirx.floordiv(flat, width), tirx.const(depth - 1, i64))
-    address = tirx.address_of(tirx.BufferLoad(p.buffer, [nxt, row, tirx.floormod(flat, width)]))
+    address = tirx.address_of(tirx.BufferLoad(p.buffer, [nxt, *index]))
     call = tirx.call_intrin("void", "tirx.prefetch", address, 0, L2_LOCALITY, 1)
     loop = tirx.For(t, tirx.const(0, i64), tirx.const(share, i64), tirx.ForKind.SERIAL, tirx.Evaluate(call))
     body, found = _prepend_in_loop(func.body, p.at, loop)
