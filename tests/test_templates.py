@@ -378,3 +378,20 @@ def test_prepacked_matmul_prefetches_the_next_weight_panel():
         a, b = task.make_inputs(seed=2)
         (out,) = run_func(lib, task, prepack.pack_inputs([a, b], packings), tvm.cpu())
         np.testing.assert_allclose(out, _np_matmul(a, b, False, False), rtol=1e-4, atol=1e-4)
+
+
+def test_prime_reduction_depth_is_one_k_block():
+    """A reduction with no divisor near the k-block depth (ViT's 197 tokens, a prime) is one k-block, not 197
+    blocks of 1 (which sent the register tile to memory and back for every FMA step, 55 GFLOP/s in place);
+    depths with a good divisor keep 64-deep blocks.  The product still equals numpy."""
+    from kerneltune.templates import cpu
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+    for shape, k in (("12,197,197,64", (1, 197)), ("12,128,768,64", (12, 64)), ("4,20,130,32", (5, 26))):
+        task = make_task("batch_matmul", shape)
+        assert dict(zip(cpu.space(task).names, cpu.default_config(task, target, row_repeat=1)))["tile_k"] == k
+    task = make_task("batch_matmul", "2,13,197,24")
+    a, b = task.make_inputs(seed=4)
+    (out,) = run_func(build_func(templates.apply(task, templates.default_config(task, LLVM), LLVM), LLVM), task,
+                      [a, b], tvm.cpu())
+    np.testing.assert_allclose(out, a.astype("f8") @ b.astype("f8"), rtol=1e-4, atol=1e-4)
