@@ -6,8 +6,8 @@ streams 340 MB per inference), and the hardware prefetchers only see a panel onc
 it: that tile then waits on DRAM at its full FMA rate of demand (192 bytes per 12 cycles), and the other row
 tiles find the panel in L2.  Prefetching the *next* panel a few lines at a time, at the start of every
 k-block of every row tile, spreads the stream evenly over the panel's work: on an Intel Xeon (AVX-512, 2
-threads) BERT-base's 128x768x3072 with cold weights ran 2.56 -> 2.05 ms, within 5% of the same kernel with
-the weights already in cache (1.95 ms).  Prefetches go to L2 (``prefetcht1``): a panel (147 KB) is larger
+threads) BERT-base's 128x768x3072 with cold weights ran 2.53 -> 2.14 ms, against 1.95 ms for the same kernel
+with the weights already in cache.  Prefetches go to L2 (``prefetcht1``): a panel (147 KB) is larger
 than L1.
 
 The NCHW[x]c convs do not take it: their input-channel chunks are short (a 1x1 conv's is 256 FMAs), so the
@@ -44,12 +44,11 @@ class PanelPrefetch:
 
 def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int], panel_position: int,
          panel_loop, sharing_loops: list, k_block) -> PanelPrefetch | None:
-    """The prefetch of a schedule whose current panel is ``S0 * S1`` of one axis (the matmul's columns, the
-    conv's output-channel blocks).
+    """The prefetch of a schedule whose current panel is ``S0 * S1`` of one axis (a matmul's columns).
 
     ``outer_fused``: the parallel loop, the fusion of loops of ``outer_extents`` (the panel axis' S0 at
     ``panel_position``); ``panel_loop``: the panel axis' S1 loop; ``sharing_loops``: the loops between it and
-    ``k_block`` (the k-block / input-channel-chunk loop), whose iterations all read the same panel, so they
+    ``k_block`` (the k-block loop), whose iterations all read the same panel, so they
     count the slots with the k-blocks.  None when no loop shares the panel: one register tile then reads
     each panel once, a plain stream the hardware prefetchers follow (a matrix-vector product, 1 x 650 x
     2624 on an Intel Xeon: 0.36 ms without, 0.40 with)."""
