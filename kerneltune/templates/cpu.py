@@ -188,7 +188,8 @@ def _schedule(task: Task, config, target: tvm.target.Target):
         sch.annotate(outer, "pragma_auto_unroll_max_step", cfg["unroll"])
         sch.annotate(outer, "pragma_unroll_explicit", 1)
     lanes = vector_lanes(target, task.dtype)
-    _vectorize(sch, s[3][-1], factors[[a.role for a in task.axes].index(task.vector_axis)][3], lanes)
+    vec = [a.role for a in task.axes].index(task.vector_axis)
+    _vectorize(sch, s[3][-1], factors[vec][3], lanes)
     # Width of the vector axis' register tile: the panel copy and the write-back are vectorized along it.
     # With a width of 1 their innermost loop is another, strided axis (k, or the rows): vectorizing that
     # asks LLVM for e.g. a 768-lane gather, which took it 89 s to compile (G-BFS starts from such configs).
@@ -218,13 +219,11 @@ def _schedule(task: Task, config, target: tvm.target.Target):
         _vectorize(sch, sch.get_loops(p.writeback)[-1], nb, lanes)
     sch.decompose_reduction(p.anchor, r[0][0])
     panel_prefetch = None
-    vec = [a.role for a in task.axes].index(task.vector_axis)
     if panels is not None and len(factors[vec]) == 4 and len(sch.get(panels).writes[0].source.shape) == 3:
         spatial_roles = [a.role for a in task.axes if not a.reduce]
-        panel_s1 = parts[vec][1]
-        sharing = s[1][[sch.get(x).same_as(sch.get(panel_s1)) for x in s[1]].index(True) + 1:]
+        panel_s1 = parts[vec][1]   # one of s[1]; the S1 loops inside it share its panel
         panel_prefetch = prefetch.plan(sch, panels, outer, s0_extents, spatial_roles.index(task.vector_axis),
-                                       panel_s1, sharing, r[0][0])
+                                       panel_s1, s[1][s[1].index(panel_s1) + 1:], r[0][0])
     return sch, panel_prefetch
 
 
