@@ -44,6 +44,7 @@ SHAPES = {
     "r50_1x1": dict(c=256, hw=56, f=64, k=1, stride=1, pad=0, groups=1),
     "rx_grouped": dict(c=128, hw=56, f=128, k=3, stride=1, pad=1, groups=32),
     "mbv2_dw": dict(c=144, hw=56, f=144, k=3, stride=1, pad=1, groups=144),
+    "i3_3x3": dict(c=80, hw=73, f=192, k=3, stride=1, pad=0, groups=1),
 }
 
 

@@ -243,6 +243,7 @@ class TensorClass:
     entries: list[tuple[int, ...]] = field(default_factory=list)  # members made in NCHW (model inputs, ...)
     exits: list[tuple[int, ...]] = field(default_factory=list)  # members read in NCHW (model outputs, ...)
     group_widths: set[int] = field(default_factory=set)  # channels per group of grouped convs touching it
+    grouped: bool = False  # a grouped or depthwise conv reads or writes it
 
 
 @dataclass
@@ -288,6 +289,7 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
     entries: list[tuple[int, tuple[int, ...]]] = []
     exits: list[tuple[int, tuple[int, ...]]] = []
     widths: list[tuple[int, int]] = []
+    grouped: list[int] = []
     convs: list[tuple] = []  # (weight, spec, input key, output key, input shape, output shape, why)
 
     def track(var) -> int | None:
@@ -321,8 +323,10 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
                 spec, why = _conv_spec(call)
                 inp = track(call.args[0])
                 convs.append((call.args[1], spec, inp, out, _shape(call.args[0]), shape, why))
-                if spec is not None and spec.groups > 1 and not spec.depthwise:
-                    widths += [(inp, spec.cg), (out, spec.fg)]
+                if spec is not None and spec.groups > 1:
+                    grouped += [inp, out]
+                    if not spec.depthwise:
+                        widths += [(inp, spec.cg), (out, spec.fg)]
                 continue
             linked = None
             if out is not None:
@@ -364,6 +368,8 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
         classes[cid(k)].exits.append(s)
     for k, w in widths:
         classes[cid(k)].group_widths.add(w)
+    for k in grouped:
+        classes[cid(k)].grouped = True
     sites = [ConvSite(w, spec, cid(i), cid(o), si, so, why) for w, spec, i, o, si, so, why in convs]
     return LayoutGraph(classes, sites)
 

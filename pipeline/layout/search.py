@@ -53,11 +53,19 @@ MAX_MERGE = 4  # merged groups cost ``merge``x the FLOPs: beyond 4x not worth pr
 def candidates(cls: nchwc.TensorClass, lanes: int, touched: bool) -> list[int | None]:
     """A class's candidate layouts, preferred first: blocks that divide its channels (vector width, half of
     it, its own :func:`~pipeline.layout.nchwc.channel_block`, the group widths of grouped convs at it), then NCHW.
-    A class no conv reads or writes stays NCHW (ConvertLayout only starts from convs)."""
+    A class no conv reads or writes stays NCHW (ConvertLayout only starts from convs).
+
+    Half a vector is offered only to narrow classes (at most two vectors of channels) and to those a grouped
+    or depthwise conv touches.  Of 111 dense convs with more than two vectors of output channels priced on an
+    Intel Xeon (AVX-512, 2 threads; the CNN corpus), an 8-channel output ran a median 1.25x slower than a
+    16-channel one; it won on 7, by at most 10%: MobileNet's expands into depthwise convs (which keep the
+    choice), and MobileNet-v3's 200->80 and 184->80 1x1 convs at 14x14 (8% and 5%).  Those half-vector
+    kernels were 3 of the 5 each conv was measured as, the bulk of a cold layout stage."""
     if not touched or cls.channels <= 0:
         return [None]
     out: list[int | None] = []
-    for b in (nchwc.channel_block(cls.channels, lanes), lanes, lanes // 2, *sorted(cls.group_widths, reverse=True)):
+    half = (lanes // 2,) if cls.channels <= 2 * lanes or cls.grouped else ()
+    for b in (nchwc.channel_block(cls.channels, lanes), lanes, *half, *sorted(cls.group_widths, reverse=True)):
         if 2 <= b <= lanes and cls.channels % b == 0 and b not in out:
             out.append(b)
     return out + [None]
