@@ -19,7 +19,7 @@ from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.library import add_rules_parser
 from graphopt.onnx_io import parse_input_shapes, save_model
 from graphopt.roundtrip import roundtrip
-from graphopt.stage import E2E_MARGIN, E2E_RUNS, GraphStageOptions, optimize_onnx
+from graphopt.stage import E2E_MARGIN, E2E_RUNS, PATIENCE, GraphStageOptions, optimize_onnx
 from graphopt.limits import check_threads
 from graphopt.validate import ModelInput, check_model
 
@@ -80,6 +80,8 @@ def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> No
                    help=f"target the cost model prices for ({', '.join(components.target_kinds)})")
     p.add_argument("--alpha", type=float, default=1.05, help="keep graphs up to alpha x the best cost (1.0 = greedy)")
     p.add_argument("--budget", type=int, default=1000, help="most graphs to dequeue")
+    p.add_argument("--patience", type=int, default=PATIENCE,
+                   help=f"stop after this many dequeued graphs without a cheaper one (default {PATIENCE})")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="seconds for the whole graph stage: pricing, search, end-to-end timing, merge (default 60)")
     p.add_argument("--weights-as-inputs", action="store_true",
@@ -103,7 +105,8 @@ def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> No
 
 def _run_optimize(args: argparse.Namespace, components: Components) -> int:
     kind = components.check_target(args.target)
-    options = GraphStageOptions(alpha=args.alpha, budget=args.budget, time_limit=args.time_limit,
+    options = GraphStageOptions(alpha=args.alpha, budget=args.budget, patience=args.patience,
+                                time_limit=args.time_limit,
                                 progress=not args.no_progress, e2e_check=not args.no_e2e_check,
                                 e2e_margin=args.e2e_margin, e2e_runs=args.e2e_runs,
                                 weights_as_inputs=args.weights_as_inputs)

@@ -4,7 +4,9 @@ A priority queue holds candidate graphs ordered by cost.  The cheapest is dequeu
 every match, and each result whose cost is below ``alpha`` times the best cost seen so far is enqueued
 (``alpha`` = 1.05 as in the paper: a slightly worse graph may lead to a much better one, e.g. merging two of
 BERT's three projections before the third joins; 1.0 is greedy).  Graphs are deduplicated by structural
-hash; the search stops after ``budget`` dequeued graphs, ``time_limit`` seconds, or an empty queue.
+hash; the search stops after ``budget`` dequeued graphs, ``time_limit`` seconds, an empty queue, or
+``patience`` dequeued graphs in a row that found nothing cheaper ("converged": a count, not a clock, so
+the same input stops at the same place).
 
 Two things make it fast enough for BERT-base (~1000 nodes, hundreds of matches per graph):
 
@@ -73,11 +75,12 @@ class SearchResult:
 class Searcher:
     def __init__(self, rules: list[Rule], cost: CostModel, alpha: float = 1.05, budget: int = 1000,
                  time_limit: float = 60.0, progress: bool = False, max_queue: int = 20000,
-                 reverse: bool = True):
+                 reverse: bool = True, patience: int | None = None):
         self.rules = RuleIndex(with_reverses(rules) if reverse else rules)
         self.cost = cost
         self.alpha = alpha
         self.budget = budget
+        self.patience = patience  # stop after this many dequeued graphs without a better one (None: never)
         self.time_limit = time_limit
         self.progress = progress
         self.max_queue = max_queue
@@ -170,9 +173,13 @@ class Searcher:
 
         expand(root)
         dequeued = 1
+        last_better = 1  # the dequeue that found the best graph so far
         while heap:
             if dequeued >= self.budget:
                 stopped_by = "budget"
+                break
+            if self.patience is not None and dequeued - last_better >= self.patience:
+                stopped_by = "converged"
                 break
             if time.perf_counter() - start > self.time_limit:
                 stopped_by = "time limit"
@@ -193,6 +200,7 @@ class Searcher:
             dequeued += 1
             if state.cost < best.cost:
                 best = state
+                last_better = dequeued
             trace.append(best.cost)
             if state.cost < self.alpha * best.cost:  # the estimate that queued it can be off (fusion)
                 expand(state)
@@ -237,7 +245,7 @@ def _derive_constants(parent: State, rw: Rewrite, index: GraphIndex) -> set[str]
 
 
 def search(graph: Graph, rules: list[Rule], cost: CostModel, alpha: float = 1.05, budget: int = 1000,
-           time_limit: float = 60.0, progress: bool = False) -> SearchResult:
+           time_limit: float = 60.0, progress: bool = False, patience: int | None = None) -> SearchResult:
     """Best graph found for ``graph`` under ``cost`` using ``rules`` (see module docstring)."""
-    return Searcher(rules, cost, alpha, budget, time_limit, progress).run(graph)
+    return Searcher(rules, cost, alpha, budget, time_limit, progress, patience=patience).run(graph)
 

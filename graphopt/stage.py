@@ -22,6 +22,14 @@ The same blindness cuts the other way for merges: when the search keeps nothing,
 parallel matmul/conv group merged (:func:`merged_alternative`) is timed against the input too, and kept if it
 is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1.04x faster end to end in TVM).
 
+Timing two whole models costs two whole-model compiles first (13 s each for BERT-base on a 2-core Intel
+Xeon), so a candidate is first priced the way the backend builds it, when the cost model's engine can
+(:meth:`~graphopt.cost.base.CostModel.kernel_time`: the fused kernels, each timed alone and cached by its
+structure, so the input's kernels are priced once and a candidate costs only the kernels it changed); only
+a candidate whose kernels price at least ``KERNEL_GATE`` x margin cheaper is timed end to end, and the
+input is kept otherwise ("priced").  The gate only ever saves time on the way to keeping the input; keeping
+a rewrite still takes the end-to-end verdict.
+
 Keep-or-reject is never decided on one noisy timing: the two whole models are timed in interleaved blocks,
 the order swapped from block to block, until a sign test on the blocks says the candidate is faster by the
 margin or it is clear it is not (:func:`graphopt.timing.decide`; undecided keeps the input).  The verdict is recorded
@@ -65,10 +73,14 @@ from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, search
 from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
 
+PATIENCE = 200  # dequeued graphs without a cheaper one before the search stops (see GraphStageOptions)
 E2E_MARGIN = 0.02  # the candidate must be this much faster end to end, beyond timing noise, to be kept
 E2E_RUNS = 20
 SEARCH_SHARE = 0.6  # of the stage's time limit, for pricing and search when whole models are timed after
 MERGE_SHARE = 0.5  # of what is left after the end-to-end check, for the merge-everything search
+# A candidate is timed end to end only if the fusion-aware price (its kernels, each timed alone) is lower than
+# the input's by at least this share of the margin; otherwise the input is kept without timing either.
+KERNEL_GATE = 0.5
 
 
 @dataclass
@@ -95,6 +107,7 @@ class GraphStageOptions:
 
     alpha: float = 1.05  # keep graphs up to alpha x the best cost in the queue (1.0 = greedy; TASO: 1.05)
     budget: int = 1000  # most graphs to dequeue
+    patience: int = PATIENCE  # stop after this many dequeued graphs without a cheaper one
     time_limit: float = 60.0  # seconds for the whole stage: pricing, search, end-to-end checks, merge
     rules: list[Rule] | None = None  # None: the shipped verified library
     progress: bool = False
@@ -110,6 +123,8 @@ class GraphStageOptions:
                             "more (1.05 as in TASO)")
         if self.budget < 1:
             raise UserError(f"--budget {self.budget} must be at least 1")
+        if self.patience < 1:
+            raise UserError(f"--patience {self.patience} must be at least 1")
         if not self.time_limit > 0:
             raise UserError(f"--time-limit {self.time_limit} must be a positive number of seconds")
         if self.e2e_runs < 1:
@@ -129,11 +144,14 @@ class E2ECheck:
     backend: str | None = None
     decision: str = ""  # why, in blocks (graphopt.timing.decide)
     ratios: tuple[float, ...] = ()
+    kernels_ms_before: float | None = None  # the fusion-aware prices (CostModel.kernel_time), when taken
+    kernels_ms_after: float | None = None
 
     def report(self) -> dict[str, Any]:
         return {"kept": self.kept, "e2e_check": self.status, "e2e_ms_before": self.ms_before,
                 "e2e_ms_after": self.ms_after, "e2e_backend": self.backend, "e2e_margin": self.margin,
-                "e2e_decision": self.decision, "e2e_ratios": list(self.ratios)}
+                "e2e_decision": self.decision, "e2e_ratios": list(self.ratios),
+                "kernels_ms_before": self.kernels_ms_before, "kernels_ms_after": self.kernels_ms_after}
 
 
 @dataclass
@@ -197,6 +215,16 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
                         cost_model.name, "the verdict of an earlier run with this cost cache")
     if deadline is not None and time.perf_counter() >= deadline:
         return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models")
+    before_k = cost_model.kernel_time(original)
+    after_k = cost_model.kernel_time(candidate) if before_k else None
+    k_ms = {} if not (before_k and after_k) else {"kernels_ms_before": before_k * 1e3, "kernels_ms_after": after_k * 1e3}
+    if k_ms and after_k > before_k * (1 - KERNEL_GATE * margin):
+        return E2ECheck("original", "priced", margin, decision=(
+            f"its kernels price at {after_k * 1e3:.3f} ms against the input's {before_k * 1e3:.3f}: not "
+            f"{KERNEL_GATE * margin:.1%} cheaper, so the whole models were not timed"), **k_ms)
+    if deadline is not None and time.perf_counter() >= deadline:
+        return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models",
+                        **k_ms)
     backend: list[str] = []
 
     def block(b: int) -> tuple[float, float]:
@@ -222,7 +250,7 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         cost_model.record(key + "|ms_after", comp.candidate_ms)
         cost_model.record(key, 1.0 if verdict.faster else 0.0)
     return E2ECheck("optimized" if verdict.faster else "original", "measured", margin, comp.baseline_ms,
-                    comp.candidate_ms, backend[0] if backend else None, verdict.reason, comp.ratios)
+                    comp.candidate_ms, backend[0] if backend else None, verdict.reason, comp.ratios, **k_ms)
 
 
 def finish(graph: Graph) -> tuple[Graph, int, int]:
@@ -250,7 +278,8 @@ def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost
     faster than ``original`` end to end by the margin; else ``None``.  The dict says what was tried and
     measured.  With ``clock``, its search gets ``MERGE_SHARE`` of the time left and its check the rest."""
     limit = options.time_limit if clock is None else max(clock.left() * MERGE_SHARE, 1e-3)
-    res = search(searched, merge_rules(rules), KernelCountCost(), options.alpha, options.budget, limit)
+    res = search(searched, merge_rules(rules), KernelCountCost(), options.alpha, options.budget, limit,
+                 patience=options.patience)
     if not any(res.applied.values()):
         return None, {"stopped_by": res.stopped_by}
     merged = finish(res.graph)[0]
@@ -258,7 +287,8 @@ def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost
                              None if clock is None else clock.end)
     info = {"applied": res.applied, "stopped_by": res.stopped_by, "e2e_check": check.status,
             "e2e_ms_before": check.ms_before, "e2e_ms_after": check.ms_after, "e2e_backend": check.backend,
-            "e2e_decision": check.decision, "e2e_ratios": list(check.ratios)}
+            "e2e_decision": check.decision, "e2e_ratios": list(check.ratios),
+            "kernels_ms_before": check.kernels_ms_before, "kernels_ms_after": check.kernels_ms_after}
     return (merged if check.status in ("measured", "recorded") and check.kept == "optimized" else None), info
 
 
@@ -282,7 +312,7 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     estimated_before = getattr(cost, "estimated", 0)
     try:
         result = search(searched, rules, guarded, options.alpha, options.budget, clock.left(search_end),
-                        options.progress)
+                        options.progress, options.patience)
         best, folded, deduplicated = finish(result.graph)
         cost_before = guarded.graph_cost(searched)
         candidate_cost = searched_cost(best, guarded)
@@ -312,7 +342,8 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     if merged is not None:
         check = E2ECheck("merged", merge_info["e2e_check"], options.e2e_margin, merge_info["e2e_ms_before"],
                          merge_info["e2e_ms_after"], merge_info["e2e_backend"], merge_info["e2e_decision"],
-                         tuple(merge_info["e2e_ratios"]))
+                         tuple(merge_info["e2e_ratios"]), merge_info["kernels_ms_before"],
+                         merge_info["kernels_ms_after"])
         out, cost_after, applied = merged, searched_cost(merged, guarded), merge_info["applied"]
     elif check.kept == "optimized":
         out, cost_after, applied = best, candidate_cost, result.applied

@@ -349,6 +349,28 @@ def squeezenet(size: str) -> Built:
     return _vision(m, size, 64)
 
 
+def vgg(size: str) -> Built:
+    """VGG-19: 16 3x3 convs, two 4096-wide FC layers over 25088 inputs (548 MB of weights at full size).
+    ``small``: a 32x32 image and one FC layer to 10 classes (the convs keep their widths)."""
+    tv, torch = _torchvision(), _torch()
+    torch.manual_seed(0)
+    m = tv.models.vgg19(num_classes=_pick(size, 10, 1000))
+    if size == "small":
+        m.classifier = torch.nn.Linear(512 * 7 * 7, 10)
+    return _vision(m, size, 32)
+
+
+def alexnet(size: str) -> Built:
+    """AlexNet: an 11x11 stride-4 conv, 5x5 and 3x3 convs, three FC layers (9216 -> 4096 -> 4096).
+    ``small``: a 64x64 image (its least) and one FC layer to 10 classes."""
+    tv, torch = _torchvision(), _torch()
+    torch.manual_seed(0)
+    m = tv.models.alexnet(num_classes=_pick(size, 10, 1000))
+    if size == "small":
+        m.classifier = torch.nn.Linear(256 * 6 * 6, 10)
+    return _vision(m, size, 64)
+
+
 def convnet(size: str) -> Built:
     """A model-zoo-era CNN (VGG-like: conv-BN-ReLU stacks, max pools, ``view`` + two Linear layers)."""
     torch = _torch()
@@ -576,6 +598,10 @@ CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
     CorpusSpec("squeezenet", "vision", "torchvision SqueezeNet 1.1 (small: 64x64 image; full: 224)", squeezenet,
                ("torchscript", "dynamo", "opset9")),
     CorpusSpec("convnet", "vision", "VGG-like CNN with BatchNorm and view() (model-zoo era)", convnet,
+               ("torchscript", "dynamo", "opset9")),
+    CorpusSpec("vgg", "vision", "torchvision VGG-19 (small: 32x32 image, one FC layer; full: 224)", vgg,
+               ("torchscript", "dynamo", "opset9")),
+    CorpusSpec("alexnet", "vision", "torchvision AlexNet (small: 64x64 image, one FC layer; full: 224)", alexnet,
                ("torchscript", "dynamo", "opset9")),
     CorpusSpec("lstm_lm", "rnn", "word LM: Embedding + 2-layer nn.LSTM + Linear (full: 650 wide, seq 35)",
                _rnn_lm("LSTM", False)),

@@ -262,9 +262,9 @@ def run_model_main(argv: list[str] | None = None) -> int:
 def _tvm_runner(threads: int) -> GraphRunner:
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
     from pipeline.graph_runner import TvmRunner
-    from pipeline.stages import compile_graph
+    from pipeline.stages import compile_graph, kernel_time
 
-    return TvmRunner(compile_graph, threads)
+    return TvmRunner(compile_graph, threads, price_kernels=kernel_time)
 
 
 GRAPHOPT_COMPONENTS = graphopt_cli.Components(

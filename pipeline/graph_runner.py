@@ -29,9 +29,11 @@ class TvmRunner(GraphRunner):
     name = "tvm"
 
     def __init__(self, compile_graph: Callable[[onnx.ModelProto, TargetSpec], CompiledModel], threads: int = 1,
-                 spec: TargetSpec | None = None):
+                 spec: TargetSpec | None = None,
+                 price_kernels: Callable[[onnx.ModelProto, Graph, TargetSpec], float] | None = None):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
         self.compile_graph = compile_graph
+        self.price_kernels = price_kernels  # the fusion-aware price (pipeline.kernel_price), None: none
         self._spec = spec  # None: this machine's llvm, built when the first graph is prepared
 
     @property
@@ -43,10 +45,19 @@ class TvmRunner(GraphRunner):
         tag = "-".join([self.name, *options])
         return re.sub(r"[^A-Za-z0-9.=_-]+", "_", tag)[:80]
 
-    def prepare(self, graph: Graph) -> Callable[[], object]:
+    def _target(self) -> TargetSpec:
         set_num_threads(self.threads)
         if self._spec is None:
             self._spec = parse_target("llvm", self.threads)
+        return self._spec
+
+    def kernel_time(self, graph: Graph) -> float | None:
+        if self.price_kernels is None:
+            return None
+        return self.price_kernels(export_onnx(graph, check=False), graph, self._target())
+
+    def prepare(self, graph: Graph) -> Callable[[], object]:
+        self._target()
         compiled = self.compile_graph(export_onnx(graph, check=False), self._spec)
         dev = device_for(self._spec)
         args = to_device(timing_feeds(graph), compiled.input_names, dev)

@@ -34,6 +34,7 @@ from kerneltune.targets.registry import TargetSpec
 from pipeline.compile import CompiledModel, compile_partition
 from pipeline.context import BuildContext
 from pipeline.frontend import legalize_for_tvm
+from pipeline.kernel_price import KernelPricer
 from pipeline.layout.search import partition_model
 from pipeline.partition import Partition, partition
 from pipeline.relax_import import ImportedModel, import_model
@@ -83,7 +84,7 @@ def graph_stage(ctx: BuildContext, model: onnx.ModelProto, input_shapes: InputSh
 
     spec = ctx.spec
     kind = ctx.target.cost_kind if spec.can_run else "not-here"  # a kind other than llvm: analytic cost
-    cost = make_cost_model("measured", kind, TvmRunner(compile_graph, ctx.stage_threads, spec))
+    cost = make_cost_model("measured", kind, TvmRunner(compile_graph, ctx.stage_threads, spec, kernel_time))
     result = optimize_graph(graph, cost, GraphStageOptions(progress=ctx.tuning.progress,
                                                            time_limit=ctx.graph_time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
@@ -148,6 +149,13 @@ def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, d
     return compiled, {"checked": True, "seconds": round(time.perf_counter() - t0, 2), "floor": sanity.FLOOR,
                       "peak_gflops": peak, "bandwidth_gbs": bandwidth, "kernels": len(rates),
                       "flagged": flagged, "replaced": len(replaced)}
+
+
+def kernel_time(model: onnx.ModelProto, graph: Graph, spec: TargetSpec) -> float:
+    """What the graph stage prices a whole candidate at before it times one (the TVM runner's
+    ``price_kernels``; ``graph``: ``model``'s legalized graph IR): the kernels :func:`compile_graph` would
+    build for it, each timed alone (:mod:`pipeline.kernel_price`)."""
+    return KernelPricer(spec).price(model, graph).seconds
 
 
 def compile_graph(model: onnx.ModelProto, spec: TargetSpec) -> CompiledModel:

@@ -46,6 +46,35 @@ def _matmuls(model: onnx.ModelProto) -> int:
     return sum(n.op_type == "MatMul" for n in model.graph.node)
 
 
+class PricedLaunchCost(TimedLaunchCost):
+    """TimedLaunchCost whose engine also prices whole graphs by their kernels: the input at 1.0 ms, any
+    other graph at ``kernels_ms``."""
+
+    def __init__(self, kernels_ms: float, after_ms: float = 0.8):
+        super().__init__(1.0, after_ms)
+        self.kernels_ms = kernels_ms
+        self.priced: list[int] = []  # MatMul count of each graph priced
+
+    def kernel_time(self, graph):
+        self.priced.append(sum(n.op_type == "MatMul" for n in graph.nodes))
+        return (1.0 if len(self.priced) == 1 else self.kernels_ms) / 1e3
+
+
+def test_a_candidate_whose_kernels_price_no_cheaper_is_not_timed():
+    """The merged projections price at 0.995 ms against 1.0: not half the 2% margin cheaper, so the input is
+    kept without compiling or timing either whole model; at 0.98 ms they are timed, and kept (0.8 ms)."""
+    proto = three_projections()
+    cost = PricedLaunchCost(kernels_ms=0.995)
+    out, rep = optimize(proto, cost=cost, rules=HAND, budget=60)
+    assert cost.priced == [3, 1] and cost.timed == []
+    assert rep["kept"] == "original" and rep["e2e_check"] == "priced" and _matmuls(out) == 3
+    assert (rep["kernels_ms_before"], rep["kernels_ms_after"]) == (1.0, 0.995) and rep["e2e_ms_before"] is None
+    cost = PricedLaunchCost(kernels_ms=0.98)
+    out, rep = optimize(proto, cost=cost, rules=HAND, budget=60)
+    assert cost.timed and rep["kept"] == "optimized" and rep["e2e_check"] == "measured" and _matmuls(out) == 1
+    assert rep["kernels_ms_after"] == 0.98
+
+
 def test_slower_end_to_end_hands_back_the_input():
     proto = three_projections()
     cost = TimedLaunchCost(before_ms=1.0, after_ms=1.1)

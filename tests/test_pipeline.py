@@ -535,3 +535,19 @@ def test_head_conv_channels_padded_to_whole_vectors_match_onnxruntime(llvm):
     part = partition_model(imported.mod, llvm, "nchwc")
     res = check_outputs(compile_partition(imported, part, llvm), imported.graph, imported.onnx_model)
     assert res.ok and res.max_abs_err <= 1e-4
+
+
+def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
+    """The graph stage's fusion-aware price: every fused kernel timed once, cached on disk by its structure;
+    a model whose first conv's epilogue changed (Relu -> Sigmoid) times only that kernel again."""
+    from pipeline.kernel_price import KernelPricer
+
+    cache = tmp_path / "kernels.json"
+    first = KernelPricer(llvm, cache).price(conv_net())
+    assert first.measured == len(first.kernels) >= 3 and all(k.seconds > 0 and k.calls >= 1 for k in first.kernels)
+    again = KernelPricer(llvm, cache).price(conv_net())
+    assert again.measured == 0 and again.seconds == first.seconds
+    changed = conv_net()
+    next(n for n in changed.graph.node if n.op_type == "Relu").op_type = "Sigmoid"
+    other = KernelPricer(llvm, cache).price(changed)
+    assert other.measured == 1 and len(other.kernels) == len(first.kernels)

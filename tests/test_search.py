@@ -71,6 +71,16 @@ def test_budget_and_time_limit_stop_the_search():
     assert res.stopped_by == "time limit" and res.graphs_explored == 1
 
 
+def test_patience_stops_a_search_that_finds_nothing_cheaper():
+    """Merging two of three projections costs more (2.05 > 2), all three less: a search allowed one dequeue
+    without a cheaper graph stops at the first pair ("converged"), one allowed three reaches the triple."""
+    g = import_onnx(three_projections())
+    res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, budget=50, patience=1)
+    assert res.stopped_by == "converged" and res.dequeued == 2 and res.applied == {}
+    res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, budget=50, patience=3)
+    assert res.applied == {"merge_matmul_r2": 2} and res.cost_after < res.cost_before
+
+
 def test_incremental_matches_equal_full_rematching_on_bert():
     """Children inherit matches and re-match only around the rewrite; that must equal matching from scratch."""
     g = import_onnx(build_bert(TINY_BERT, 0, "tiny"))

@@ -58,6 +58,12 @@ class CostModel:
         caller cannot check its predictions."""
         return None
 
+    def kernel_time(self, graph: Graph) -> float | None:
+        """Seconds per run of the whole ``graph`` as the fused kernels its engine builds (the price that sees
+        fusion, :meth:`graphopt.cost.runners.GraphRunner.kernel_time`), or None when this model has no such
+        engine."""
+        return None
+
     def set_deadline(self, deadline: float | None) -> None:
         """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate
         instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""

@@ -176,6 +176,18 @@ class MeasuredCost(CostModel):
         times = time_blocks(dict(enumerate(calls)), runs, gap_s=0.0)  # one engine: no other's workers to wait out
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
 
+    def kernel_time(self, graph: Graph) -> float | None:
+        """The runner's fusion-aware price of ``graph``, recorded under its hash: the same graph is priced once
+        per cache, and a rerun decides the same way."""
+        key = f"kernels|{graph.structural_hash()}"
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.runner.kernel_time(graph)
+            if hit is None:
+                return None
+            self.record(key, hit)
+        return hit
+
     def _prepare(self, runner: GraphRunner, graph: Graph, digest: str) -> Callable[[], object]:
         key = (runner.name, digest)
         if key not in self._prepared:

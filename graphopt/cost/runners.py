@@ -36,6 +36,12 @@ class GraphRunner(ABC):
     def prepare(self, graph: Graph) -> Callable[[], object]:
         """A callable that runs ``graph`` once on fixed inputs; raises when the engine cannot run it."""
 
+    def kernel_time(self, graph: Graph) -> float | None:
+        """Seconds per run of ``graph`` priced as the kernels this engine builds for it (each distinct fused
+        kernel timed alone, times its calls: what the graph stage's fusion-aware price is), or None where the
+        engine cannot split a model into its kernels (onnxruntime)."""
+        return None
+
 
 # Operand positions that index into another tensor: 0 is a valid index for any axis, 1 is not (size 1).
 _INDEX_OPERANDS = {"Gather": 1, "GatherElements": 1, "GatherND": 1, "ScatterElements": 1, "Scatter": 1,

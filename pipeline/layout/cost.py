@@ -5,9 +5,9 @@ Each price comes from the code the pipeline really runs: a one-operator Relax mo
 lowering (:mod:`pipeline.layout.nchwc` for blocked convs), fusion (:func:`pipeline.partition.partition`) and
 scheduling (:func:`pipeline.compile.schedule`: the template's default config, or the CPU rules for a
 transform or a kernel no template covers); the scheduled kernel is built in this process (0.1-0.5 s) and
-timed with its weight packed the way the model packs it at build time.  Timing is cold, one call per
-timing after every argument but the activation was flushed from the caches: inside a model a conv's
-weights come from DRAM (see :mod:`kerneltune.measure`).  The price is the median of the timings.
+timed cold by :func:`pipeline.kernel_price.time_cold` (the graph stage's kernel prices use it too): its weight
+packed the way the model packs it at build time, one call per timing after every argument but the
+activation was flushed from the caches (inside a model a conv's weights come from DRAM), the median taken.
 
 Prices are cached in ``~/.cache/optimize-model/layout-<cpu>-t<threads>.json`` (``$OPTIMIZE_MODEL_CACHE``):
 a decision is taken once per machine and then read back, so the same command makes the same decision
@@ -24,21 +24,16 @@ import tvm
 from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir
-from kerneltune import prepack
 from kerneltune.templates import conv_nchwc
-from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
 from kerneltune.targets.threads import tvm_num_threads
-from kerneltune.task import build_func
 from pipeline.layout import nchwc
 from pipeline.compile import schedule
+from pipeline.kernel_price import time_cold
 from pipeline.partition import partition
 
 VERSION = 2  # 2: inputs packed from their logical shapes (1 priced garbage inputs)
-# Timings per price: as many as fit in this many seconds, within these bounds (median taken).
-TIMING_BUDGET_S = 0.25
-MIN_REPEAT, MAX_REPEAT = 5, 25
 
 Block = "int | None"  # a channel block; None is plain NCHW
 
@@ -112,24 +107,7 @@ class Pricer:
         func = scheduled[part.tasks[-1].names[0]] if part.tasks else None
         if func is None:
             raise ValueError("nothing to price: the module has no kernel")
-        # inputs drawn in the kernel's logical shapes, then packed: drawn in the stripped kernel's packed
-        # shapes, the packing scattered them into a mostly uninitialized array (denormal garbage priced some
-        # blocked convs 100x too slow on an Intel Xeon, and the search fled to NCHW)
-        params = list(func.params)
-        func, packings = prepack.strip(func)
-        with quiet_native_stderr():
-            lib = build_func(func, self.spec.target)
-        rng = np.random.default_rng(0)
-        inputs = [rng.uniform(-1, 1, [int(s) for s in p.shape]).astype(str(p.dtype)) for p in params[:-1]]
-        inputs = prepack.pack_inputs(inputs, packings)
-        dev = tvm.cpu()
-        args = [tvm.runtime.tensor(x, dev) for x in inputs]
-        out = params[-1]
-        args.append(tvm.runtime.empty([int(s) for s in out.shape], str(out.dtype), dev))
-        probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
-        repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
-        timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
-        return float(np.median(timer(*args).results))
+        return time_cold(func, self.spec)
 
 
 def _weight(spec: conv_nchwc.ConvSpec) -> np.ndarray:

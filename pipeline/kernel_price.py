@@ -1,0 +1,120 @@
+"""A graph priced as the kernels TVM builds for it: the fusion-aware price of the graph stage.
+
+graphopt's search adds up one-operator timings, which cannot see what Relax fuses: a bias, an activation or
+a residual add costs nothing once it is a matmul's epilogue, a ``Split`` after a merged conv can cost a whole
+copy, and two graphs with the same operator sum can build different kernels.  This price is taken on what
+the pipeline really builds (Jia et al., TASO, SOSP'19, price each operator with the backend's own kernels;
+here the backend's unit is the fused kernel): the graph is imported and fused exactly as the compiler does
+(:func:`pipeline.relax_import.import_model`, :func:`pipeline.partition.partition`, the layout as imported,
+as :func:`pipeline.stages.compile_graph` times whole candidates), every fused kernel gets its default
+schedule (:func:`pipeline.compile.schedule`), and each distinct kernel is built alone and timed cold
+(:func:`time_cold`); the price is the sum over the model's kernel calls.
+
+Kernels are keyed by the structural hash of their scheduled PrimFunc and cached on disk per CPU and thread
+count (``~/.cache/optimize-model/kernels-<cpu>-t<threads>.json``, ``$OPTIMIZE_MODEL_CACHE``), so a candidate
+that a rewrite changed in one place costs the import and partition plus the kernels it changed.
+
+:func:`time_cold` is also what the layout stage prices its convs and transforms with
+(:mod:`pipeline.layout.cost`): one call per timing after every argument but the first was flushed from the
+caches, as inside a model a kernel's weights come from DRAM while its activation was just written.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import tvm
+import tvm_ffi
+
+from graphopt.cost.cache import CostCache, cache_dir
+from graphopt.ir import Graph
+from kerneltune import prepack
+from kerneltune.native_log import quiet_native_stderr
+from kerneltune.targets.host import host_cpu, num_cores
+from kerneltune.targets.registry import TargetSpec
+from kerneltune.targets.threads import tvm_num_threads
+from kerneltune.task import build_func
+from pipeline.compile import schedule
+from pipeline.partition import partition
+from pipeline.relax_import import import_model, to_relax
+
+VERSION = 1  # part of every cached key: bump it when kernels or timing change what a price means
+# Timings per price: as many as fit in this many seconds, within these bounds (median taken).
+TIMING_BUDGET_S = 0.25
+MIN_REPEAT, MAX_REPEAT = 5, 25
+
+
+def time_cold(func: tvm.tirx.PrimFunc, spec: TargetSpec) -> float:
+    """Seconds of one call of the scheduled kernel ``func``, built here, its weights packed the way the model
+    packs them at build time, timed cold (median).  Inputs are drawn in the kernel's logical shapes, then
+    packed: drawn in the stripped kernel's packed shapes, the packing scattered them into a mostly
+    uninitialized array (denormal garbage priced some blocked convs 100x too slow on an Intel Xeon).  Integer
+    inputs are 0, a valid index for any axis."""
+    params = list(func.params)
+    func, packings = prepack.strip(func)
+    with quiet_native_stderr():
+        lib = build_func(func, spec.target)
+    rng = np.random.default_rng(0)
+    shapes = [[int(s) for s in p.shape] for p in params]
+    dtypes = [str(p.dtype) for p in params]
+    inputs = [rng.uniform(-1, 1, s).astype(d) if d.startswith(("float", "bfloat")) else np.zeros(s, d)
+              for s, d in zip(shapes[:-1], dtypes[:-1])]
+    inputs = prepack.pack_inputs(inputs, packings)
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(x, dev) for x in inputs]
+    args.append(tvm.runtime.empty(shapes[-1], dtypes[-1], dev))
+    probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
+    repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
+    timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
+    return float(np.median(timer(*args).results))
+
+
+@dataclass(frozen=True)
+class KernelPrice:
+    name: str  # the fused PrimFunc's name (first call)
+    calls: int  # per model run
+    seconds: float  # one call, cold
+
+
+@dataclass
+class GraphPrice:
+    kernels: list[KernelPrice] = field(default_factory=list)
+    measured: int = 0  # kernels timed for this price (0: every one was cached)
+
+    @property
+    def seconds(self) -> float:
+        return sum(k.calls * k.seconds for k in self.kernels)
+
+
+class KernelPricer:
+    """Prices ONNX models as their fused kernels (see the module docstring), measured on first use and cached."""
+
+    def __init__(self, spec: TargetSpec, path: str | Path | None = None):
+        self.spec = spec
+        threads = tvm_num_threads(num_cores(spec.target))  # what this process's kernels really run with
+        self.cache = CostCache(Path(path) if path else cache_dir() / f"kernels-{host_cpu()}-t{threads}.json")
+        # code built for another -mcpu runs at another speed here: the target is part of every key
+        self._target = hashlib.sha1(str(spec.target).encode()).hexdigest()[:10]
+
+    def price(self, model: onnx.ModelProto, graph: Graph | None = None) -> GraphPrice:
+        """The model's kernels with their prices; the model must have static input shapes.  ``graph``: the
+        model's graph IR, already legalized for TVM (the graph stage's): then only TVM's importer runs, not
+        the checks, shape inference and legalization of :func:`~pipeline.relax_import.import_model` (2.5 of
+        the 4.5 s a BERT-base import takes)."""
+        part = partition(import_model(model).mod if graph is None else to_relax(model, graph))
+        scheduled, _ = schedule(part, self.spec)
+        out = GraphPrice()
+        for task in part.tasks:
+            func = scheduled[task.names[0]]
+            key = f"v{VERSION}|{self._target}|{tvm_ffi.structural_hash(func) & 0xFFFFFFFFFFFFFFFF:x}"
+            seconds = self.cache.get(key)
+            if seconds is None:
+                seconds = time_cold(func, self.spec)
+                self.cache.put(key, seconds)
+                out.measured += 1
+            out.kernels.append(KernelPrice(task.name, task.weight, seconds))
+        self.cache.flush()
+        return out
