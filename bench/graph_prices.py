@@ -43,7 +43,7 @@ from kerneltune.targets.parse import parse_target
 from kerneltune.targets.threads import set_num_threads
 from pipeline.frontend import legalize_for_tvm
 from pipeline.graph_runner import TvmRunner
-from pipeline.stages import compile_graph, kernel_time
+from pipeline.stages import compile_graph, kernel_times
 
 
 def ranks(x: list[float]) -> np.ndarray:
@@ -100,7 +100,7 @@ def model_rows(path: str, n: int, seed: int, threads: int, runs: int) -> list[di
     searched = graph.copy()
     split_conv_bias(searched)  # the form the rules are written in, as the stage searches
     spec = parse_target("llvm", threads)
-    cost = make_cost_model("measured", "llvm", TvmRunner(compile_graph, threads, spec, kernel_time))
+    cost = make_cost_model("measured", "llvm", TvmRunner(compile_graph, threads, spec, kernel_times))
     # half the candidates from every verified rule, half from the merge rules alone (a merge changes which
     # kernels are built: the case a per-operator sum misprices), up to 6 merges deep
     seen = {searched.structural_hash()}
@@ -117,7 +117,7 @@ def model_rows(path: str, n: int, seed: int, threads: int, runs: int) -> list[di
     kernels, price_s = [], []
     for g in graphs:
         t0 = time.perf_counter()
-        kernels.append(cost.kernel_time(g))
+        kernels.append(cost.kernel_times([g])[0])
         price_s.append(round(time.perf_counter() - t0, 2))
     # two interleaved blocks, the second in reverse order, so that no graph is always timed early
     first, second = cost.time_models(graphs, runs).seconds, cost.time_models(graphs[::-1], runs).seconds[::-1]

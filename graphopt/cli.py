@@ -19,7 +19,7 @@ from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.library import add_rules_parser
 from graphopt.onnx_io import parse_input_shapes, save_model
 from graphopt.roundtrip import roundtrip
-from graphopt.stage import E2E_MARGIN, E2E_RUNS, PATIENCE, GraphStageOptions, optimize_onnx
+from graphopt.stage import E2E_MARGIN, E2E_RUNS, PATIENCE, TIME_LIMIT, GraphStageOptions, optimize_onnx
 from graphopt.limits import check_threads
 from graphopt.validate import ModelInput, check_model
 
@@ -82,8 +82,9 @@ def _add_optimize(sub: argparse._SubParsersAction, components: Components) -> No
     p.add_argument("--budget", type=int, default=1000, help="most graphs to dequeue")
     p.add_argument("--patience", type=int, default=PATIENCE,
                    help=f"stop after this many dequeued graphs without a cheaper one (default {PATIENCE})")
-    p.add_argument("--time-limit", type=float, default=60.0,
-                   help="seconds for the whole graph stage: pricing, search, end-to-end timing, merge (default 60)")
+    p.add_argument("--time-limit", type=float, default=TIME_LIMIT,
+                   help="seconds for the whole graph stage: pricing, search, end-to-end timing, merge "
+                        f"(default {TIME_LIMIT:g})")
     p.add_argument("--weights-as-inputs", action="store_true",
                    help="keep initializers the model also lists as graph inputs (the opset-9 convention) as "
                         "overridable inputs; by default they are weights the optimizer may fold and merge")

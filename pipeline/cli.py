@@ -31,6 +31,7 @@ from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, display_path, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
 from graphopt.onnx_io import parse_input_shapes
+from graphopt.stage import TIME_LIMIT
 from graphopt.validate import check_model
 from kerneltune import cli as kerneltune_cli
 from kerneltune.scheduler import SCHEDULERS
@@ -89,8 +90,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json")
     p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
-    p.add_argument("--time-limit", type=seconds, default=60.0, metavar="SECONDS",
-                   help="bound on the whole graph stage: pricing, search, end-to-end timing (default 60)")
+    p.add_argument("--time-limit", type=seconds, default=TIME_LIMIT, metavar="SECONDS",
+                   help=f"bound on the whole graph stage: pricing, search, end-to-end timing (default {TIME_LIMIT:g})")
     t = p.add_argument_group("kernel tuning")
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
@@ -262,9 +263,9 @@ def run_model_main(argv: list[str] | None = None) -> int:
 def _tvm_runner(threads: int) -> GraphRunner:
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
     from pipeline.graph_runner import TvmRunner
-    from pipeline.stages import compile_graph, kernel_time
+    from pipeline.stages import compile_graph, kernel_times
 
-    return TvmRunner(compile_graph, threads, price_kernels=kernel_time)
+    return TvmRunner(compile_graph, threads, price_kernels=kernel_times)
 
 
 GRAPHOPT_COMPONENTS = graphopt_cli.Components(

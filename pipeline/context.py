@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphopt.errors import UserError
 from graphopt.onnx_io import InputShapes
+from graphopt.stage import TIME_LIMIT
 from kerneltune.records import RecordLog
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import check_searcher
@@ -84,7 +85,7 @@ class BuildContext:
     tuning: TuneOptions = field(default_factory=TuneOptions)
     layout: str = "auto"  # --layout (pipeline.layout.modes)
     skip_graph: bool = False
-    graph_time_limit: float = 60.0  # --time-limit of the graph stage, seconds
+    graph_time_limit: float = TIME_LIMIT  # --time-limit of the graph stage, seconds
     input_shapes: InputShapes | None = None  # --input-shape
     inputs: str | None = None  # --inputs FILE.npz
     samples: dict[str, Any] | None = None  # its arrays, as checked (graphopt.validate.check_model): every check

@@ -10,7 +10,7 @@ stage itself.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
 import onnx
 
@@ -30,7 +30,7 @@ class TvmRunner(GraphRunner):
 
     def __init__(self, compile_graph: Callable[[onnx.ModelProto, TargetSpec], CompiledModel], threads: int = 1,
                  spec: TargetSpec | None = None,
-                 price_kernels: Callable[[onnx.ModelProto, Graph, TargetSpec], float] | None = None):
+                 price_kernels: Callable[[list[tuple[onnx.ModelProto, Graph]], TargetSpec], list[float]] | None = None):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
         self.compile_graph = compile_graph
         self.price_kernels = price_kernels  # the fusion-aware price (pipeline.kernel_price), None: none
@@ -51,10 +51,10 @@ class TvmRunner(GraphRunner):
             self._spec = parse_target("llvm", self.threads)
         return self._spec
 
-    def kernel_time(self, graph: Graph) -> float | None:
+    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         if self.price_kernels is None:
             return None
-        return self.price_kernels(export_onnx(graph, check=False), graph, self._target())
+        return self.price_kernels([(export_onnx(g, check=False), g) for g in graphs], self._target())
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
         self._target()

@@ -21,7 +21,9 @@ caches, as inside a model a kernel's weights come from DRAM while its activation
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 
 import numpy as np
@@ -99,22 +101,49 @@ class KernelPricer:
         # code built for another -mcpu runs at another speed here: the target is part of every key
         self._target = hashlib.sha1(str(spec.target).encode()).hexdigest()[:10]
 
+    def _kernels(self, model: onnx.ModelProto, graph: Graph | None) -> list[tuple[str, str, int, object]]:
+        """(key, name, calls, scheduled PrimFunc) of each distinct fused kernel of the model."""
+        part = partition(import_model(model).mod if graph is None else to_relax(model, graph))
+        scheduled, _ = schedule(part, self.spec)
+        out = []
+        for task in part.tasks:
+            func = scheduled[task.names[0]]
+            key = f"v{VERSION}|{self._target}|{tvm_ffi.structural_hash(func) & 0xFFFFFFFFFFFFFFFF:x}"
+            out.append((key, task.name, task.weight, func))
+        return out
+
+    def _seconds(self, key: str, func, price: GraphPrice) -> float:
+        seconds = self.cache.get(key)
+        if seconds is None:
+            seconds = time_cold(func, self.spec)
+            self.cache.put(key, seconds)
+            price.measured += 1
+        return seconds
+
     def price(self, model: onnx.ModelProto, graph: Graph | None = None) -> GraphPrice:
         """The model's kernels with their prices; the model must have static input shapes.  ``graph``: the
         model's graph IR, already legalized for TVM (the graph stage's): then only TVM's importer runs, not
         the checks, shape inference and legalization of :func:`~pipeline.relax_import.import_model` (2.5 of
         the 4.5 s a BERT-base import takes)."""
-        part = partition(import_model(model).mod if graph is None else to_relax(model, graph))
-        scheduled, _ = schedule(part, self.spec)
-        out = GraphPrice()
-        for task in part.tasks:
-            func = scheduled[task.names[0]]
-            key = f"v{VERSION}|{self._target}|{tvm_ffi.structural_hash(func) & 0xFFFFFFFFFFFFFFFF:x}"
-            seconds = self.cache.get(key)
-            if seconds is None:
-                seconds = time_cold(func, self.spec)
-                self.cache.put(key, seconds)
-                out.measured += 1
-            out.kernels.append(KernelPrice(task.name, task.weight, seconds))
+        return self.compare([(model, graph)])[0]
+
+    def compare(self, models: list[tuple[onnx.ModelProto, Graph | None]]) -> list[GraphPrice]:
+        """Each model's price over the kernel calls the models do not all share (all of them for one model):
+        what a rewrite changed, with the kernels it left alone cancelled out rather than built and timed (on
+        a cold cache they are most of the time: Inception-v3 has 64 distinct kernels, a merge changes 2-4)."""
+        kernels = [self._kernels(m, g) for m, g in models]
+        calls = [Counter() for _ in kernels]
+        for c, ks in zip(calls, kernels):
+            for key, _, n, _ in ks:
+                c[key] += n
+        shared = reduce(lambda a, b: a & b, calls) if len(calls) > 1 else Counter()
+        out = []
+        for c, ks in zip(calls, kernels):
+            price = GraphPrice()
+            for key, name, _, func in ks:
+                if c[key] > shared[key]:
+                    price.kernels.append(KernelPrice(name, c[key] - shared[key], self._seconds(key, func, price)))
+                    c[key] = shared[key]  # a kernel listed twice (two names, one structure) counted once
+            out.append(price)
         self.cache.flush()
         return out

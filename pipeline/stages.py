@@ -84,7 +84,7 @@ def graph_stage(ctx: BuildContext, model: onnx.ModelProto, input_shapes: InputSh
 
     spec = ctx.spec
     kind = ctx.target.cost_kind if spec.can_run else "not-here"  # a kind other than llvm: analytic cost
-    cost = make_cost_model("measured", kind, TvmRunner(compile_graph, ctx.stage_threads, spec, kernel_time))
+    cost = make_cost_model("measured", kind, TvmRunner(compile_graph, ctx.stage_threads, spec, kernel_times))
     result = optimize_graph(graph, cost, GraphStageOptions(progress=ctx.tuning.progress,
                                                            time_limit=ctx.graph_time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
@@ -151,11 +151,12 @@ def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, d
                       "flagged": flagged, "replaced": len(replaced)}
 
 
-def kernel_time(model: onnx.ModelProto, graph: Graph, spec: TargetSpec) -> float:
-    """What the graph stage prices a whole candidate at before it times one (the TVM runner's
-    ``price_kernels``; ``graph``: ``model``'s legalized graph IR): the kernels :func:`compile_graph` would
-    build for it, each timed alone (:mod:`pipeline.kernel_price`)."""
-    return KernelPricer(spec).price(model, graph).seconds
+def kernel_times(models: list[tuple[onnx.ModelProto, Graph]], spec: TargetSpec) -> list[float]:
+    """What the graph stage prices candidates at before it times them whole (the TVM runner's
+    ``price_kernels``; each model with its legalized graph IR): the kernels :func:`compile_graph` would
+    build for them, each timed alone, over the kernel calls they do not all share
+    (:meth:`pipeline.kernel_price.KernelPricer.compare`)."""
+    return [p.seconds for p in KernelPricer(spec).compare(models)]
 
 
 def compile_graph(model: onnx.ModelProto, spec: TargetSpec) -> CompiledModel:

@@ -539,7 +539,8 @@ def test_head_conv_channels_padded_to_whole_vectors_match_onnxruntime(llvm):
 
 def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
     """The graph stage's fusion-aware price: every fused kernel timed once, cached on disk by its structure;
-    a model whose first conv's epilogue changed (Relu -> Sigmoid) times only that kernel again."""
+    a model whose first conv's epilogue changed (Relu -> Sigmoid) times only that kernel again, and the two
+    compared are priced over that kernel alone."""
     from pipeline.kernel_price import KernelPricer
 
     cache = tmp_path / "kernels.json"
@@ -551,3 +552,7 @@ def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
     next(n for n in changed.graph.node if n.op_type == "Relu").op_type = "Sigmoid"
     other = KernelPricer(llvm, cache).price(changed)
     assert other.measured == 1 and len(other.kernels) == len(first.kernels)
+    # compared, the two models are priced over the one kernel they do not share, and differ as in full
+    a, b = KernelPricer(llvm, cache).compare([(conv_net(), None), (changed, None)])
+    assert len(a.kernels) == len(b.kernels) == 1 and a.measured == b.measured == 0
+    assert b.seconds - a.seconds == pytest.approx(other.seconds - first.seconds)

@@ -58,10 +58,10 @@ class CostModel:
         caller cannot check its predictions."""
         return None
 
-    def kernel_time(self, graph: Graph) -> float | None:
-        """Seconds per run of the whole ``graph`` as the fused kernels its engine builds (the price that sees
-        fusion, :meth:`graphopt.cost.runners.GraphRunner.kernel_time`), or None when this model has no such
-        engine."""
+    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+        """Seconds per run of each graph as the fused kernels its engine builds, over the kernel calls the
+        graphs do not all share (the price that sees fusion,
+        :meth:`graphopt.cost.runners.GraphRunner.kernel_times`), or None when this model has no such engine."""
         return None
 
     def set_deadline(self, deadline: float | None) -> None:

@@ -176,17 +176,19 @@ class MeasuredCost(CostModel):
         times = time_blocks(dict(enumerate(calls)), runs, gap_s=0.0)  # one engine: no other's workers to wait out
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
 
-    def kernel_time(self, graph: Graph) -> float | None:
-        """The runner's fusion-aware price of ``graph``, recorded under its hash: the same graph is priced once
-        per cache, and a rerun decides the same way."""
-        key = f"kernels|{graph.structural_hash()}"
-        hit = self.cache.get(key)
-        if hit is None:
-            hit = self.runner.kernel_time(graph)
-            if hit is None:
+    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+        """The runner's fusion-aware prices of ``graphs``, recorded under their hashes: the same graphs are
+        priced once per cache, and a rerun decides the same way."""
+        keys = [f"kernels|{'|'.join(g.structural_hash() for g in graphs)}|{i}" for i in range(len(graphs))]
+        hits = [self.cache.get(k) for k in keys]
+        if any(h is None for h in hits):
+            hits = self.runner.kernel_times(graphs)
+            if hits is None:
                 return None
-            self.record(key, hit)
-        return hit
+            for k, h in zip(keys, hits):
+                self.cache.put(k, h)
+            self.cache.flush()
+        return list(hits)
 
     def _prepare(self, runner: GraphRunner, graph: Graph, digest: str) -> Callable[[], object]:
         key = (runner.name, digest)

@@ -9,7 +9,7 @@ pipeline (the layering rule in docs/architecture.md).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,10 +36,11 @@ class GraphRunner(ABC):
     def prepare(self, graph: Graph) -> Callable[[], object]:
         """A callable that runs ``graph`` once on fixed inputs; raises when the engine cannot run it."""
 
-    def kernel_time(self, graph: Graph) -> float | None:
-        """Seconds per run of ``graph`` priced as the kernels this engine builds for it (each distinct fused
-        kernel timed alone, times its calls: what the graph stage's fusion-aware price is), or None where the
-        engine cannot split a model into its kernels (onnxruntime)."""
+    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+        """Seconds per run of each graph priced as the kernels this engine builds for it (each distinct fused
+        kernel timed alone, times its calls: the graph stage's fusion-aware price), over the kernel calls the
+        graphs do not all share (of one graph: all of them), so differences between the prices are exact; or
+        None where the engine cannot split a model into its kernels (onnxruntime)."""
         return None
 
 
