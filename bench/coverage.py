@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from graphopt.cost.cache import cache_dir  # noqa: E402
 from graphopt.fileio import save_figure, write_text_atomic  # noqa: E402
 
 STEPS = ("export", "import", "graph", "relax", "partition", "compile", "check")
@@ -235,9 +236,13 @@ def verify(out_dir: Path, original: Path, shapes: dict[str, list[int]], inputs: 
 def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Namespace) -> Row:
     row = Row(model, exporter, size)
     env = _env(args.threads)
-    if not args.warm_cache:  # a user's first run: nothing priced yet (the graph stage's per-op cost cache)
+    if not args.warm_cache:  # a user's first run of this model: nothing priced yet (graph and layout prices)
         env["OPTIMIZE_MODEL_CACHE"] = str(work / f"{model}-{exporter}-{size}.cost-cache")
         shutil.rmtree(env["OPTIMIZE_MODEL_CACHE"], ignore_errors=True)
+        # the CPU's calibration (kerneltune.calibrate: ~8 s once per machine, not per model) is kept
+        Path(env["OPTIMIZE_MODEL_CACHE"]).mkdir(parents=True)
+        for f in cache_dir().glob("calibration-*.json"):
+            shutil.copy(f, env["OPTIMIZE_MODEL_CACHE"])
     path = work / f"{model}-{exporter}-{size}.onnx"
     meta_path = path.with_name(path.name + ".json")
     if not (path.exists() and meta_path.exists()):
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r.model, r.exporter, r.size) for r in rows}
     header = {"cpu": host_model_name(), "threads": args.threads, "load": os.getloadavg()[0], "size": args.size,
               "timeout": args.timeout, "skip_graph": args.skip_graph, "skip_bench": args.skip_bench,
-              "cost_cache": "warm (the user's)" if args.warm_cache else "cold (empty per model)",
+              "cost_cache": "warm (the user's)" if args.warm_cache else "cold (empty per model, the CPU's calibration kept)",
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="coverage-"))
     work.mkdir(parents=True, exist_ok=True)
