@@ -76,6 +76,8 @@ def time_cold(func: tvm.tirx.PrimFunc, spec: TargetSpec) -> float:
 
 @dataclass(frozen=True)
 class KernelPrice:
+    """One distinct fused kernel of a model, timed alone."""
+
     name: str  # the fused PrimFunc's name (first call)
     calls: int  # per model run
     seconds: float  # one call, cold
@@ -83,6 +85,8 @@ class KernelPrice:
 
 @dataclass
 class GraphPrice:
+    """A model's price: its kernels (or, compared with other models, those they do not all share)."""
+
     kernels: list[KernelPrice] = field(default_factory=list)
     measured: int = 0  # kernels timed for this price (0: every one was cached)
 
