@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r.model, r.exporter, r.size) for r in rows}
     header = {"cpu": host_model_name(), "threads": args.threads, "load": os.getloadavg()[0], "size": args.size,
               "timeout": args.timeout, "skip_graph": args.skip_graph, "skip_bench": args.skip_bench,
-              "cost_cache": "warm (the user's)" if args.warm_cache else "cold (empty per model, the CPU's calibration kept)",
+              "cost_cache": ("warm (the user's)" if args.warm_cache
+                             else "cold (empty per model, the CPU's calibration kept)"),
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="coverage-"))
     work.mkdir(parents=True, exist_ok=True)

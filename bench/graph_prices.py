@@ -3,7 +3,8 @@
 Per model (an exported corpus file, ``python -m models export NAME``): the graph stage's input (legalized
 for TVM, as :func:`pipeline.stages.graph_stage` sees it) and ``--candidates`` distinct graphs made from it by
 1-3 random rewrites of the verified library or 1-6 of its merge rules alone (seeded; each a graph the
-search could reach), each finished as the stage finishes a result (:func:`graphopt.stage.finish`).  Every graph is priced three ways:
+search could reach), each finished as the stage finishes a result (:func:`graphopt.stage.finish`).  Every graph
+is priced three ways:
 
 * ``op_sum``: the search's own price, the sum of one-operator timings with element-wise epilogues taken as
   fused (:class:`graphopt.cost.measured.MeasuredCost` with the pipeline's TVM runner);

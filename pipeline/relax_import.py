@@ -13,7 +13,8 @@ Then constants are folded (weights the graph computes, such as an unrolled GRU's
 become constants) and a few rewrites of the Relax module run (:func:`import_rewrites`): integer division by a tensor never divides by
 zero in the compiled code (the CPU's divide instruction traps, and SIGFPE kills the whole process without a
 message; onnxruntime raises), small constant powers become products (``power`` is a scalar libm call per
-element), and constant weights whose columns (a head conv's output channels) do not split into whole vectors get padded.
+element), and constant weights whose columns (a head conv's output channels) do not split into whole vectors
+get padded.
 """
 from __future__ import annotations
 
