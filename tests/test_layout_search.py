@@ -153,6 +153,9 @@ class FakePricer:
         self.looked_up += 1
         return 0.0 if src == dst else self.per_elem * float(np.prod(shape))
 
+    def confirm_conv(self, spec, option: ConvOption) -> bool:
+        return False  # its prices are exact: timed again, they would not change
+
     def flush(self) -> None:
         pass
 
@@ -368,6 +371,30 @@ def test_prices_are_measured_once_then_read_from_the_cache(tmp_path):
     again = Pricer(LLVM, tmp_path / "prices.json")
     assert again.conv(spec, ConvOption(16, 16)) == blocked and again.measured == 0
     assert json.loads((tmp_path / "prices.json").read_text())
+
+
+def test_a_price_a_decision_turns_on_is_timed_twice(tmp_path, monkeypatch):
+    """A conv the solution runs outside its preferred blocks: the chosen kernel's and the preferred one's
+    prices are timed once more and the mean kept (once per price, remembered in the cache), and the problem
+    solved again with them.  Here the NCHW kernel's first timing is a lucky 0.1 (the blocked one takes 1.0):
+    the first solution runs it in NCHW; its second timing, 5.0, makes the mean 2.55 and the conv blocked."""
+    times = {"nchw": [0.1e-3, 5.0e-3]}
+
+    def fake_time(self, mod):
+        label = "nchw" if "conv2d_nchwc" not in str(mod) else "blocked"
+        return times[label].pop(0) if times.get(label) else 1.0e-3
+
+    monkeypatch.setattr(Pricer, "_time", fake_time)
+    monkeypatch.setattr(Pricer, "transform", lambda self, shape, src, dst: 0.0 if src == dst else 1e-6)
+    spec = nchwc.conv_nchwc.ConvSpec(1, 32, 8, 8, 32, 1, 1)
+    weight = tvm.relax.const(np.zeros((32, 32, 1, 1), "float32"))
+    site = nchwc.ConvSite(weight, spec, 0, 1, (1, 32, 8, 8), (1, 32, 8, 8), "")
+    graph = nchwc.LayoutGraph([nchwc.TensorClass(32), nchwc.TensorClass(32)], [site])
+    pricer = Pricer(LLVM, tmp_path / "p.json")
+    decision = search.search(graph, 16, pricer)
+    assert decision.summary["class_layouts"] == {"16c": 2}
+    key = "v2|conv|" + "1x32x8x8-f32-k1x1-s1x1-p0.0.0.0-d1x1-g1-float32|nchw"
+    assert pricer.cache.get(key) == pytest.approx(2.55e-3) and not pricer.confirm_conv(spec, ConvOption(None, None))
 
 
 def test_a_blocked_conv_is_priced_on_its_inputs_packed_not_on_garbage(tmp_path, monkeypatch):

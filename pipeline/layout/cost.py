@@ -93,6 +93,19 @@ class Pricer:
         """Seconds of one call of the conv (``spec``'s logical shape) run as ``option``."""
         return self._price(f"conv|{_conv_key(spec)}|{option.label()}", lambda: conv_module(spec, option))
 
+    def confirm_conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> bool:
+        """Time the conv as ``option`` once more and keep the mean of the two timings as its price, once per
+        price (the cache remembers it): a decision that turns on this price then rests on two timings, not on
+        one cold run's noise.  True when it was timed now."""
+        key = f"v{VERSION}|conv|{_conv_key(spec)}|{option.label()}"
+        if self.cache.get(key + "|confirmed") is not None:
+            return False
+        first = self._price(key[len(f"v{VERSION}|"):], lambda: conv_module(spec, option))
+        self.cache.put(key, (first + self._time(conv_module(spec, option))) / 2)
+        self.cache.put(key + "|confirmed", 1.0)
+        self.measured += 1
+        return True
+
     def transform(self, shape: tuple[int, ...], src: int | None, dst: int | None) -> float:
         """Seconds of one layout transform of the NCHW tensor ``shape`` from block ``src`` to ``dst``."""
         if src == dst:
