@@ -25,7 +25,9 @@ That is a PBQP (:mod:`pipeline.layout.pbqp`): exact on chains and on series-para
 residual blocks, a greedy step elsewhere.  Close calls are not left to timing noise: each kernel's cost is
 scaled by ``1 + MARGIN * rank`` (rank 0 for the blocks the heuristic would pick, 1 for other blocks, 2 for the
 NCHW kernel and merged groups), so an alternative must win by more than the margin, and ties go to the
-lower rank.  Transforms are priced as measured.
+lower rank.  Transforms are priced as measured.  Where the solution still runs a conv outside its preferred
+blocks, that conv's chosen and preferred kernels are timed a second time and the problem solved again with
+the means, so no departure rests on one cold timing.
 """
 from __future__ import annotations
 
