@@ -57,9 +57,9 @@ class TvmRunner(GraphRunner):
         return self.price_kernels([(export_onnx(g, check=False), g) for g in graphs], self._target())
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
-        self._target()
-        compiled = self.compile_graph(export_onnx(graph, check=False), self._spec)
-        dev = device_for(self._spec)
+        spec = self._target()
+        compiled = self.compile_graph(export_onnx(graph, check=False), spec)
+        dev = device_for(spec)
         args = to_device(timing_feeds(graph), compiled.input_names, dev)
         main = compiled.vm()["main"]
 

@@ -62,6 +62,10 @@ def _conv_key(spec: conv_nchwc.ConvSpec) -> str:
             f"-p{'.'.join(map(str, spec.pad))}-d{spec.dilation[0]}x{spec.dilation[1]}-g{spec.groups}-{spec.dtype}")
 
 
+def _conv_price_key(spec: conv_nchwc.ConvSpec, option: ConvOption) -> str:
+    return f"conv|{_conv_key(spec)}|{option.label()}"
+
+
 def _block_name(b: int | None) -> str:
     return "nchw" if b is None else f"{b}c"
 
@@ -91,16 +95,16 @@ class Pricer:
 
     def conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> float:
         """Seconds of one call of the conv (``spec``'s logical shape) run as ``option``."""
-        return self._price(f"conv|{_conv_key(spec)}|{option.label()}", lambda: conv_module(spec, option))
+        return self._price(_conv_price_key(spec, option), lambda: conv_module(spec, option))
 
     def confirm_conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> bool:
         """Time the conv as ``option`` once more and keep the mean of the two timings as its price, once per
         price (the cache remembers it): a decision that turns on this price then rests on two timings, not on
         one cold run's noise.  True when it was timed now."""
-        key = f"v{VERSION}|conv|{_conv_key(spec)}|{option.label()}"
+        key = f"v{VERSION}|{_conv_price_key(spec, option)}"
         if self.cache.get(key + "|confirmed") is not None:
             return False
-        first = self._price(key[len(f"v{VERSION}|"):], lambda: conv_module(spec, option))
+        first = self.conv(spec, option)
         self.cache.put(key, (first + self._time(conv_module(spec, option))) / 2)
         self.cache.put(key + "|confirmed", 1.0)
         self.measured += 1
