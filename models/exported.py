@@ -349,26 +349,29 @@ def squeezenet(size: str) -> Built:
     return _vision(m, size, 64)
 
 
-def vgg(size: str) -> Built:
-    """VGG-19: 16 3x3 convs, two 4096-wide FC layers over 25088 inputs (548 MB of weights at full size).
-    ``small``: a 32x32 image and one FC layer to 10 classes (the convs keep their widths)."""
+def _fc_classifier_cnn(name: str, channels: int, small_image: int, size: str) -> Built:
+    """A torchvision CNN whose classifier is FC layers over its pooled ``channels``-channel features.
+    ``small``: a ``small_image``-pixel image, the features pooled to 1x1 and one FC layer to 10 classes (the
+    convs keep their widths; pooled to the full model's 7x7 or 6x6 from a 1x1 map, the TorchScript exporter
+    refuses the adaptive pool)."""
     tv, torch = _torchvision(), _torch()
     torch.manual_seed(0)
-    m = tv.models.vgg19(num_classes=_pick(size, 10, 1000))
+    m = getattr(tv.models, name)(num_classes=_pick(size, 10, 1000))
     if size == "small":
-        m.classifier = torch.nn.Linear(512 * 7 * 7, 10)
-    return _vision(m, size, 32)
+        m.avgpool = torch.nn.AdaptiveAvgPool2d(1)
+        m.classifier = torch.nn.Linear(channels, 10)
+    return _vision(m, size, small_image)
+
+
+def vgg(size: str) -> Built:
+    """VGG-19: 16 3x3 convs, two 4096-wide FC layers over 25088 inputs (548 MB of weights at full size)."""
+    return _fc_classifier_cnn("vgg19", 512, 32, size)
 
 
 def alexnet(size: str) -> Built:
-    """AlexNet: an 11x11 stride-4 conv, 5x5 and 3x3 convs, three FC layers (9216 -> 4096 -> 4096).
-    ``small``: a 64x64 image (its least) and one FC layer to 10 classes."""
-    tv, torch = _torchvision(), _torch()
-    torch.manual_seed(0)
-    m = tv.models.alexnet(num_classes=_pick(size, 10, 1000))
-    if size == "small":
-        m.classifier = torch.nn.Linear(256 * 6 * 6, 10)
-    return _vision(m, size, 64)
+    """AlexNet: an 11x11 stride-4 conv, 5x5 and 3x3 convs, three FC layers (9216 -> 4096 -> 4096); ``small``
+    at 64x64, its least image."""
+    return _fc_classifier_cnn("alexnet", 256, 64, size)
 
 
 def convnet(size: str) -> Built:
@@ -599,10 +602,10 @@ CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
                ("torchscript", "dynamo", "opset9")),
     CorpusSpec("convnet", "vision", "VGG-like CNN with BatchNorm and view() (model-zoo era)", convnet,
                ("torchscript", "dynamo", "opset9")),
-    CorpusSpec("vgg", "vision", "torchvision VGG-19 (small: 32x32 image, one FC layer; full: 224)", vgg,
-               ("torchscript", "dynamo", "opset9")),
-    CorpusSpec("alexnet", "vision", "torchvision AlexNet (small: 64x64 image, one FC layer; full: 224)", alexnet,
-               ("torchscript", "dynamo", "opset9")),
+    CorpusSpec("vgg", "vision", "torchvision VGG-19 (small: 32x32 image, pooled to 1x1, one FC layer; "
+               "full: 224)", vgg, ("torchscript", "dynamo", "opset9")),
+    CorpusSpec("alexnet", "vision", "torchvision AlexNet (small: 64x64 image, pooled to 1x1, one FC layer; "
+               "full: 224)", alexnet, ("torchscript", "dynamo", "opset9")),
     CorpusSpec("lstm_lm", "rnn", "word LM: Embedding + 2-layer nn.LSTM + Linear (full: 650 wide, seq 35)",
                _rnn_lm("LSTM", False)),
     CorpusSpec("bilstm_lm", "rnn", "word LM, bidirectional 2-layer nn.LSTM", _rnn_lm("LSTM", True)),
