@@ -44,7 +44,7 @@ from kerneltune.targets.parse import parse_target
 from kerneltune.targets.threads import set_num_threads
 from pipeline.frontend import legalize_for_tvm
 from pipeline.graph_runner import TvmRunner
-from pipeline.stages import compile_graph, kernel_times
+from pipeline.stages import compile_graph, compile_model, kernel_times
 
 
 def ranks(x: list[float]) -> np.ndarray:
@@ -101,7 +101,7 @@ def model_rows(path: str, n: int, seed: int, threads: int, runs: int) -> list[di
     searched = graph.copy()
     split_conv_bias(searched)  # the form the rules are written in, as the stage searches
     spec = parse_target("llvm", threads)
-    cost = make_cost_model("measured", "llvm", TvmRunner(compile_graph, threads, spec, kernel_times))
+    cost = make_cost_model("measured", "llvm", TvmRunner(compile_graph, threads, spec, kernel_times, compile_model))
     # half the candidates from every verified rule, half from the merge rules alone (a merge changes which
     # kernels are built: the case a per-operator sum misprices), up to 6 merges deep
     seen = {searched.structural_hash()}

@@ -8,6 +8,10 @@ the two models are interleaved so machine noise hits both alike; medians are rep
 
     python bench/graphopt_models.py --models bert-base resnext50 inception-block nasrnn --tvm \
         --json bench/results/graphopt_models.json --png bench/results/graphopt_models.png
+    python bench/graphopt_models.py --models vgg.onnx resnet50.onnx ... --tvm --no-merged   # real exports
+
+The TVM builds are what ``optimize-model --skip-tune`` builds (``--layout``, default ``auto``, then default
+schedules), so a rewrite is judged on the code that ships.
 
 Where the graph stage hands back something else than the merge-everything graph (BERT's Q/K/V, ResNeXt's
 conv1 + downsample kept apart), the bench also builds that graph (``merged``: the library's merge rules
@@ -28,10 +32,12 @@ from typing import Any, Callable
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.fileio import save_figure, write_text_atomic
+from graphopt.stage import TIME_LIMIT
 from graphopt.timing import time_blocks
 from kerneltune.targets.host import host_model_name
 from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 from pipeline.cli import GRAPHOPT_COMPONENTS
+from pipeline.layout.modes import LAYOUTS
 
 DEFAULT_MODELS = ["bert-base", "resnext50", "inception-block", "nasrnn"]
 
@@ -53,21 +59,20 @@ def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
     return _interleaved(fns, runs)
 
 
-def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[str, Any]:
-    """Compile the models with the pipeline's default schedules and time them on the Relax VM."""
+def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int, layout: str = "auto") -> dict[str, Any]:
+    """Compile the models as optimize-model --skip-tune builds them (the ``layout`` stage, default schedules)
+    and time them on the Relax VM."""
     from kerneltune.targets.parse import parse_target
     from kerneltune.targets.registry import device_for
-    from pipeline.compile import compile_partition, to_device
-    from pipeline.partition import partition
-    from pipeline.relax_import import import_model
+    from pipeline.compile import to_device
+    from pipeline.stages import build, lower
 
     spec = parse_target("llvm", threads)
     dev = device_for(spec)
     fns, build_s = {}, {}
     for k, m in models.items():
         t = time.perf_counter()
-        imported = import_model(m)
-        compiled = compile_partition(imported, partition(imported.mod), spec)
+        compiled = build(lower(m, spec, layout), spec)
         build_s[k] = time.perf_counter() - t
         main = compiled.vm()["main"]
         args = to_device(feeds, compiled.input_names, dev)
@@ -91,9 +96,20 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from graphopt.stage import GraphStageOptions, optimize_onnx, searched_cost
     from models.registry import build
 
-    proto = build(name, args.seed)
+    if name.endswith(".onnx"):  # a real export: legalized for TVM first, as optimize-model does
+        from graphopt.onnx_io import export_onnx, load_model
+        from pipeline.frontend import legalize_for_tvm
+
+        sidecar = Path(name + ".json")  # `python -m models export` writes the input shapes beside the model
+        shapes = json.loads(sidecar.read_text()).get("input_shapes") if sidecar.exists() else None
+        proto = export_onnx(legalize_for_tvm(import_onnx(load_model(name), shapes or None,
+                                                         require_static=True)).graph)
+        name = Path(name).stem
+    else:
+        proto = build(name, args.seed)
     cost = _cost_model(args)
-    optimized, report = optimize_onnx(proto, cost, GraphStageOptions(args.alpha, args.budget, args.time_limit),
+    optimized, report = optimize_onnx(proto, cost, GraphStageOptions(alpha=args.alpha, budget=args.budget,
+                                                                    time_limit=args.time_limit),
                                       seed=args.seed)
     row: dict[str, Any] = {"model": name, **report}
     models = {"before": proto, "after": optimized}
@@ -113,7 +129,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         row["merged"]["ort_speedup"] = row["ort_ms"]["before"] / row["ort_ms"]["merged"]
     if args.tvm:
         try:
-            row["tvm_ms"] = tvm_latency(models, feeds, args.threads, args.runs)
+            row["tvm_ms"] = tvm_latency(models, feeds, args.threads, args.runs, args.layout)
             row["tvm_speedup"] = row["tvm_ms"]["before"] / row["tvm_ms"]["after"]
             if "merged" in models:
                 row["merged"]["tvm_speedup"] = row["tvm_ms"]["before"] / row["tvm_ms"]["merged"]
@@ -150,13 +166,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
+                   help="registry names (python -m models list) or ONNX files (real exports)")
     p.add_argument("--cost", choices=COST_KINDS, default="measured")
     p.add_argument("--backend", choices=list(GRAPHOPT_COMPONENTS.runners), default="tvm",
                    help="what the measured cost model times")
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--budget", type=int, default=1000)
-    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--time-limit", type=float, default=TIME_LIMIT)
+    p.add_argument("--layout", choices=LAYOUTS, default="auto", help="the layout stage of the TVM builds timed")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -174,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
 
     doc = {"threads": args.threads, "cpu": host_model_name(), "cost": args.cost, "backend": args.backend,
-           "runs": args.runs, "models": rows}
+           "runs": args.runs, "time_limit": args.time_limit, "layout": args.layout, "models": rows}
     text = json.dumps(doc, indent=2)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The graph stage: substitution search -> finish -> whole-model check -> merge-everything alternative.
+"""The graph stage: substitution search -> finish -> whole-model check -> merge-everything alternative ->
+Winograd alternative.
 
 One function, :func:`optimize_graph`, is the stage; the ``graphopt optimize`` command, the pipeline
 (``optimize-model``, ``bench-model``) and ``bench/graphopt_models.py`` all run it, so a benchmark measures
@@ -21,6 +22,10 @@ kept only if it is at least ``e2e_margin`` faster; otherwise the input graph is 
 The same blindness cuts the other way for merges: when the search keeps nothing, the graph with every
 parallel matmul/conv group merged (:func:`merged_alternative`) is timed against the input too, and kept if it
 is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1.04x faster end to end in TVM).
+
+Last, the 3x3 convolutions that price cheaper as Winograd F(2x2,3x3) or F(4x4,3x3) (:mod:`graphopt.winograd`:
+fewer multiplies, more memory traffic) are rewritten, layer by layer by price, and the result faces the same
+end-to-end check (:func:`winograd_alternative`; VGG-19 at 224x224: 1.21x end to end, 9 of its 16 convs).
 
 Timing two whole models costs two whole-model compiles first (13 s each for BERT-base on a 2-core Intel
 Xeon), so a candidate is first priced the way the backend builds it, when the cost model's engine can
@@ -77,17 +82,30 @@ from graphopt.search import SearchResult, search
 from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
 
 PATIENCE = 200  # dequeued graphs without a cheaper one before the search stops (see GraphStageOptions)
-# The stage's default bound (--time-limit), seconds.  With the kernel-price gate and the patience, BERT-base
-# and ResNet-50 finish inside it on an empty price cache (29 and 24 s on a 2-core Intel Xeon); Inception-v3
-# then took 66 s, 27 of them pricing its 139 distinct operators: past the bound the rest is estimated.
-TIME_LIMIT = 30.0
+# The stage's default bound (--time-limit), seconds: a bound, not a budget to fill.  With the kernel-price
+# gate and the patience, BERT-base and ResNet-50 finish on an empty price cache in 29 and 24 s (2-core Intel
+# Xeon).  Keeping Winograd on VGG-19 (1.2x end to end) takes 72 s with its layers priced: a 14 s search, then
+# two whole-model compiles of 18 and 25 s before the timing; under a 30 s bound it was never kept.  Inception-v3
+# took 66 s (27 pricing its 139 distinct operators); past the bound the rest is estimated or not tried.
+TIME_LIMIT = 90.0
 E2E_MARGIN = 0.02  # the candidate must be this much faster end to end, beyond timing noise, to be kept
 E2E_RUNS = 20
+# After the first block, a block times each model about this long at most (never under MIN_E2E_RUNS runs):
+# 20 runs of a 160 ms VGG-19 are 6.4 s a block, and the sign test counts blocks, not runs.
+E2E_BLOCK_S = 1.0
+MIN_E2E_RUNS = 5
 SEARCH_SHARE = 0.6  # of the stage's time limit, for pricing and search when whole models are timed after
 MERGE_SHARE = 0.5  # of what is left after the end-to-end check, for the merge-everything search
 # A candidate is timed end to end only if the fusion-aware price (its kernels, each timed alone) is lower than
 # the input's by at least this share of the margin; otherwise the input is kept without timing either.
 KERNEL_GATE = 0.5
+# A convolution layer takes Winograd only where its kernels price at least this much below the direct conv's.
+WINOGRAD_GAIN = 0.05
+# Layers are priced for Winograd only when C*K/(C+K) reaches this: the batched matmul's work per transformed
+# element (the transforms' traffic) grows with it, and below it the transforms cost more than the multiplies
+# saved (VGG's 64-channel layers at 224x224: 0.74x the direct conv, 128 channels at 112x112: 0.79x; 256 at
+# 56x56: 1.24x, 512 at 28x28: 1.49x; a 2-core Intel Xeon, default schedules).
+WINOGRAD_MIN_WIDTH = 48
 
 
 @dataclass
@@ -122,6 +140,7 @@ class GraphStageOptions:
     e2e_margin: float = E2E_MARGIN
     e2e_runs: int = E2E_RUNS  # interleaved rounds per timing block (see graphopt.timing.decide)
     weights_as_inputs: bool = False  # keep initializers also listed as inputs overridable (not constants)
+    winograd: bool = True  # offer Winograd for 3x3 convolutions (winograd_alternative; needs e2e_check)
 
     def validate(self) -> None:
         """One-line errors for values a user can pass on the command line."""
@@ -189,10 +208,12 @@ class GraphStageResult:
     pricing_failures: dict[str, str] = field(default_factory=dict)  # op type -> why it was priced by estimate
     estimated_prices: int = 0  # operators priced by estimate because the pricing deadline had passed
     frozen_weights: int = 0  # initializers listed as inputs, made weights
+    winograd: dict[str, Any] = field(default_factory=dict)  # what winograd_alternative priced and measured
 
     @property
     def kept(self) -> str:
-        return self.check.kept
+        """``check.kept``, or "winograd" when the Winograd convolutions were kept on top of it."""
+        return "winograd" if self.winograd.get("kept") else self.check.kept
 
 
 def check_margin(margin: float) -> None:
@@ -202,20 +223,24 @@ def check_margin(margin: float) -> None:
 
 def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, applied: dict[str, int],
                      enabled: bool = True, margin: float = E2E_MARGIN, runs: int = E2E_RUNS,
-                     deadline: float | None = None) -> E2ECheck:
+                     deadline: float | None = None, priced: tuple[float, float] | None = None) -> E2ECheck:
     """Time both whole graphs with the cost model's engine, in blocks until decided
     (:func:`graphopt.timing.decide`), and keep ``candidate`` only if it is faster by ``margin`` (a fraction of
     the original's time) by :func:`graphopt.timing.decide`'s sign test on the blocks.  Nothing is timed when the check is disabled, when no substitution
     was applied (folding alone never slows a model down), or when the cost model measures nothing (analytic):
     then the candidate is kept, and ``status`` says the check was not made.  Past ``deadline``, or when the
     engine fails to run either graph, the original is kept.  A verdict is recorded with the cost model
-    (:meth:`~graphopt.cost.base.CostModel.record`) under both graphs' hashes and reused by a rerun."""
+    (:meth:`~graphopt.cost.base.CostModel.record`) under both graphs' hashes and reused by a rerun.
+    ``priced``: the kernel prices (seconds) of the input and the candidate over the kernels that differ, when the
+    caller has them (the gate then takes its share of the input's; default: :meth:`CostModel.kernel_times` of
+    both graphs, and the share of the input's operator-sum price)."""
     check_margin(margin)
     if not enabled:
         return E2ECheck("optimized", "disabled", margin)
     if not any(applied.values()):
         return E2ECheck("optimized", "skipped: no substitution applied", margin)
-    key = f"e2e|{margin!r}|{runs}|{original.structural_hash()}|{candidate.structural_hash()}"
+    # "e2e2": whole models timed in the blocked conv layouts the product builds (GraphRunner.prepare_model)
+    key = f"e2e2|{margin!r}|{runs}|{original.structural_hash()}|{candidate.structural_hash()}"
     recorded = cost_model.recall(key)
     if recorded is not None:
         before, after = cost_model.recall(key + "|ms_before"), cost_model.recall(key + "|ms_after")
@@ -223,11 +248,11 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
                         cost_model.name, "the verdict of an earlier run with this cost cache")
     if deadline is not None and time.perf_counter() >= deadline:
         return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models")
-    prices = cost_model.kernel_times([original, candidate])
+    prices = list(priced) if priced is not None else cost_model.kernel_times([original, candidate])
     k_ms = {} if not prices else {"kernels_ms_before": prices[0] * 1e3, "kernels_ms_after": prices[1] * 1e3}
     if prices:
         # the prices cover the kernels the rewrite changed; the margin is a share of the whole input
-        whole = searched_cost(original, cost_model)
+        whole = searched_cost(original, cost_model) if priced is None else priced[0]
         if prices[1] - prices[0] > -KERNEL_GATE * margin * whole:
             return E2ECheck("original", "priced", margin, decision=(
                 f"the kernels it changes price at {prices[1] * 1e3:.3f} ms against the input's "
@@ -237,13 +262,15 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models",
                         **k_ms)
     backend: list[str] = []
+    block_runs = [runs]
 
     def block(b: int) -> tuple[float, float]:
         pair = [original, candidate] if b % 2 == 0 else [candidate, original]
-        times = cost_model.time_models(pair, runs)
+        times = cost_model.time_models(pair, block_runs[0])
         if times is None:
             raise LookupError
         backend[:] = [times.backend]
+        block_runs[0] = max(min(runs, MIN_E2E_RUNS), min(runs, int(E2E_BLOCK_S / max(max(times.seconds), 1e-9))))
         first, second = (t * 1e3 for t in times.seconds)
         return (first, second) if b % 2 == 0 else (second, first)
 
@@ -303,6 +330,66 @@ def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost
     return (merged if check.status in ("measured", "recorded") and check.kept == "optimized" else None), info
 
 
+def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStageOptions,
+                         clock: StageClock | None = None) -> tuple[Graph | None, dict[str, Any]]:
+    """``graph`` with the 3x3 convolutions that pay computed by Winograd (:mod:`graphopt.winograd`), if it
+    runs faster end to end by the margin; else ``None``.  The dict says what was priced and measured.
+
+    Each distinct layer (shapes, padding, bias) wide enough (:data:`WINOGRAD_MIN_WIDTH`) is priced alone, as
+    a one-conv model, direct and rewritten, by the cost model's fusion-aware price (the kernels the backend
+    builds for each: the direct conv in its blocked layout, the Winograd one between NHWC neighbours as in a
+    chain of them, :func:`graphopt.winograd.layer_graph`); a layer takes Winograd when that is
+    :data:`WINOGRAD_GAIN` cheaper.  Layers are priced biggest first, while the clock allows; then the model
+    with every chosen layer rewritten faces the same end-to-end check as a search result."""
+    from graphopt import winograd
+
+    sites = [s for s in winograd.conv_sites(graph) if s.c * s.k >= WINOGRAD_MIN_WIDTH * (s.c + s.k)]
+    if not sites:
+        return None, {}
+    groups: dict[tuple, list[winograd.ConvSite]] = {}
+    for s in sites:
+        groups.setdefault(s.signature, []).append(s)
+    order = sorted(groups.values(), key=lambda g: -sum(s.macs for s in g))
+    layers: list[dict[str, Any]] = []
+    tiles: dict[str, int] = {}
+    info: dict[str, Any] = {"layers": layers}
+    for group in order:
+        site = group[0]
+        row: dict[str, Any] = {"convs": [s.node for s in group], "n": site.n, "c": site.c, "k": site.k,
+                               "h": site.h, "w": site.w, "tile": site.tile()}
+        layers.append(row)
+        if clock is not None and clock.left() <= 0:
+            row["decision"] = "not priced: time limit"
+            info["stopped_by"] = "time limit"
+            continue
+        wino = winograd.rewrite(winograd.layer_graph(graph, site, nhwc=True), {site.node: site.tile()})
+        prices = cost_model.kernel_times([winograd.layer_graph(graph, site), wino])
+        if prices is None:
+            return None, {"skipped": f"the {cost_model.name} cost model does not price kernels"}
+        row["direct_ms"], row["winograd_ms"] = prices[0] * 1e3, prices[1] * 1e3
+        pays = prices[1] <= (1.0 - WINOGRAD_GAIN) * prices[0]
+        row["decision"] = f"F({site.tile()}x{site.tile()},3x3)" if pays else "direct"
+        if pays:
+            tiles.update({s.node: site.tile() for s in group})
+    if not tiles:
+        return None, info
+    candidate = winograd.rewrite(graph, tiles)
+    applied: dict[str, int] = {}
+    for m in tiles.values():
+        applied[f"winograd F({m}x{m},3x3)"] = applied.get(f"winograd F({m}x{m},3x3)", 0) + 1
+    # the layers' prices are the gate's (no second pricing of both whole models): the priced layers, direct
+    # and as chosen (the operator-sum price, which times every conv alone in NCHW, says 1029 ms for a VGG-19
+    # that runs in 156)
+    before = sum(row["direct_ms"] * len(row["convs"]) for row in layers if "direct_ms" in row) / 1e3
+    after = sum(row["winograd_ms" if row["decision"] != "direct" else "direct_ms"] * len(row["convs"])
+                for row in layers if "direct_ms" in row) / 1e3
+    check = check_end_to_end(graph, candidate, cost_model, applied, True, options.e2e_margin, options.e2e_runs,
+                             None if clock is None else clock.end, priced=(before, after))
+    info.update({"applied": applied, **check.report()})
+    info["kept"] = check.status in ("measured", "recorded") and check.kept == "optimized"
+    return (candidate if info["kept"] else None), info
+
+
 def _timed_out(status: str, decision: str) -> bool:
     return status == "skipped: time limit" or "time limit" in decision
 
@@ -349,7 +436,6 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
         else:
             merge_info = {"skipped": "time limit"}
             cut.append("merge alternative (not tried)")
-    stop_reason = "time limit: " + "; ".join(cut) if cut else "complete"
     if merged is not None:
         check = E2ECheck("merged", merge_info["e2e_check"], options.e2e_margin, merge_info["e2e_ms_before"],
                          merge_info["e2e_ms_after"], merge_info["e2e_backend"], merge_info["e2e_decision"],
@@ -360,9 +446,22 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
         out, cost_after, applied = best, candidate_cost, result.applied
     else:
         out, cost_after, applied = original, cost_before, {}
+    wino, wino_info = None, {}
+    if options.e2e_check and options.winograd:
+        wino, wino_info = winograd_alternative(out, guarded, options, clock)
+        if wino_info.get("stopped_by") == "time limit" or _timed_out(wino_info.get("e2e_check", ""),
+                                                                    wino_info.get("e2e_decision", "")):
+            cut.append("winograd (layers not priced or not timed: kept direct)")
+    if wino is not None:
+        # cost_after stays the operator-sum price of the graph before the rewrite: that price cannot see
+        # Winograd (its transforms are priced as the kernels they fuse into: wino_info), and pricing each new
+        # operator alone would cost seconds per layer
+        out, applied = wino, {**applied, **wino_info["applied"]}
+    stop_reason = "time limit: " + "; ".join(cut) if cut else "complete"
     return GraphStageResult(out, check, result, cost_before, cost_after, applied, candidate_cost, folded,
                             deduplicated, len(graph.nodes), len(rules), cost.name, merge_info, stop_reason,
-                            time.perf_counter() - clock.start, dict(guarded.failures), estimated, len(frozen))
+                            time.perf_counter() - clock.start, dict(guarded.failures), estimated, len(frozen),
+                            wino_info)
 
 
 def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
@@ -403,6 +502,7 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "cost_model": res.cost_model,
         "root_candidates": res.search.root_candidates,
         "merge_all": res.merge_all,
+        "winograd": res.winograd,
         "rules": res.rules,
         "stage_seconds": res.seconds,
         "stop_reason": res.stop_reason,

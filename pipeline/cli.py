@@ -263,9 +263,9 @@ def run_model_main(argv: list[str] | None = None) -> int:
 def _tvm_runner(threads: int) -> GraphRunner:
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
     from pipeline.graph_runner import TvmRunner
-    from pipeline.stages import compile_graph, kernel_times
+    from pipeline.stages import compile_graph, compile_model, kernel_times
 
-    return TvmRunner(compile_graph, threads, price_kernels=kernel_times)
+    return TvmRunner(compile_graph, threads, price_kernels=kernel_times, compile_model=compile_model)
 
 
 GRAPHOPT_COMPONENTS = graphopt_cli.Components(

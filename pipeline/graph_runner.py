@@ -30,9 +30,11 @@ class TvmRunner(GraphRunner):
 
     def __init__(self, compile_graph: Callable[[onnx.ModelProto, TargetSpec], CompiledModel], threads: int = 1,
                  spec: TargetSpec | None = None,
-                 price_kernels: Callable[[list[tuple[onnx.ModelProto, Graph]], TargetSpec], list[float]] | None = None):
+                 price_kernels: Callable[[list[tuple[onnx.ModelProto, Graph]], TargetSpec], list[float]] | None = None,
+                 compile_model: Callable[[onnx.ModelProto, TargetSpec], CompiledModel] | None = None):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
-        self.compile_graph = compile_graph
+        self.compile_graph = compile_graph  # one operator, as imported
+        self.compile_model = compile_model or compile_graph  # a whole model, as the product builds it
         self.price_kernels = price_kernels  # the fusion-aware price (pipeline.kernel_price), None: none
         self._spec = spec  # None: this machine's llvm, built when the first graph is prepared
 
@@ -57,8 +59,14 @@ class TvmRunner(GraphRunner):
         return self.price_kernels([(export_onnx(g, check=False), g) for g in graphs], self._target())
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
+        return self._prepare(graph, self.compile_graph)
+
+    def prepare_model(self, graph: Graph) -> Callable[[], object]:
+        return self._prepare(graph, self.compile_model)
+
+    def _prepare(self, graph: Graph, compile_: Callable[[onnx.ModelProto, TargetSpec], CompiledModel]):
         spec = self._target()
-        compiled = self.compile_graph(export_onnx(graph, check=False), spec)
+        compiled = compile_(export_onnx(graph, check=False), spec)
         dev = device_for(spec)
         args = to_device(timing_feeds(graph), compiled.input_names, dev)
         main = compiled.vm()["main"]

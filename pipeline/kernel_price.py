@@ -5,8 +5,8 @@ a residual add costs nothing once it is a matmul's epilogue, a ``Split`` after a
 copy, and two graphs with the same operator sum can build different kernels.  This price is taken on what
 the pipeline really builds (Jia et al., TASO, SOSP'19, price each operator with the backend's own kernels;
 here the backend's unit is the fused kernel): the graph is imported and fused exactly as the compiler does
-(:func:`pipeline.relax_import.import_model`, :func:`pipeline.partition.partition`, the layout as imported,
-as :func:`pipeline.stages.compile_graph` times whole candidates), every fused kernel gets its default
+(:func:`pipeline.relax_import.import_model`, then the partition the stage chain hands in: the heuristic
+blocked conv layouts, as :func:`pipeline.stages.compile_model` times whole candidates), every fused kernel gets its default
 schedule (:func:`pipeline.compile.schedule`), and each distinct kernel is built alone and timed cold
 (:func:`time_cold`); the price is the sum over the model's kernel calls.
 
@@ -25,11 +25,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
 import tvm
 import tvm_ffi
+from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir
 from graphopt.ir import Graph
@@ -40,7 +42,7 @@ from kerneltune.targets.registry import TargetSpec
 from kerneltune.targets.threads import tvm_num_threads
 from kerneltune.task import build_func
 from pipeline.compile import schedule
-from pipeline.partition import partition
+from pipeline.partition import Partition, partition
 from pipeline.relax_import import import_model, to_relax
 
 VERSION = 1  # part of every cached key: bump it when kernels or timing change what a price means
@@ -98,8 +100,12 @@ class GraphPrice:
 class KernelPricer:
     """Prices ONNX models as their fused kernels (see the module docstring), measured on first use and cached."""
 
-    def __init__(self, spec: TargetSpec, path: str | Path | None = None):
+    def __init__(self, spec: TargetSpec, path: str | Path | None = None,
+                 partition_fn: Callable[[tvm.IRModule], Partition] | None = None):
         self.spec = spec
+        # how a module is cut into kernels: handed in (the stage chain's layout, then the partition), since the
+        # layout stage prices with this module's timer; None: the partition as imported
+        self.partition_fn = partition_fn or partition
         threads = tvm_num_threads(num_cores(spec.target))  # what this process's kernels really run with
         self.cache = CostCache(Path(path) if path else cache_dir() / f"kernels-{host_cpu()}-t{threads}.json")
         # code built for another -mcpu runs at another speed here: the target is part of every key
@@ -107,11 +113,15 @@ class KernelPricer:
 
     def _kernels(self, model: onnx.ModelProto, graph: Graph | None) -> list[tuple[str, str, int, object]]:
         """(key, name, calls, scheduled PrimFunc) of each distinct fused kernel of the model."""
-        part = partition(import_model(model).mod if graph is None else to_relax(model, graph))
+        part = self.partition_fn(import_model(model).mod if graph is None else to_relax(model, graph))
         scheduled, _ = schedule(part, self.spec)
         out = []
         for task in part.tasks:
             func = scheduled[task.names[0]]
+            if relax.analysis.has_reshape_pattern(func):
+                # relax.build's RewriteDataflowReshape makes it a view of its input (vm.builtin.reshape): no
+                # kernel runs (the Winograd rewrite's reshapes between matmuls priced 0.13 ms each otherwise)
+                continue
             key = f"v{VERSION}|{self._target}|{tvm_ffi.structural_hash(func) & 0xFFFFFFFFFFFFFFFF:x}"
             out.append((key, task.name, task.weight, func))
         return out

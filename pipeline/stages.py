@@ -3,13 +3,14 @@ partition -> compile (tuning, between partition and compile, is :mod:`pipeline.t
 
 optimize-model (:mod:`pipeline.optimize_model`), bench-model (:func:`pipeline.benchmark.compile_engines`),
 ``tune-kernels MODEL`` (:mod:`pipeline.model_mode`) and the graph stage's TVM runner
-(:mod:`pipeline.graph_runner`, through :func:`compile_graph`) all build through these functions:
+(:mod:`pipeline.graph_runner`, through :func:`compile_graph` and :func:`compile_model`) all build through these functions:
 
 * :func:`graph_stage`: the model legalized for TVM (:func:`pipeline.frontend.legalize_for_tvm`), then
   graphopt's search (:func:`graphopt.stage.optimize_graph`) with the measured cost timed by TVM for the
   context's target, or the legalized graph re-exported (``--skip-graph``);
 * :func:`lower`: Relax import (:func:`pipeline.relax_import.import_model`), the layout stage
-  (:func:`pipeline.layout.search.partition_model`; none for the graph runner) and the partition;
+  (:func:`pipeline.layout.search.partition_model`; the graph runner's operators: none, its whole models and
+  kernel prices: the heuristic blocks) and the partition;
 * :func:`build`: the partition compiled (:func:`pipeline.compile.compile_partition`) with tuned configs or
   default schedules; :func:`build_untuned` the default build held to the sanity floor (:mod:`pipeline.sanity`).
 
@@ -84,7 +85,8 @@ def graph_stage(ctx: BuildContext, model: onnx.ModelProto, input_shapes: InputSh
 
     spec = ctx.spec
     kind = ctx.target.cost_kind if spec.can_run else "not-here"  # a kind other than llvm: analytic cost
-    cost = make_cost_model("measured", kind, TvmRunner(compile_graph, ctx.stage_threads, spec, kernel_times))
+    cost = make_cost_model("measured", kind, TvmRunner(compile_graph, ctx.stage_threads, spec, kernel_times,
+                                                       compile_model))
     result = optimize_graph(graph, cost, GraphStageOptions(progress=ctx.tuning.progress,
                                                            time_limit=ctx.graph_time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
@@ -92,7 +94,8 @@ def graph_stage(ctx: BuildContext, model: onnx.ModelProto, input_shapes: InputSh
              "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
              "e2e_check": result.check.status, "e2e_decision": result.check.decision,
              "stop_reason": result.stop_reason, "pricing_failures": result.pricing_failures,
-             "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights}
+             "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights,
+             "winograd": result.winograd}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
     return StagedGraph(export_onnx(result.graph), result.graph, unfolded)
@@ -156,12 +159,27 @@ def kernel_times(models: list[tuple[onnx.ModelProto, Graph]], spec: TargetSpec) 
     ``price_kernels``; each model with its legalized graph IR): the kernels :func:`compile_graph` would
     build for them, each timed alone, over the kernel calls they do not all share
     (:meth:`pipeline.kernel_price.KernelPricer.compare`)."""
-    return [p.seconds for p in KernelPricer(spec).compare(models)]
+    pricer = KernelPricer(spec, partition_fn=lambda mod: partition_model(mod, spec, PRICE_LAYOUT))
+    return [p.seconds for p in pricer.compare(models)]
 
 
 def compile_graph(model: onnx.ModelProto, spec: TargetSpec) -> CompiledModel:
-    """What the graph stage times a candidate graph as (:class:`pipeline.graph_runner.TvmRunner`): imported,
+    """What the graph stage times one operator as (:class:`pipeline.graph_runner.TvmRunner`): imported,
     partitioned as imported (no layout stage) and compiled with default schedules."""
     lowered = lower(model, spec, None)
     with quiet_native_stderr():  # LLVM codegen warns about TOPI's pragmas ("Unknown pragma pragma_scope")
+        return build(lowered, spec)
+
+
+# The layouts a candidate model is priced and timed in: the heuristic blocks (no measurement, seconds), so a
+# rewrite that trades convolutions for matmuls (Winograd) is judged against the blocked convs that ship, not
+# the NCHW ones TVM imports (2-3x slower).
+PRICE_LAYOUT = "nchwc"
+
+
+def compile_model(model: onnx.ModelProto, spec: TargetSpec) -> CompiledModel:
+    """What the graph stage times a whole candidate as (the end-to-end check): :func:`compile_graph` with the
+    convolutions in the heuristic blocked layouts (:data:`PRICE_LAYOUT`)."""
+    lowered = lower(model, spec, PRICE_LAYOUT)
+    with quiet_native_stderr():
         return build(lowered, spec)

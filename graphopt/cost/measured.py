@@ -62,7 +62,7 @@ class MeasuredCost(CostModel):
         self.estimated = 0  # how many prices were estimated because the deadline had passed
         self.deadline: float | None = None
         self._analytic: AnalyticCost | None = None
-        self._prepared: dict[tuple[str, str], Callable[[], object]] = {}  # (engine, graph hash) -> run once
+        self._prepared: dict[tuple[str, str, bool], Callable[[], object]] = {}  # (engine, graph hash, whole) -> run once
 
     def flush(self) -> None:
         self.cache.flush()
@@ -167,19 +167,20 @@ class MeasuredCost(CostModel):
         runner: GraphRunner = self.runner
         hashes = [g.structural_hash() for g in graphs]
         try:
-            calls = [self._prepare(runner, g, h) for g, h in zip(graphs, hashes)]
+            calls = [self._prepare(runner, g, h, whole=True) for g, h in zip(graphs, hashes)]
         except Exception:  # noqa: BLE001 - fall back to the engine that runs every ONNX model
             if runner is self._fallback:
                 raise
             runner = self._fallback
-            calls = [self._prepare(runner, g, h) for g, h in zip(graphs, hashes)]
+            calls = [self._prepare(runner, g, h, whole=True) for g, h in zip(graphs, hashes)]
         times = time_blocks(dict(enumerate(calls)), runs, gap_s=0.0)  # one engine: no other's workers to wait out
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
 
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         """The runner's fusion-aware prices of ``graphs``, recorded under their hashes: the same graphs are
         priced once per cache, and a rerun decides the same way."""
-        keys = [f"kernels|{'|'.join(g.structural_hash() for g in graphs)}|{i}" for i in range(len(graphs))]
+        # "kernels2": priced in the blocked conv layouts the product builds (the first prices were as imported)
+        keys = [f"kernels2|{'|'.join(g.structural_hash() for g in graphs)}|{i}" for i in range(len(graphs))]
         hits = [self.cache.get(k) for k in keys]
         if any(h is None for h in hits):
             hits = self.runner.kernel_times(graphs)
@@ -190,10 +191,10 @@ class MeasuredCost(CostModel):
             self.cache.flush()
         return list(hits)
 
-    def _prepare(self, runner: GraphRunner, graph: Graph, digest: str) -> Callable[[], object]:
-        key = (runner.name, digest)
+    def _prepare(self, runner: GraphRunner, graph: Graph, digest: str, whole: bool = False) -> Callable[[], object]:
+        key = (runner.name, digest, whole)
         if key not in self._prepared:
-            self._prepared[key] = runner.prepare(graph)
+            self._prepared[key] = runner.prepare_model(graph) if whole else runner.prepare(graph)
         return self._prepared[key]
 
     def _time(self, graph: Graph) -> float:

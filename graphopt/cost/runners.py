@@ -36,6 +36,12 @@ class GraphRunner(ABC):
     def prepare(self, graph: Graph) -> Callable[[], object]:
         """A callable that runs ``graph`` once on fixed inputs; raises when the engine cannot run it."""
 
+    def prepare_model(self, graph: Graph) -> Callable[[], object]:
+        """:meth:`prepare` for a whole model, built the way the product builds it where that differs from how
+        one operator is timed (TVM: the blocked conv layouts); by default :meth:`prepare`.  The end-to-end
+        check times candidates through this, so its verdict is on the code that ships."""
+        return self.prepare(graph)
+
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         """Seconds per run of each graph priced as the kernels this engine builds for it (each distinct fused
         kernel timed alone, times its calls: the graph stage's fusion-aware price), over the kernel calls the
