@@ -337,8 +337,9 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
 
     Each distinct layer (shapes, padding, bias) wide enough (:data:`WINOGRAD_MIN_WIDTH`) is priced alone, as
     a one-conv model, direct and rewritten, by the cost model's fusion-aware price (the kernels the backend
-    builds for each: the direct conv in its blocked layout, the Winograd one between NHWC neighbours as in a
-    chain of them, :func:`graphopt.winograd.layer_graph`); a layer takes Winograd when that is
+    builds for each: the direct conv in its blocked layout, the Winograd one with the layout transposes it
+    makes, none towards a neighbouring candidate, :func:`graphopt.winograd.layer_graph`); a layer takes
+    Winograd when that is
     :data:`WINOGRAD_GAIN` cheaper.  Layers are priced biggest first, while the clock allows; then the model
     with every chosen layer rewritten faces the same end-to-end check as a search result."""
     from graphopt import winograd
@@ -346,9 +347,10 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
     sites = [s for s in winograd.conv_sites(graph) if s.c * s.k >= WINOGRAD_MIN_WIDTH * (s.c + s.k)]
     if not sites:
         return None, {}
+    context = winograd.neighbours(graph, sites)  # (fed by, feeding) another candidate: no transposes between
     groups: dict[tuple, list[winograd.ConvSite]] = {}
     for s in sites:
-        groups.setdefault(s.signature, []).append(s)
+        groups.setdefault((s.signature, context[s.node]), []).append(s)
     order = sorted(groups.values(), key=lambda g: -sum(s.macs for s in g))
     layers: list[dict[str, Any]] = []
     tiles: dict[str, int] = {}
@@ -362,7 +364,9 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
             row["decision"] = "not priced: time limit"
             info["stopped_by"] = "time limit"
             continue
-        wino = winograd.rewrite(winograd.layer_graph(graph, site, nhwc=True), {site.node: site.tile()})
+        nhwc = context[site.node]
+        row["neighbours"] = list(nhwc)
+        wino = winograd.rewrite(winograd.layer_graph(graph, site, nhwc), {site.node: site.tile()})
         prices = cost_model.kernel_times([winograd.layer_graph(graph, site), wino])
         if prices is None:
             return None, {"skipped": f"the {cost_model.name} cost model does not price kernels"}
@@ -486,6 +490,7 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "cost_after": res.cost_after,
         "applied": res.applied,
         **res.check.report(),
+        "kept": res.kept,  # the search's verdict, or "winograd" on top of it
         "candidate_applied": res.search.applied,
         "candidate_cost_after": res.candidate_cost_after,
         "graphs_explored": res.search.graphs_explored,

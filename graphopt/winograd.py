@@ -215,12 +215,45 @@ def conv_sites(graph: Graph) -> list[ConvSite]:
     return sites
 
 
-def layer_graph(graph: Graph, site: ConvSite, nhwc: bool = False) -> Graph:
+def neighbours(graph: Graph, sites: list[ConvSite]) -> dict[str, tuple[bool, bool]]:
+    """Per site: whether its input comes from another of ``sites`` and whether its output feeds one, through
+    unary elementwise operators only, each read once: where both are rewritten, the layout transposes
+    between them cancel (:func:`cancel_transposes`)."""
+    names = {s.node for s in sites}
+    producers, consumers = graph.producers(), graph.consumers()
+    outputs = set(graph.output_names)
+    by_name = {n.name: n for n in graph.nodes}
+    result = {}
+    for s in sites:
+        node = by_name[s.node]
+        t, fed = node.inputs[0], False
+        while t in producers and len(consumers.get(t, [])) == 1 and t not in outputs:
+            p = producers[t][0]
+            if p.name in names:
+                fed = True
+                break
+            if p.op_type not in UNARY:
+                break
+            t = p.inputs[0]
+        t, feeds = node.outputs[0], False
+        while len(consumers.get(t, [])) == 1 and t not in outputs:
+            c = consumers[t][0]
+            if c.name in names:
+                feeds = True
+                break
+            if c.op_type not in UNARY:
+                break
+            t = c.outputs[0]
+        result[s.node] = (fed, feeds)
+    return result
+
+
+def layer_graph(graph: Graph, site: ConvSite, nhwc: tuple[bool, bool] = (False, False)) -> Graph:
     """The convolution of ``site`` alone, as a model (its input a graph input, its weights ``graph``'s): what
-    a layer's direct and Winograd forms are priced as.  ``nhwc``: the model's input and output are NHWC,
-    transposed around the conv, which is how a Winograd layer meets its Winograd neighbours once
-    :func:`rewrite` has cancelled the transposes between them (so its price is not that of two layout
-    copies that a chain of such layers does not make)."""
+    a layer's direct and Winograd forms are priced as.  ``nhwc``: the model's input, output is NHWC,
+    transposed to the conv's NCHW, which is how a Winograd layer meets a Winograd neighbour once
+    :func:`rewrite` has cancelled the transposes between them (its price is then not that of a layout copy
+    such a pair does not make); a layer between direct convs pays both copies."""
     node = next(n for n in graph.nodes if n.name == site.node)
     ho, wo = site.out_hw
     x_shape, y_shape = (site.n, site.c, site.h, site.w), (site.n, site.k, ho, wo)
@@ -228,13 +261,16 @@ def layer_graph(graph: Graph, site: ConvSite, nhwc: bool = False) -> Graph:
                 dict(node.attr_types))
     nodes, value_info = [conv], {}
     x, y = node.inputs[0], node.outputs[0]
-    if nhwc:
-        x, y = f"{x}_nhwc", f"{y}_nhwc"
-        nodes = [Node("Transpose", [x], [conv.inputs[0]], {"perm": NHWC_TO_NCHW}, f"{x}_transpose"), conv,
-                 Node("Transpose", [conv.outputs[0]], [y], {"perm": NCHW_TO_NHWC}, f"{y}_transpose")]
-        value_info = {conv.inputs[0]: TensorInfo(conv.inputs[0], "float32", x_shape),
-                      conv.outputs[0]: TensorInfo(conv.outputs[0], "float32", y_shape)}
-        x_shape, y_shape = tuple(x_shape[i] for i in NCHW_TO_NHWC), tuple(y_shape[i] for i in NCHW_TO_NHWC)
+    if nhwc[0]:
+        x = f"{x}_nhwc"
+        nodes.insert(0, Node("Transpose", [x], [conv.inputs[0]], {"perm": NHWC_TO_NCHW}, f"{x}_transpose"))
+        value_info[conv.inputs[0]] = TensorInfo(conv.inputs[0], "float32", x_shape)
+        x_shape = tuple(x_shape[i] for i in NCHW_TO_NHWC)
+    if nhwc[1]:
+        y = f"{y}_nhwc"
+        nodes.append(Node("Transpose", [conv.outputs[0]], [y], {"perm": NCHW_TO_NHWC}, f"{y}_transpose"))
+        value_info[conv.outputs[0]] = TensorInfo(conv.outputs[0], "float32", y_shape)
+        y_shape = tuple(y_shape[i] for i in NCHW_TO_NHWC)
     weights = {t: graph.initializers[t] for t in node.inputs[1:] if t}
     return Graph(nodes, [TensorInfo(x, "float32", x_shape)], [TensorInfo(y, "float32", y_shape)], weights,
                  value_info, name=f"{site.node}_layer", opset_imports=dict(graph.opset_imports),

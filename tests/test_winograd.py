@@ -73,6 +73,8 @@ def test_sites_are_the_3x3_stride_1_convs():
     g = import_onnx(_chain())
     sites = wg.conv_sites(g)
     assert [(s.c, s.k, s.h, s.w) for s in sites] == [(16, 24, 13, 11), (24, 24, 13, 11)]
+    # the first feeds the second through a Relu (their transposes cancel); the second feeds a MaxPool
+    assert [wg.neighbours(g, sites)[s.node] for s in sites] == [(False, True), (True, False)]
     assert [s.tile() for s in wg.conv_sites(import_onnx(_chain(h=14, w=14)))] == [2, 2]  # 7 tiles of 2, not 4 of 4
     assert [s.tile() for s in wg.conv_sites(import_onnx(_chain(h=16, w=16)))] == [4, 4]
 
@@ -165,8 +167,10 @@ def test_stage_keeps_winograd_where_its_layers_price_cheaper_and_it_runs_faster(
     out, info = winograd_alternative(g, cost, GraphStageOptions(), StageClock(60.0))
     assert out is not None and info["kept"] and info["e2e_check"] == "measured"
     assert info["applied"] == {"winograd F(4x4,3x3)": 2}
-    # both convs are 128 -> 128 on 8x8: one layer, priced once; its prices are the gate's (no second pricing)
-    assert [(r["decision"], len(r["convs"])) for r in info["layers"]] == [("F(4x4,3x3)", 2)] and cost.priced == 1
+    # both convs are 128 -> 128 on 8x8, one feeding the other: priced apart (each has one transpose the pair
+    # cancels); their prices are the gate's (no second pricing of the whole models)
+    assert [(r["decision"], r["neighbours"]) for r in info["layers"]] == [
+        ("F(4x4,3x3)", [False, True]), ("F(4x4,3x3)", [True, False])] and cost.priced == 2
     assert (info["kernels_ms_before"], info["kernels_ms_after"]) == (20.0, 12.0)
 
 
