@@ -56,7 +56,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
     lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
     for name, st in report["stages"].items():
-        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in ("time_s", "tasks", "schedules", "e2e", "flagged"))
+        # per-item detail (tasks, kernels, Winograd's layer prices) stays in report.json
+        hidden = ("time_s", "tasks", "schedules", "e2e", "flagged", "winograd")
+        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in hidden)
         lines.append(f"| {name} | {st['time_s']:.2f} s | {facts} |")
     tune = report["stages"].get("tune", {})
     if tune.get("e2e"):

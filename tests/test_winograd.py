@@ -191,3 +191,26 @@ def test_stage_prices_no_thin_layer_and_nothing_past_its_time_limit():
     late = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
     out, info = winograd_alternative(import_onnx(_wide_chain()), late, GraphStageOptions(), StageClock(0.0))
     assert out is None and late.priced == 0 and info["stopped_by"] == "time limit"
+
+
+def test_stage_prices_layers_with_the_tvm_runner(tmp_path):
+    """The real pricing path: each layer built by the pipeline direct (blocked layout) and as Winograd, priced
+    as its kernels; whichever wins, what the stage hands back computes the input's function."""
+    from graphopt.cost.measured import MeasuredCost
+    from pipeline.graph_runner import TvmRunner
+    from pipeline.stages import compile_graph, compile_model, kernel_times
+
+    proto = _wide_chain()
+    g = import_onnx(proto)
+    cost = MeasuredCost(TvmRunner(compile_graph, 1, price_kernels=kernel_times, compile_model=compile_model),
+                        path=tmp_path / "cost.json")
+    out, info = winograd_alternative(g, cost, GraphStageOptions(e2e_runs=3), StageClock(600.0))
+    assert [r["neighbours"] for r in info["layers"]] == [[False, True], [True, False]]
+    assert all(r["direct_ms"] > 0 and r["winograd_ms"] > 0 and r["decision"] in ("direct", "F(4x4,3x3)")
+               for r in info["layers"])
+    chosen = sum(r["decision"] != "direct" for r in info["layers"])
+    assert (out is not None) == bool(info.get("kept")) and (chosen > 0 or out is None)
+    if out is not None:
+        x = {"x": np.random.default_rng(0).standard_normal((1, 128, 8, 8)).astype(np.float32)}
+        ref, got = run_ort(proto, x)[0], run_ort(export_onnx(out), x)[0]
+        assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
