@@ -10,7 +10,8 @@ is priced three ways:
   fused (:class:`graphopt.cost.measured.MeasuredCost` with the pipeline's TVM runner);
 * ``kernels``: the fusion-aware price, the fused kernels the pipeline builds for the graph, each timed alone
   (:mod:`pipeline.kernel_price`);
-* ``e2e``: the whole graph compiled by the pipeline (as imported, default schedules) and timed end to end,
+* ``e2e``: the whole graph compiled by the pipeline (the heuristic blocked conv layouts, default schedules,
+  :func:`pipeline.stages.compile_model`) and timed end to end,
   all graphs of a model interleaved (:meth:`MeasuredCost.time_models`), in two blocks of opposite order.
 
 The JSON gives every graph's three numbers and, per model and over all graphs (each price and time taken
