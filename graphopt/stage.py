@@ -357,7 +357,7 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
     info: dict[str, Any] = {"layers": layers}
     for group in order:
         site = group[0]
-        row: dict[str, Any] = {"convs": [s.node for s in group], "n": site.n, "c": site.c, "k": site.k,
+        row: dict[str, Any] = {"convs": [s.node for s in group],  # their output tensors "n": site.n, "c": site.c, "k": site.k,
                                "h": site.h, "w": site.w, "tile": site.tile()}
         layers.append(row)
         if clock is not None and clock.left() <= 0:

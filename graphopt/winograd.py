@@ -155,7 +155,7 @@ class ConvSite:
     4-D input.  ``signature`` is what its price depends on (shapes, padding, bias), so equal layers are
     priced once."""
 
-    node: str
+    node: str  # the conv's output tensor: unique in a graph, where node names need not be
     n: int
     c: int
     k: int
@@ -209,7 +209,7 @@ def conv_sites(graph: Graph) -> list[ConvSite]:
         if bias and (not graph.is_constant(n.inputs[2]) or graph.initializers[n.inputs[2]].ndim != 1):
             continue
         pads = tuple(int(p) for p in n.attr("pads", [0, 0, 0, 0]))
-        site = ConvSite(n.name, shape[0], shape[1], int(weight.shape[0]), shape[2], shape[3], pads, bias)
+        site = ConvSite(n.outputs[0], shape[0], shape[1], int(weight.shape[0]), shape[2], shape[3], pads, bias)
         if min(site.out_hw) >= 1:
             sites.append(site)
     return sites
@@ -222,14 +222,14 @@ def neighbours(graph: Graph, sites: list[ConvSite]) -> dict[str, tuple[bool, boo
     names = {s.node for s in sites}
     producers, consumers = graph.producers(), graph.consumers()
     outputs = set(graph.output_names)
-    by_name = {n.name: n for n in graph.nodes}
+    by_output = {n.outputs[0]: n for n in graph.nodes if n.outputs}
     result = {}
     for s in sites:
-        node = by_name[s.node]
+        node = by_output[s.node]
         t, fed = node.inputs[0], False
         while t in producers and len(consumers.get(t, [])) == 1 and t not in outputs:
             p = producers[t][0]
-            if p.name in names:
+            if p.outputs[0] in names:
                 fed = True
                 break
             if p.op_type not in UNARY:
@@ -238,7 +238,7 @@ def neighbours(graph: Graph, sites: list[ConvSite]) -> dict[str, tuple[bool, boo
         t, feeds = node.outputs[0], False
         while len(consumers.get(t, [])) == 1 and t not in outputs:
             c = consumers[t][0]
-            if c.name in names:
+            if c.outputs and c.outputs[0] in names:
                 feeds = True
                 break
             if c.op_type not in UNARY:
@@ -254,7 +254,7 @@ def layer_graph(graph: Graph, site: ConvSite, nhwc: tuple[bool, bool] = (False, 
     transposed to the conv's NCHW, which is how a Winograd layer meets a Winograd neighbour once
     :func:`rewrite` has cancelled the transposes between them (its price is then not that of a layout copy
     such a pair does not make); a layer between direct convs pays both copies."""
-    node = next(n for n in graph.nodes if n.name == site.node)
+    node = next(n for n in graph.nodes if n.outputs and n.outputs[0] == site.node)
     ho, wo = site.out_hw
     x_shape, y_shape = (site.n, site.c, site.h, site.w), (site.n, site.k, ho, wo)
     conv = Node(node.op_type, list(node.inputs), list(node.outputs), dict(node.attrs), node.name, node.domain,
@@ -273,7 +273,7 @@ def layer_graph(graph: Graph, site: ConvSite, nhwc: tuple[bool, bool] = (False, 
         y_shape = tuple(y_shape[i] for i in NCHW_TO_NHWC)
     weights = {t: graph.initializers[t] for t in node.inputs[1:] if t}
     return Graph(nodes, [TensorInfo(x, "float32", x_shape)], [TensorInfo(y, "float32", y_shape)], weights,
-                 value_info, name=f"{site.node}_layer", opset_imports=dict(graph.opset_imports),
+                 value_info, name=f"{node.name}_layer", opset_imports=dict(graph.opset_imports),
                  ir_version=graph.ir_version)
 
 
@@ -344,14 +344,16 @@ def _rewrite_one(graph: Graph, node: Node, site: ConvSite, m: int) -> list[Node]
 
 
 def rewrite(graph: Graph, tiles: dict[str, int]) -> Graph:
-    """A copy of ``graph`` with each convolution named in ``tiles`` computed by F(m x m, 3 x 3), m its value,
-    the layout transposes between them cancelled and what no longer has a reader dropped."""
+    """A copy of ``graph`` with each convolution in ``tiles`` (by :attr:`ConvSite.node`) computed by
+    F(m x m, 3 x 3), m its value, the layout transposes between them cancelled and what no longer has a
+    reader dropped."""
     out = graph.copy()
     sites = {s.node: s for s in conv_sites(out)}
     nodes: list[Node] = []
     for node in out.nodes:
-        site = sites.get(node.name) if node.name in tiles else None
-        nodes.extend([node] if site is None else _rewrite_one(out, node, site, tiles[node.name]))
+        key = node.outputs[0] if node.outputs else None
+        site = sites.get(key) if key in tiles else None
+        nodes.extend([node] if site is None else _rewrite_one(out, node, site, tiles[key]))
     out.nodes = nodes
     cancel_transposes(out)
     out.remove_unused()
