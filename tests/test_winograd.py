@@ -215,18 +215,3 @@ def test_stage_prices_layers_with_the_tvm_runner(tmp_path):
         ref, got = run_ort(proto, x)[0], run_ort(export_onnx(out), x)[0]
         assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
 
-
-def test_convs_sharing_a_node_name_are_told_apart():
-    """Node names are not keys (an ONNX graph may repeat or omit them): sites are keyed by output tensors."""
-    proto = _chain()
-    g = import_onnx(proto)
-    for n in g.nodes:
-        n.name = "conv" if n.op_type == "Conv" else n.name
-    out = wg.rewrite(g, {s.node: 2 for s in wg.conv_sites(g)})
-    assert sum(n.op_type == "Conv" for n in out.nodes) == 2  # the stride-2 and the 1x1 conv are left
-    assert sum(n.op_type == "MatMul" for n in out.nodes) == 6
-    for i, n in enumerate(out.nodes):  # onnxruntime refuses repeated names: renamed only to run it
-        n.name = f"n{i}"
-    x = {"x": np.random.default_rng(1).standard_normal((1, 16, 13, 11)).astype(np.float32)}
-    ref, got = run_ort(proto, x)[0], run_ort(export_onnx(out), x)[0]
-    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
