@@ -38,6 +38,9 @@ import numpy as np
 from graphopt.ir import Graph, Node, TensorInfo
 
 TILES = (2, 4)  # the output tile sizes m of F(m x m, 3 x 3) offered
+# The rewrite's Pad takes its pads as an input (opset 11; Slice's inputs: opset 10): an older graph (the
+# opset-9 model zoo) is left as it is rather than given operators its opset spells otherwise.
+MIN_OPSET = 11
 NCHW_TO_NHWC, NHWC_TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 # Elementwise unary operators a layout transpose commutes with (cancel_transposes moves them across).
 UNARY = {"Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "HardSwish"}
@@ -189,7 +192,11 @@ class ConvSite:
 
 
 def conv_sites(graph: Graph) -> list[ConvSite]:
-    """Every convolution of ``graph`` the rewrite can take (see :class:`ConvSite`)."""
+    """Every convolution of ``graph`` the rewrite can take (see :class:`ConvSite`); none below
+    :data:`MIN_OPSET`."""
+    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
+    if opset < MIN_OPSET:
+        return []
     sites = []
     for n in graph.nodes:
         if n.op_type != "Conv" or n.domain not in ("", "ai.onnx") or len(n.inputs) < 2:
