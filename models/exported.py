@@ -349,6 +349,16 @@ def squeezenet(size: str) -> Built:
     return _vision(m, size, 64)
 
 
+def shufflenet(size: str) -> Built:
+    tv = _torchvision()
+    _torch().manual_seed(0)
+    # ShuffleNet-v2's channel shuffle is a 5-D reshape/transpose/reshape (its two branches concatenated,
+    # viewed as [N, 2, C/2, H, W], the group axes swapped): the layout stage must carry blocked layouts
+    # around it (issue 24).  ``small``: width 0.5 (48-192 channels), a 64x64 image, 10 classes.
+    m = _pick(size, lambda: tv.models.shufflenet_v2_x0_5(num_classes=10), lambda: tv.models.shufflenet_v2_x1_0())()
+    return _vision(m, size, 64)
+
+
 def _fc_classifier_cnn(name: str, channels: int, small_image: int, size: str) -> Built:
     """A torchvision CNN whose classifier is FC layers over its pooled ``channels``-channel features.
     ``small``: a ``small_image``-pixel image, the features pooled to 1x1 and one FC layer to 10 classes (the
@@ -600,6 +610,8 @@ CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
                inception_v3),
     CorpusSpec("squeezenet", "vision", "torchvision SqueezeNet 1.1 (small: 64x64 image; full: 224)", squeezenet,
                ("torchscript", "dynamo", "opset9")),
+    CorpusSpec("shufflenet", "vision", "torchvision ShuffleNetV2 (5-D channel shuffle; small: x0.5, 64x64 image; "
+               "full: x1.0, 224)", shufflenet, ("torchscript", "dynamo", "opset9")),
     CorpusSpec("convnet", "vision", "VGG-like CNN with BatchNorm and view() (model-zoo era)", convnet,
                ("torchscript", "dynamo", "opset9")),
     CorpusSpec("vgg", "vision", "torchvision VGG-19 (small: 32x32 image, pooled to 1x1, one FC layer; "

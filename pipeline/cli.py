@@ -123,7 +123,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
         log.warning("note: %s", note)
-    slower = slower_warning(res.report["latency"], tuned=not res.report["stages"]["tune"].get("skipped"))
+    slower = slower_warning(res.report["latency"], tuned=not res.report["stages"]["tune"].get("skipped"),
+                            layout=((res.report["stages"].get("partition") or {}).get("layout") or {}).get("mode"))
     if slower:
         log.warning("%s", slower)
     for name, value in ((res.report.get("specialized") or {}).get("values") or {}).items():

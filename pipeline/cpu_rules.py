@@ -127,6 +127,16 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int) 
             return
         total *= e
     outer_loops = list(loops[:-1])
+    if not (extent % lanes == 0 or extent <= lanes):
+        # A row no vector width divides (ShuffleNet's 28-wide maps) would run scalar, index arithmetic per
+        # element: the trailing loops are fused until they are a whole number of vectors.  Flattened, the
+        # fused index addresses the same contiguous run the loops did.
+        fused = extent
+        for k in range(len(loops) - 2, -1, -1):
+            fused *= get_extent(sch, loops[k])
+            if fused % lanes == 0:
+                inner, outer_loops, extent = sch.fuse(*loops[k:]), list(loops[:k]), fused
+                break
     if extent >= 2 * lanes and extent % lanes == 0:
         io, ii = sch.split(inner, factors=[None, lanes])
         sch.vectorize(ii)

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def slower_warning(latency: dict[str, Any], tuned: bool) -> str | None:
+def slower_warning(latency: dict[str, Any], tuned: bool, layout: str | None = None) -> str | None:
     """The one line optimize-model prints when the build it ships is slower than onnxruntime end to end
-    (never silently slower), with what to try."""
+    (never silently slower), with what to try (``layout``: the ``--layout`` the build used; the other
+    conv layouts are what it suggests)."""
     if not latency.get("slower_than_onnxruntime"):
         return None
-    hint = ("tune longer (more --trials) or try --layout nchwc" if tuned else
-            "tune it (--trials 500 is a start) or try --layout nchwc for a CNN")
+    other = "auto" if layout == "nchwc" else "nchwc"
+    hint = (f"tune longer (more --trials) or try --layout {other}" if tuned else
+            f"tune it (--trials 500 is a start) or try --layout {other} for a CNN")
     return (f"warning: this build runs {latency['compiled_ms']} ms per inference, onnxruntime "
             f"{latency['onnxruntime_ms']} ms: slower than onnxruntime on this CPU; {hint}")
 

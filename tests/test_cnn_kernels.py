@@ -60,6 +60,28 @@ def test_spatial_mean_of_a_blocked_tensor_is_vectorized_over_lanes_and_exact(sha
     assert "T.vectorized" in mod[part.tasks[0].names[0]].script()
 
 
+@pytest.mark.parametrize("width", [28, 7])
+def test_channel_shuffle_of_rows_no_vector_divides_is_vectorized_and_exact(width):
+    """ShuffleNet-v2's shuffle (concat, a 5-D reshape and transpose, reshape back) on NCHW maps 28 wide: the
+    row is no whole number of vectors, so the rows are fused until they are (it ran scalar, 10x slower)."""
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal((1, 6, width, width)).astype(np.float32) for _ in range(2))
+
+    def shuffle(x, y):
+        cat = relax.op.concat([x, y], axis=1)
+        five = relax.op.reshape(cat, (1, 2, 6, width, width))
+        return relax.op.reshape(relax.op.permute_dims(five, [0, 2, 1, 3, 4]), (1, 12, width, width))
+
+    out, part, _ = run_relax(shuffle, a, b)
+    ref = np.concatenate([a, b], 1).reshape(1, 2, 6, width, width).transpose(0, 2, 1, 3, 4).reshape(1, 12, width,
+                                                                                                       width)
+    np.testing.assert_array_equal(out, ref)
+    from pipeline.compile import schedule
+
+    mod, _ = schedule(part, LLVM)
+    assert "T.vectorized" in mod[part.tasks[0].names[0]].script()
+
+
 def test_blocked_max_pool_with_padding_is_vectorized_over_lanes_and_matches_numpy():
     x = np.random.default_rng(1).standard_normal((1, 2, 9, 9, 16)).astype(np.float32)
     out, part, _ = run_relax(lambda v: relax.op.nn.max_pool2d(v, 3, 2, 1, layout="NCHW16c"), x)

@@ -44,7 +44,7 @@ PIPELINE_XFAIL: dict[tuple[str, str], str] = {}
 FAST = {
     ("bert", "torchscript"), ("bert", "dynamo"), ("vit", "torchscript"), ("convnext", "dynamo"),
     ("resnet", "torchscript"), ("densenet", "torchscript"),
-    ("convnet", "opset9"), ("convnet", "dynamo"), ("lstm_lm", "torchscript"),
+    ("convnet", "opset9"), ("convnet", "dynamo"), ("shufflenet", "opset9"), ("lstm_lm", "torchscript"),
     ("bigru_lm", "dynamo"), ("vad", "dynamo"), ("swin", "torchscript"),
 }
 
