@@ -40,6 +40,7 @@ from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, impor
 from kerneltune.templates.cpu import weight_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.frontend import legalize_for_tvm
+from pipeline.sink_slices import sink_padding_slices
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
     # become constants first, so that the rewrites see them (the weight padding)
     with quiet_native_stderr():
         mod = relax.transform.FoldConstant()(mod)
-    return import_rewrites(mod)
+    return sink_padding_slices(import_rewrites(mod))
 
 
 @contextlib.contextmanager

@@ -14,3 +14,11 @@ def rewrite_functions(mod: tvm.IRModule, mutator_class) -> tvm.IRModule:
         if isinstance(func, relax.Function):
             m.builder_.update_func(gv, m.visit_expr(func))
     return m.builder_.get()
+
+
+def static_shape(expr) -> tuple[int, ...] | None:
+    """The static shape of a Relax expression's tensor type; None when it is not a tensor of known sizes."""
+    try:
+        return tuple(int(d) for d in expr.ty.shape)
+    except (TypeError, AttributeError, ValueError):
+        return None

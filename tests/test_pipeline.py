@@ -532,6 +532,11 @@ def test_head_conv_channels_padded_to_whole_vectors_match_onnxruntime(llvm):
     filters = sorted(int(b.value.args[1].ty.shape[0]) for b in imported.mod["main"].body.blocks[0].bindings
                      if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.nn.conv2d")
     assert filters == [200, 256]
+    # the slice back to 250 channels is moved past the bias, ReLU, pool and flatten: it cuts 256 pooled values,
+    # not the blocked 256 x 13 x 13 map (which would go back to NCHW for it)
+    slices = [b.value for b in imported.mod["main"].body.blocks[0].bindings
+              if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.strided_slice"]
+    assert [tuple(int(d) for d in s.args[0].ty.shape) for s in slices] == [(1, 256)]
     part = partition_model(imported.mod, llvm, "nchwc")
     res = check_outputs(compile_partition(imported, part, llvm), imported.graph, imported.onnx_model)
     assert res.ok and res.max_abs_err <= 1e-4
@@ -556,3 +561,36 @@ def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
     a, b = KernelPricer(llvm, cache).compare([(conv_net(), None), (changed, None)])
     assert len(a.kernels) == len(b.kernels) == 1 and a.measured == b.measured == 0
     assert b.seconds - a.seconds == pytest.approx(other.seconds - first.seconds)
+
+
+@pytest.mark.parametrize("kept", [1000, 512])
+def test_padding_slices_move_past_elementwise_ops_and_pools_but_parts_stay(kept):
+    """slice(1000 of 1024 channels) -> add a [1000, 1, 1] bias -> divide by a [1000, 1, 1] scale -> relu -> mean
+    over the map -> flatten: the slice moves to the end (bias padded with zeros, scale with ones), and the
+    function computes what it did; a slice of half the channels (a split into parts) stays where it is."""
+    import tvm
+    from tvm import relax
+
+    from pipeline.sink_slices import sink_padding_slices
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 1024, 5, 5)).astype(np.float32)
+    bias, scale = rng.standard_normal((kept, 1, 1)).astype(np.float32), rng.uniform(1, 2, (kept, 1, 1)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    v = relax.Var("x", relax.TensorType(x.shape, "float32"))
+    with bb.function("main", [v]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.strided_slice(v, [1], [0], [kept]))
+            a = bb.emit(relax.op.add(s, relax.const(bias)))
+            d = bb.emit(relax.op.divide(a, relax.const(scale)))
+            r = bb.emit(relax.op.nn.relu(d))
+            m = bb.emit(relax.op.mean(r, axis=[2, 3], keepdims=True))
+            y = bb.emit_output(relax.op.reshape(m, (1, kept)))
+        bb.emit_func_output(y)
+    mod = sink_padding_slices(bb.get())
+    ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings]
+    assert (ops[-1] == "relax.strided_slice") == (kept == 1000) and ops.count("relax.strided_slice") == 1
+    ex = relax.build(mod, "llvm")
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    ref = np.maximum((x[:, :kept] + bias) / scale, 0).mean(axis=(2, 3)).reshape(1, kept)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

@@ -45,6 +45,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
+from pipeline.relax_rewrite import static_shape
 
 CONV = "relax.nn.conv2d"
 
@@ -190,13 +191,6 @@ _AXIS_SENSITIVE = ("relax.nn.softmax", "relax.nn.log_softmax", "relax.nn.layer_n
                    "relax.gather_elements", "relax.scatter_elements", "relax.scatter_nd", "relax.image.resize2d")
 
 
-def _shape(expr) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(d) for d in expr.ty.shape)
-    except (TypeError, AttributeError, ValueError):
-        return None
-
-
 def _has_layout_inference(op) -> bool:
     return isinstance(op, tvm.ir.Op) and op.get_attr("FRelaxInferLayout") is not None
 
@@ -209,7 +203,7 @@ def _elementwise_links(call: relax.Call, shape: tuple[int, ...] | None) -> list 
         return None
     linked = []
     for arg in call.args:
-        s = _shape(arg)
+        s = static_shape(arg)
         if s is None:
             return None
         if len(s) == 0:
@@ -256,7 +250,7 @@ def _conv_spec(call: relax.Call) -> tuple[conv_nchwc.ConvSpec | None, str]:
     dims = _conv_dims(call)
     if dims is None:
         return None, "non-constant weight, or not a static NCHW/OIHW conv2d"
-    ds, ws = _shape(call.args[0]), _shape(call.args[1])
+    ds, ws = static_shape(call.args[0]), static_shape(call.args[1])
     a = call.attrs
     if a.out_dtype and str(a.out_dtype) not in ("", "void", str(call.args[0].ty.dtype)):
         return None, f"conv2d out_dtype {a.out_dtype} differs from its input's"
@@ -293,7 +287,7 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
     convs: list[tuple] = []  # (weight, spec, input key, output key, input shape, output shape, why)
 
     def track(var) -> int | None:
-        s = _shape(var)
+        s = static_shape(var)
         if s is None or len(s) != 4:
             return None
         k = _key(var)
@@ -307,13 +301,13 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
     for p in func.params:
         k = track(p)
         if k is not None:
-            entries.append((k, _shape(p)))
+            entries.append((k, static_shape(p)))
     for block in func.body.blocks:
         for binding in block.bindings:
             call, var = binding.value, binding.var
             if not isinstance(call, relax.Call):
                 continue
-            shape = _shape(var)
+            shape = static_shape(var)
             out = track(var)
             args = list(call.args)
             if _is_op(call, "relax.concat") and isinstance(args[0], relax.Tuple):
@@ -322,7 +316,7 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
             if _is_op(call, CONV) and out is not None and acts and call.args[0].same_as(acts[0]):
                 spec, why = _conv_spec(call)
                 inp = track(call.args[0])
-                convs.append((call.args[1], spec, inp, out, _shape(call.args[0]), shape, why))
+                convs.append((call.args[1], spec, inp, out, static_shape(call.args[0]), shape, why))
                 if spec is not None and spec.groups > 1:
                     grouped += [inp, out]
                     if not spec.depthwise:
@@ -340,17 +334,17 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
                 else:
                     linked = _elementwise_links(call, shape)
             if linked is None:  # an op that keeps NCHW: its 4-d operands leave, its 4-d result enters
-                exits += [(_key(a), _shape(a)) for a in acts]
+                exits += [(_key(a), static_shape(a)) for a in acts]
                 if out is not None:
                     entries.append((out, shape))
                 continue
             for a in linked:
                 uf.union(_key(a), out)
-            exits += [(_key(a), _shape(a)) for a in acts if not any(a.same_as(x) for x in linked)]
+            exits += [(_key(a), static_shape(a)) for a in acts if not any(a.same_as(x) for x in linked)]
     body = func.body.body
     for ret in (body.fields if isinstance(body, relax.Tuple) else [body]):
         if isinstance(ret, relax.Var) and track(ret) is not None:
-            exits.append((_key(ret), _shape(ret)))
+            exits.append((_key(ret), static_shape(ret)))
 
     index: dict[int, int] = {}
     classes: list[TensorClass] = []
@@ -506,7 +500,7 @@ class _ConstantRanks(_Rewriter):
             return call
         args = list(call.args)
         for i in (0, 1):
-            c, act = args[i], _shape(args[1 - i])
+            c, act = args[i], static_shape(args[1 - i])
             if not isinstance(c, tvm.ir.Constant) or isinstance(args[1 - i], tvm.ir.Constant) or act is None:
                 continue
             want = constant_rank(tuple(int(d) for d in c.value.shape), act)
@@ -564,7 +558,7 @@ class _ConvertLayoutWorkarounds(_Rewriter):
             return call
         if not _is_op(call, "relax.split"):
             return call
-        shape = _shape(call.args[0])
+        shape = static_shape(call.args[0])
         if shape is None or len(shape) != 4 or int(call.attrs.axis) not in (1, -3):
             return call
         bounds = split_bounds(shape[1], call.attrs.indices_or_sections)
