@@ -110,6 +110,11 @@ WINOGRAD_GAIN = 0.05
 # saved (one-layer models on a 2-core Intel Xeon, default schedules: VGG's 64-channel layer at 224x224 0.74x
 # the direct conv, 128 channels at 112x112 0.79x; 256 at 56x56 1.24x, 512 at 28x28 1.49x).
 WINOGRAD_MIN_WIDTH = 48
+# A layer whose neighbours are no candidates (fed by and feeding direct convs) is not priced: it pays a layout
+# transpose on each side, and none of the 16 such layers priced on a 2-core Intel Xeon paid (ResNet-50's,
+# Inception-v3's 80->192 at 73x73 by 1%, VGG-19's 128->128 at 112x112, all 9 of GoogLeNet's: its 64->192 at
+# 56x56 3.01 ms direct, 3.14 Winograd), while pricing GoogLeNet's took its graph stage from 38 s to its 90 s
+# limit.  VGG-19's chained layers pay (1.3x the model).
 
 
 @dataclass
@@ -339,7 +344,8 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
     """``graph`` with the 3x3 convolutions that pay computed by Winograd (:mod:`graphopt.winograd`), if it
     runs faster end to end by the margin; else ``None``.  The dict says what was priced and measured.
 
-    Each distinct layer (shapes, padding, bias) wide enough (:data:`WINOGRAD_MIN_WIDTH`) is priced alone, as
+    Each distinct layer (shapes, padding, bias) wide enough (:data:`WINOGRAD_MIN_WIDTH`) and next to another
+    such layer (a chain: no transposes between them) is priced alone, as
     a one-conv model, direct and rewritten, by the cost model's fusion-aware price (the kernels the backend
     builds for each: the direct conv in its blocked layout, the Winograd one with the layout transposes it
     makes, none towards a neighbouring candidate, :func:`graphopt.winograd.layer_graph`); a layer takes
@@ -365,12 +371,15 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
         row: dict[str, Any] = {"convs": [s.node for s in group], "n": site.n, "c": site.c, "k": site.k,
                                "h": site.h, "w": site.w, "tile": site.tile()}
         layers.append(row)
+        nhwc = context[site.node]
+        row["neighbours"] = list(nhwc)
+        if not any(nhwc):
+            row["decision"] = "not priced: isolated (no candidate layer next to it)"
+            continue
         if clock is not None and clock.left() <= 0:
             row["decision"] = "not priced: time limit"
             info["stopped_by"] = "time limit"
             continue
-        nhwc = context[site.node]
-        row["neighbours"] = list(nhwc)
         wino = winograd.rewrite(winograd.layer_graph(graph, site, nhwc), {site.node: site.tile()})
         prices = cost_model.kernel_times([winograd.layer_graph(graph, site), wino])
         if prices is None:

@@ -192,6 +192,12 @@ def test_stage_prices_no_thin_layer_and_nothing_past_its_time_limit():
     thin = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
     out, info = winograd_alternative(import_onnx(_chain()), thin, GraphStageOptions(), StageClock(60.0))
     assert out is None and info == {} and thin.priced == 0  # 16/24 channels: C*K/(C+K) < 48
+    alone = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)  # one wide conv: two transposes
+    b = GraphBuilder("alone", seed=1)
+    b.output(b.op("Relu", [_conv(b, b.input("x", [1, 128, 8, 8]), 128, 128, 3, True)]), [1, 128, 8, 8])
+    out, info = winograd_alternative(import_onnx(b.model()), alone, GraphStageOptions(), StageClock(60.0))
+    assert out is None and alone.priced == 0 and [r["decision"] for r in info["layers"]] == [
+        "not priced: isolated (no candidate layer next to it)"]
     late = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
     out, info = winograd_alternative(import_onnx(_wide_chain()), late, GraphStageOptions(), StageClock(0.0))
     assert out is None and late.priced == 0 and info["stopped_by"] == "time limit"
