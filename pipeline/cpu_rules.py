@@ -14,7 +14,6 @@ inlined only while its expression is cheap; otherwise it stays a loop nest of it
 """
 from __future__ import annotations
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import Expr, TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
