@@ -112,7 +112,8 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int) 
     """Vectorize the innermost loop by ``lanes`` and parallelize the fused loops outside the vector.
 
     Only the innermost loop is vectorized (not a fusion of all loops) so vector accesses stay contiguous
-    with simple index arithmetic; everything outside it is fused into one parallel loop.
+    with simple index arithmetic; everything outside it is fused into one parallel loop.  A row longer than a
+    vector and no multiple of one is first fused with the loops outside it, until they are whole vectors.
     """
     loops = sch.get_loops(block)
     if not loops:
