@@ -162,7 +162,7 @@ def scale_splits(graph: Graph, source: Graph) -> int:
     when merges nest): an equal split loses its sizes (an equal split of any size); other sizes become
     ``size(axis) * s_i / sum(s)``, which is ``s_i`` at the built size.  Splits ``source`` has are the input
     model's own and left as they are."""
-    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
+    opset = graph.onnx_opset
     own = {tuple(n.outputs) for n in source.nodes if n.op_type == "Split"}
     changed = 0
     nodes: list[Node] = []

@@ -108,6 +108,11 @@ class Graph:
         return result
 
     @property
+    def onnx_opset(self) -> int:
+        """The opset of the default ONNX domain ("" or "ai.onnx"; 1 when the graph imports neither)."""
+        return int(self.opset_imports.get("", self.opset_imports.get("ai.onnx", 1)))
+
+    @property
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
 

@@ -194,8 +194,7 @@ class ConvSite:
 def conv_sites(graph: Graph) -> list[ConvSite]:
     """Every convolution of ``graph`` the rewrite can take (see :class:`ConvSite`); none below
     :data:`MIN_OPSET`."""
-    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
-    if opset < MIN_OPSET:
+    if graph.onnx_opset < MIN_OPSET:
         return []
     sites = []
     for n in graph.nodes:
@@ -229,30 +228,29 @@ def neighbours(graph: Graph, sites: list[ConvSite]) -> dict[str, tuple[bool, boo
     names = {s.node for s in sites}
     producers, consumers = graph.producers(), graph.consumers()
     outputs = set(graph.output_names)
-    by_output = {n.outputs[0]: n for n in graph.nodes if n.outputs}
-    result = {}
-    for s in sites:
-        node = by_output[s.node]
-        t, fed = node.inputs[0], False
-        while t in producers and len(consumers.get(t, [])) == 1 and t not in outputs:
-            p = producers[t][0]
-            if p.outputs[0] in names:
-                fed = True
-                break
-            if p.op_type not in UNARY:
-                break
-            t = p.inputs[0]
-        t, feeds = node.outputs[0], False
+
+    def reaches(t: str, step) -> bool:
+        """Whether walking from tensor ``t`` by ``step`` (t -> (node, the tensor after it) or None) through
+        singly-read unary operators meets another site's conv."""
         while len(consumers.get(t, [])) == 1 and t not in outputs:
-            c = consumers[t][0]
-            if c.outputs and c.outputs[0] in names:
-                feeds = True
-                break
-            if c.op_type not in UNARY:
-                break
-            t = c.outputs[0]
-        result[s.node] = (fed, feeds)
-    return result
+            hop = step(t)
+            if hop is None:
+                return False
+            node, t = hop
+            if node.outputs and node.outputs[0] in names:
+                return True
+            if node.op_type not in UNARY:
+                return False
+        return False
+
+    def up(t: str):
+        return (producers[t][0], producers[t][0].inputs[0]) if t in producers else None
+
+    def down(t: str):
+        c = consumers[t][0]
+        return c, c.outputs[0] if c.outputs else ""
+
+    return {s.node: (reaches(producers[s.node][0].inputs[0], up), reaches(s.node, down)) for s in sites}
 
 
 def layer_graph(graph: Graph, site: ConvSite, nhwc: tuple[bool, bool] = (False, False)) -> Graph:

@@ -28,7 +28,7 @@ class Builder:
         self._used = graph._used_names()
         self._count = 0
         self._consts: dict[tuple, str] = {}
-        self.opset = int(graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1)))
+        self.opset = graph.onnx_opset
 
     # ---- names, weights ------------------------------------------------------------------------------
     @staticmethod
