@@ -29,6 +29,7 @@ from pipeline.relax_rewrite import rewrite_functions, static_shape
 # columns); ShuffleNet's halves and attention's q/k/v parts are parts, and stay where they are.
 MIN_KEPT = 0.9
 
+# elementwise ops of one tensor (maximum/minimum: with a scalar constant, as a lifted Clip is)
 UNARY = {"relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid", "relax.tanh",
          "relax.exp", "relax.negative", "relax.abs", "relax.sqrt", "relax.clip", "relax.astype",
          "relax.nn.leakyrelu", "relax.maximum", "relax.minimum"}
