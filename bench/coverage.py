@@ -78,6 +78,7 @@ class Row:
     nonfinite_mismatch: int | None = None  # NaN/Inf in only one result
     top1_agreement: float | None = None  # classifier-like outputs
     layout: str | None = None  # the layout stage's report: mode, convs blocked, transforms, convs kept NCHW
+    layout_s: float | None = None  # the layout stage and the partition (report.json's partition stage)
     ort_ms: float | None = None
     openvino_ms: float | None = None  # bench-model's OpenVINO engine (f32, latency hint), when installed
     tvm_ms: float | None = None
@@ -279,6 +280,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
             row.graph_e2e_ms = [graph.get("e2e_ms_before"), graph.get("e2e_ms_after")]
         row.tasks = stages.get("partition", {}).get("tasks")
         row.layout = _layout_line(stages.get("partition", {}).get("layout"))
+        row.layout_s = stages.get("partition", {}).get("time_s")
         row.passed += [s for s in STEPS[1:] if not (s == "graph" and args.skip_graph)]
         try:
             row.__dict__.update(verify(out_dir, path, meta["input_shapes"], npz, args.threads))
@@ -323,6 +325,9 @@ def _layout_line(layout: Any) -> str | None:
            f"{layout.get('transforms')} transforms"
     kept = sum((layout.get("kept_nchw") or {}).values())  # reason -> convs
     line += f", {kept} kept NCHW" if kept else ""
+    e2e = (layout.get("search") or {}).get("e2e") or {}
+    if e2e.get("ms_auto") is not None:  # a departure from the heuristic blocks, timed against them
+        line += f", searched {e2e['ms_auto']:.2f} vs heuristic {e2e['ms_heuristic']:.2f} ms: {e2e['kept']} kept"
     return line + (f", failed: {str(layout['failed'])[:80]}" if layout.get("failed") else "")
 
 
@@ -355,13 +360,14 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
              f"`optimize-model --skip-tune`{' --skip-graph' if header['skip_graph'] else ''}, timeout "
              f"{header['timeout']} s, {header['cost_cache']} cost cache; steps: {', '.join(STEPS)}.  rel err = "
              f"max |ours-ref| / max |ref| (graphopt.compare); top-1 = arg-max agreement on classifier-like outputs.",
-             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | layout | run s | "
-             "abs err | rel err | top-1 | ORT ms | OpenVINO ms | TVM ms | TVM / ORT | error |", "|" + "---|" * 18]
+             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | layout | layout s | run s | "
+             "abs err | rel err | top-1 | ORT ms | OpenVINO ms | TVM ms | TVM / ORT | error |", "|" + "---|" * 19]
     for r in rows:
         passed = f"{len(r.passed)}/{len(STEPS)}"
         err = (r.error or r.bench_error or "; ".join(r.notes) or "").replace("|", "\\|")
         lines.append(f"| {r.model} | {r.exporter} | {r.size} | {_fmt(r.opset)} | {passed} | {_fmt(r.failed_step)} | "
-                     f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.layout)} | {_fmt(r.run_s, '.1f')} | "
+                     f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.layout)} | {_fmt(r.layout_s, '.1f')} | "
+                     f"{_fmt(r.run_s, '.1f')} | "
                      f"{_fmt(r.max_abs_err, '.2g')} | {_fmt(r.max_rel_err, '.2g')} | {_fmt(r.top1_agreement, '.0%')} | "
                      f"{_fmt(r.ort_ms, '.2f')} | {_fmt(r.openvino_ms, '.2f')} | {_fmt(r.tvm_ms, '.2f')} | "
                      f"{_fmt(_ratio(r.tvm_ms, r.ort_ms), '.2f')} | {err[:160]} |")

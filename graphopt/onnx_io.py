@@ -190,6 +190,31 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray:
     raise UserError(f"Constant node {node.name!r} uses unsupported attribute {kind!r}; re-export with a tensor value")
 
 
+# Float initializers with more elements than this are shape-inferred from their dims alone (below).
+LIGHT_ELEMENTS = 4096
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
+
+
+def _without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose large float initializers keep their name, type and dims but not their
+    data: what shape inference reads of a weight.  (Inference serializes the model it is given and parses
+    its result: two copies of every weight, 0.5 s an import for VGG-19's 550 MB, and the graph stage
+    imports a model for every operator it prices.)  Integer initializers (shapes, axes, indices: values
+    that data propagation reads) and small ones keep their data."""
+    g = model.graph
+    inits = []
+    for t in g.initializer:
+        if t.data_type in _FLOATS and int(np.prod(t.dims, dtype=np.int64)) > LIGHT_ELEMENTS:
+            t = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
+        inits.append(t)
+    graph = onnx.helper.make_graph(list(g.node), g.name, list(g.input), list(g.output), inits,
+                                   value_info=list(g.value_info), sparse_initializer=list(g.sparse_initializer))
+    light = onnx.helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
+                                   functions=list(model.functions))
+    light.producer_name = model.producer_name
+    return light
+
+
 def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
                 input_shapes: InputShapes | None = None, require_static: bool = True) -> Graph:
     """Import an ONNX model into the graph IR.
@@ -198,20 +223,20 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
     with a fully known shape, else a :class:`UserError` names the input and the ``--input-shape`` to pass.
     """
     model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else load_model(model_or_path)
-    model = onnx.ModelProto.FromString(model.SerializeToString())  # never mutate the caller's proto
+    light = _without_weight_data(model)  # a copy: the caller's proto is never changed
     if input_shapes:
-        apply_input_shapes(model, input_shapes)
+        apply_input_shapes(light, input_shapes)
     if require_static:
-        require_static_inputs(model)
+        require_static_inputs(light)
     try:
-        inferred = shape_inference.infer_shapes(model, data_prop=True)
+        inferred = shape_inference.infer_shapes(light, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - malformed models make inference fail in many ways
         raise UserError(f"ONNX shape inference failed ({str(exc).splitlines()[0][:200]}); "
                         "check the model with onnx.checker or re-export it") from None
     g = inferred.graph
 
     initializers: dict[str, np.ndarray] = {}
-    for t in g.initializer:
+    for t in model.graph.initializer:
         arr = numpy_helper.to_array(t)
         _check_dtype(t.name, arr.dtype.name)
         initializers[t.name] = arr

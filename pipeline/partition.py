@@ -26,6 +26,7 @@ from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
 from pipeline.fast_sigmoid import FastSigmoid
+from pipeline.fold import FoldConstants
 from pipeline.lane_softmax import LaneSoftmax
 
 KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
@@ -80,7 +81,8 @@ class Partition:
 
 def fuse(mod: tvm.IRModule) -> tvm.IRModule:
     """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out)."""
-    seq = tvm.transform.Sequential([LaneSoftmax(), FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES])
+    seq = tvm.transform.Sequential([FoldConstants, LaneSoftmax(), FastSigmoid()]
+                                    + [getattr(relax.transform, p)() for p in FUSION_PASSES])
     with quiet_native_stderr():  # TOPI's fast take warns once per Gather
         return seq(mod)
 

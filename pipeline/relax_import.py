@@ -39,6 +39,7 @@ from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
 from kerneltune.templates.cpu import weight_padding
 from kerneltune.native_log import quiet_native_stderr
+from pipeline.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
 from pipeline.sink_slices import sink_padding_slices
 
@@ -77,7 +78,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
               if i.name not in graph.initializers}
     dtypes = {i.name: i.dtype for i in graph.inputs if i.name not in graph.initializers}
     problem = ""
-    with importer_output() as printed:
+    with importer_output() as printed, _checked_already():
         try:
             mod = from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
         except tvm.error.OpNotImplemented as exc:
@@ -96,8 +97,23 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
     # constants computed in the graph (an unrolled GRU's weights: a transpose of a Gather of an initializer)
     # become constants first, so that the rewrites see them (the weight padding)
     with quiet_native_stderr():
-        mod = relax.transform.FoldConstant()(mod)
+        mod = fold_constants(mod)
     return sink_padding_slices(import_rewrites(mod))
+
+
+@contextlib.contextmanager
+def _checked_already() -> Iterator[None]:
+    """TVM's importer without its ``onnx.checker.check_model`` call, which only warns: the user's model had
+    the checker's full check when the command started (:func:`graphopt.validate.check_model`), and what is
+    imported here is that model or our export of its graph.  The checker serializes every weight (2 of the
+    5.6 s VGG-19's import took), and the graph stage imports a model for every operator and candidate it
+    prices."""
+    check = onnx.checker.check_model
+    onnx.checker.check_model = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        onnx.checker.check_model = check
 
 
 @contextlib.contextmanager

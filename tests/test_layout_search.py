@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+import tvm_ffi
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.compare import compare_outputs
@@ -162,7 +163,8 @@ class FakePricer:
 
 def compile_and_compare(proto, mode: str = "auto", pricer=None):
     imported = import_model(proto)
-    mod, report = search.convert(imported.mod, LLVM, mode, pricer=pricer)
+    # the search's decision on made-up prices, not held to the whole model's timing
+    mod, report = search.convert(imported.mod, LLVM, mode, pricer=pricer, e2e=pricer is None)
     return report, compiled_matches_onnxruntime(imported, mod, LLVM)
 
 
@@ -286,7 +288,7 @@ def test_decisions_are_deterministic_and_margins_break_close_calls():
     # the 16c kernel is 2% dearer than 8c: within the margin, so the heuristic's 16c blocks stay
     close = FakePricer(lambda spec, o: 1e-4 if o.nchw else (1.02e-5 if (o.a, o.d) == (16, 16) else 1e-5))
     imported = import_model(cnn())
-    runs = [search.convert(imported.mod, LLVM, "auto", pricer=close)[1].to_json() for _ in range(2)]
+    runs = [search.convert(imported.mod, LLVM, "auto", pricer=close, e2e=False)[1].to_json() for _ in range(2)]
     for r in runs:
         del r["search"]["seconds"]
     assert runs[0] == runs[1]
@@ -507,3 +509,60 @@ def test_optimize_model_reports_the_layout(tmp_path):
     assert lay["mode"] == "nchwc" and lay["blocked"] >= 6 and lay["transforms"] >= 2
     assert any(t["kind"] == "conv2d_nchwc" and t["schedule"] == "template" for t in report["tasks"])
     assert report["stages"]["compile"]["max_abs_err"] <= 1e-4
+
+
+# ------------------------------------------------------------------------- the whole-model check (auto)
+
+def _conv_module(c: int, hw: int, k: int) -> tvm.IRModule:
+    """``main(x) -> conv(x, constant weight)``, NCHW."""
+    bb = tvm.relax.BlockBuilder()
+    x = tvm.relax.Var("x", tvm.relax.TensorType((1, c, hw, hw), "float32"))
+    w = tvm.relax.const(np.random.default_rng(0).uniform(-0.1, 0.1, (c, c, k, k)).astype("float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(tvm.relax.op.nn.conv2d(x, w, padding=k // 2))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def test_the_searched_layouts_are_kept_only_when_the_whole_model_runs_faster(tmp_path):
+    """The check times both builds: the faster one wins whichever side it is on (here a 1x1 conv on 16
+    channels at 8x8 against a 3x3 conv on 64 channels at 56x56, about 5000x the work), and a second call
+    reads the verdict back instead of timing again."""
+    small, big = _conv_module(16, 8, 1), _conv_module(64, 56, 3)
+    pricer = Pricer(LLVM, tmp_path / "p.json")
+    first = search.check_against_heuristic(small, big, LLVM, pricer)
+    assert first["kept"] == "auto" and first["status"] == "measured"
+    assert first["ms_auto"] < first["ms_heuristic"]
+    assert search.check_against_heuristic(big, small, LLVM, pricer)["kept"] == "heuristic"
+    again = search.check_against_heuristic(small, big, LLVM, Pricer(LLVM, tmp_path / "p.json"))
+    assert again["status"] == "recorded" and again["kept"] == "auto"
+
+
+def test_a_departure_from_the_heuristic_blocks_faces_the_check_and_can_lose(monkeypatch):
+    """Prices that make every conv NCHW depart from the heuristic blocks: the check is asked, and when it
+    keeps the heuristic, the model comes back in the heuristic blocks with the search's summary and the
+    verdict in the report."""
+    asked = []
+
+    def verdict(auto, heuristic, spec, pricer):
+        asked.append((auto, heuristic))
+        return {"kept": "heuristic", "status": "measured"}
+
+    monkeypatch.setattr(search, "check_against_heuristic", verdict)
+    imported = import_model(cnn())
+    nchw_cheap = FakePricer(lambda spec, o: 1e-6 if o.nchw else 1e-4)
+    mod, report = search.convert(imported.mod, LLVM, "auto", pricer=nchw_cheap)
+    heuristic, heuristic_report = search.convert(imported.mod, LLVM, "nchwc")
+    assert len(asked) == 1 and report.search["e2e"] == {"kept": "heuristic", "status": "measured"}
+    assert report.mode == "auto" and report.blocked == heuristic_report.blocked > 0
+    assert tvm_ffi.structural_equal(mod, heuristic)
+    compiled_matches_onnxruntime(imported, mod, LLVM)
+    # what counts as a departure: any conv planned otherwise than the heuristic plans it
+    graph = nchwc.analyze(nchwc.prepare(imported.mod, nchwc.LayoutReport()))
+    lanes = vector_lanes(LLVM.target, "float32")
+    plans = nchwc.heuristic_plans(graph, lanes)
+    assert not search.departs(graph, plans, lanes)
+    blocked = next(s for s in graph.convs if isinstance(plans.get(s.weight), nchwc.ConvPlan))
+    plans.set(blocked.weight, "the NCHW kernel (with its transforms) priced cheaper")
+    assert search.departs(graph, plans, lanes)

@@ -93,6 +93,16 @@ class Pricer:
             self.cache.put(key, hit)
         return hit
 
+    def recall(self, key: str, n: int) -> tuple[float, ...] | None:
+        """The ``n`` numbers :meth:`record` kept under ``key`` (a verdict and its timings), or None."""
+        values = [self.cache.get(f"v{VERSION}|{key}|{i}") for i in range(n)]
+        return None if any(v is None for v in values) else tuple(values)
+
+    def record(self, key: str, values: tuple[float, ...]) -> None:
+        for i, v in enumerate(values):
+            self.cache.put(f"v{VERSION}|{key}|{i}", float(v))
+        self.cache.flush()
+
     def conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> float:
         """Seconds of one call of the conv (``spec``'s logical shape) run as ``option``."""
         return self._price(_conv_price_key(spec, option), lambda: conv_module(spec, option))

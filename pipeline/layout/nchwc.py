@@ -45,6 +45,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
+from pipeline.fold import FoldConstants
 from pipeline.relax_rewrite import static_shape
 
 CONV = "relax.nn.conv2d"
@@ -635,7 +636,7 @@ def prepare(mod: tvm.IRModule, report: LayoutReport) -> tvm.IRModule:
     T = relax.transform
     mod = _ConvertLayoutWorkarounds(T.DecomposeOpsForInference()(mod)).transform()
     with quiet_native_stderr():  # FoldConstant legalizes constant Gathers: TOPI's fast take warns at each
-        mod = tvm.transform.Sequential([T.CanonicalizeBindings(), T.FoldConstant()])(mod)
+        mod = tvm.transform.Sequential([T.CanonicalizeBindings(), FoldConstants])(mod)
     mod = _Lift(mod, report).transform()
     mod = _ConstantRanks(mod, report).transform()
     return T.DeadCodeElimination()(mod)
@@ -723,7 +724,7 @@ def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm
     mod = _MergeGroups(mod, plans, report).transform()
     mod = T.ConvertLayout({}, _layout_callback(plans, report))(mod)
     with quiet_native_stderr():  # as in prepare: TOPI's fast take warns at each constant Gather folded
-        mod = tvm.transform.Sequential([T.FoldConstant(), T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
+        mod = tvm.transform.Sequential([FoldConstants, T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
                                         T.DeadCodeElimination()])(mod)
     report.transforms = count_transforms(mod)
     mod = _LowerBlockedConvs(mod).transform()
