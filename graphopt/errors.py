@@ -91,6 +91,10 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
         try:
             return int(main(args) or 0)
         except KeyboardInterrupt:
+            # The interrupt can land inside a library's constructor (TVM's TempDirectory before it set its
+            # path), whose destructor then fails when the traceback lets go of it: "Exception ignored in ...",
+            # a traceback after the one line.  Clean-up of a run the user stopped: not printed.
+            sys.unraisablehook = lambda _unraisable: None
             print("error: interrupted; tuning records written so far are kept, rerun to resume", file=sys.stderr)
             return 130
         except BrokenPipeError:  # stdout closed by the reader (`| head`): nothing left to tell anyone

@@ -83,3 +83,25 @@ def test_unknown_model_name(tmp_path):
 def test_bad_option_is_one_line(tmp_path):
     assert_user_error(run([str(BIN / "optimize-model"), str(BERT_TINY), "-o", str(tmp_path), "--scheduler", "fifo"]),
                       "scheduler")
+
+
+def test_an_interrupt_inside_a_constructor_prints_one_line_not_the_destructors_traceback(tmp_path):
+    """A Ctrl-C (or the SIGTERM handler's KeyboardInterrupt) that lands inside a library's constructor leaves
+    a half-built object whose destructor fails later (TVM's TempDirectory: no ``temp_dir`` yet).  The user
+    sees the one interrupt line and exit 130, not "Exception ignored in ..." with a traceback."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "import sys\n"
+        "from graphopt.errors import cli_entry\n"
+        "class Temp:\n"
+        "    def __init__(self):\n"
+        "        raise KeyboardInterrupt  # before self.path is set\n"
+        "    def __del__(self):\n"
+        "        print(self.path)\n"
+        "def main(argv):\n"
+        "    Temp()\n"
+        "sys.exit(cli_entry(main)([]))\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 130
+    assert p.stderr.strip() == "error: interrupted; tuning records written so far are kept, rerun to resume"
