@@ -94,8 +94,9 @@ PATIENCE = 200  # dequeued graphs without a cheaper one before the search stops 
 TIME_LIMIT = 90.0
 E2E_MARGIN = 0.02  # the candidate must be this much faster end to end, beyond timing noise, to be kept
 E2E_RUNS = 20
-# After the first block, a block times each model about this long at most (never under MIN_E2E_RUNS runs):
-# 20 runs of a 160 ms VGG-19 are 6.4 s a block, and the sign test counts blocks, not runs.
+# A block times each model about this long at most (never under MIN_E2E_RUNS runs): 20 runs of a 160 ms
+# VGG-19 are 6.4 s a block, and the sign test counts blocks, not runs.  The first block takes its runs from
+# the input's price when the gate priced it, the later ones from the block before.
 E2E_BLOCK_S = 1.0
 MIN_E2E_RUNS = 5
 SEARCH_SHARE = 0.6  # of the stage's time limit, for pricing and search when whole models are timed after
@@ -271,7 +272,11 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models",
                         **k_ms)
     backend: list[str] = []
+    # the first block's runs from the input's price when there is one (a lower bound on neither model's
+    # time, but of its order: VGG-19's priced layers 104 ms of its 155): 20 runs of VGG-19 were 6 s a block
     block_runs = [runs]
+    if prices:
+        block_runs = [max(min(runs, MIN_E2E_RUNS), min(runs, int(E2E_BLOCK_S / max(whole, 1e-9))))]
 
     def block(b: int) -> tuple[float, float]:
         pair = [original, candidate] if b % 2 == 0 else [candidate, original]
