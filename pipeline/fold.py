@@ -155,7 +155,6 @@ class _Folder(PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.mod = mod
-        self.folded = 0
         self.left = 0  # calls on constants not folded here (for FoldConstant)
 
     def _constant(self, expr: relax.Expr) -> relax.Expr:
@@ -184,7 +183,6 @@ class _Folder(PyExprMutator):
         if value is None:
             self.left += 1
             return call
-        self.folded += 1
         return relax.const(_to_tensor(value))
 
     def transform(self) -> tvm.IRModule:

@@ -558,6 +558,15 @@ def test_a_departure_from_the_heuristic_blocks_faces_the_check_and_can_lose(monk
     assert report.mode == "auto" and report.blocked == heuristic_report.blocked > 0
     assert tvm_ffi.structural_equal(mod, heuristic)
     compiled_matches_onnxruntime(imported, mod, LLVM)
+    # a check that cannot build or time both models keeps the search's layouts (what shipped before the check)
+
+    def broken(auto, heuristic, spec, pricer):
+        raise RuntimeError("no memory for the second build")
+
+    monkeypatch.setattr(search, "check_against_heuristic", broken)
+    searched, report = search.convert(imported.mod, LLVM, "auto", pricer=nchw_cheap)
+    assert report.search["e2e"]["kept"] == "auto" and "RuntimeError" in report.search["e2e"]["status"]
+    assert report.blocked < heuristic_report.blocked
     # what counts as a departure: any conv planned otherwise than the heuristic plans it
     graph = nchwc.analyze(nchwc.prepare(imported.mod, nchwc.LayoutReport()))
     lanes = vector_lanes(LLVM.target, "float32")
