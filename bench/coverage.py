@@ -360,14 +360,14 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
              f"`optimize-model --skip-tune`{' --skip-graph' if header['skip_graph'] else ''}, timeout "
              f"{header['timeout']} s, {header['cost_cache']} cost cache; steps: {', '.join(STEPS)}.  rel err = "
              f"max |ours-ref| / max |ref| (graphopt.compare); top-1 = arg-max agreement on classifier-like outputs.",
-             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | layout | layout s | run s | "
-             "abs err | rel err | top-1 | ORT ms | OpenVINO ms | TVM ms | TVM / ORT | error |", "|" + "---|" * 19]
+             "", "| model | exporter | size | opset | passed | failed step | graph s | kept | layout | layout s | "
+             "run s | abs err | rel err | top-1 | ORT ms | OpenVINO ms | TVM ms | TVM / ORT | error |", "|" + "---|" * 19]
     for r in rows:
         passed = f"{len(r.passed)}/{len(STEPS)}"
         err = (r.error or r.bench_error or "; ".join(r.notes) or "").replace("|", "\\|")
         lines.append(f"| {r.model} | {r.exporter} | {r.size} | {_fmt(r.opset)} | {passed} | {_fmt(r.failed_step)} | "
-                     f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.layout)} | {_fmt(r.layout_s, '.1f')} | "
-                     f"{_fmt(r.run_s, '.1f')} | "
+                     f"{_fmt(r.graph_s, '.1f')} | {_fmt(r.graph_kept)} | {_fmt(r.layout)} | "
+                     f"{_fmt(r.layout_s, '.1f')} | {_fmt(r.run_s, '.1f')} | "
                      f"{_fmt(r.max_abs_err, '.2g')} | {_fmt(r.max_rel_err, '.2g')} | {_fmt(r.top1_agreement, '.0%')} | "
                      f"{_fmt(r.ort_ms, '.2f')} | {_fmt(r.openvino_ms, '.2f')} | {_fmt(r.tvm_ms, '.2f')} | "
                      f"{_fmt(_ratio(r.tvm_ms, r.ort_ms), '.2f')} | {err[:160]} |")

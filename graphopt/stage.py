@@ -86,7 +86,8 @@ from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
 PATIENCE = 200  # dequeued graphs without a cheaper one before the search stops (see GraphStageOptions)
 # The stage's default bound (--time-limit), seconds: a bound, not a budget to fill.  With the kernel-price
 # gate and the patience, BERT-base and ResNet-50 finished on an empty price cache in 29 and 24 s (2-core Intel
-# Xeon; 25 and 12 s since models are lowered without Relax's FoldConstant builds, pipeline.fold).  Keeping Winograd on VGG-19 (1.30x end to end) takes about 85 s with its layers' prices cached: a
+# Xeon; 25 and 12 s since models are lowered without Relax's FoldConstant builds, pipeline.fold).  Keeping
+# Winograd on VGG-19 (1.30x end to end) takes about 85 s with its layers' prices cached: a
 # 14 s search, two whole-model compiles of 18 and 25 s, the timing; under a 30 s bound it was never kept.  On
 # an empty price cache it takes 116 s, past this bound: that run keeps the direct convs, the next Winograd.
 # Inception-v3 took 66 s (27 pricing its 139 distinct operators); past the bound the rest is estimated or
