@@ -195,11 +195,11 @@ LIGHT_ELEMENTS = 4096
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
 
 
-def _without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
+def without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` whose large float initializers keep their name, type and dims but not their
-    data: what shape inference reads of a weight.  (Inference serializes the model it is given and parses
-    its result: two copies of every weight, 6.5 s an import for VGG-19's 550 MB, and the graph stage
-    imports a model for every operator it prices.)  Integer initializers (shapes, axes, indices: values
+    data: what shape inference reads of a weight, and all the memory check reads of one.  (Inference
+    serializes the model it is given and parses its result: two copies of every weight, 6.5 s for VGG-19's
+    550 MB, and the graph stage imports a model for every operator it prices.)  Integer initializers (shapes, axes, indices: values
     that data propagation reads) and small ones keep their data."""
     g = model.graph
     inits = []
@@ -223,7 +223,7 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
     with a fully known shape, else a :class:`UserError` names the input and the ``--input-shape`` to pass.
     """
     model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else load_model(model_or_path)
-    light = _without_weight_data(model)  # a copy: the caller's proto is never changed
+    light = without_weight_data(model)  # a copy: the caller's proto is never changed
     if input_shapes:
         apply_input_shapes(light, input_shapes)
     if require_static:

@@ -37,7 +37,7 @@ from onnx import helper, shape_inference
 from graphopt.cleanup import fold_shapes
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx
+from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, without_weight_data
 from graphopt.validate import ModelInput
 
 # Operands whose values set the shape (or rank) of an operator's output, by input index (ONNX operator specs).
@@ -136,8 +136,7 @@ def _control_candidates(model: onnx.ModelProto, shapes: InputShapes) -> list[str
 def _static_types(model: onnx.ModelProto, shapes: InputShapes) -> set[str]:
     """Names of the tensors (top level and in every body) whose shape ONNX shape inference finds static
     once ``shapes`` are applied."""
-    shaped = onnx.ModelProto()
-    shaped.CopyFrom(model)
+    shaped = without_weight_data(model)  # a copy, without the weights' data inference does not read
     apply_input_shapes(shaped, shapes)
     inferred = shape_inference.infer_shapes(shaped, data_prop=True)
     names: set[str] = set()

@@ -41,7 +41,8 @@ from onnx import helper, shape_inference
 
 from graphopt.errors import UserError
 from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
-from graphopt.onnx_io import SUPPORTED_DTYPES, InputShapes, apply_input_shapes, load_model, require_static_inputs
+from graphopt.onnx_io import (SUPPORTED_DTYPES, InputShapes, apply_input_shapes, load_model, require_static_inputs,
+                              without_weight_data)
 
 # The newest IR version onnxruntime 1.31 reads; the pinned onnx writes 14 by default (onnx.IR_VERSION), so a
 # model saved with a plain onnx.helper.make_model is one onnxruntime rejects.
@@ -90,7 +91,7 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     if shapes:
         check_onnx(proto, name)  # the model itself first, so that a failure below is the sizes' fault
     check_onnx(shaped, name, shapes)
-    inferred = _infer(shaped)
+    inferred = _infer(without_weight_data(shaped))  # types and dims: all the memory check reads
     memory = check_memory(tensor_sizes(inferred), memory_limit)
     check_onnxruntime(proto, path)
     samples = load_inputs(inputs_file, headers) if inputs_file else None  # last: the memory check passed them

@@ -25,7 +25,7 @@ from tvm import relax
 from tvm.ir.prim import expr as prim
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from pipeline.relax_rewrite import static_shape
+from pipeline.relax_rewrite import rewrite_functions, static_shape
 
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
@@ -154,7 +154,6 @@ def _to_tensor(value: np.ndarray) -> tvm.runtime.Tensor:
 class _Folder(PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
-        self.mod = mod
         self.left = 0  # calls on constants not folded here (for FoldConstant)
 
     def _constant(self, expr: relax.Expr) -> relax.Expr:
@@ -185,18 +184,13 @@ class _Folder(PyExprMutator):
             return call
         return relax.const(_to_tensor(value))
 
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
-
 
 def fold_numpy(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     """``mod`` with the calls on constants that numpy can evaluate (see the module docstring) folded and the
     bindings left dead removed; and how many calls on constants are left (not folded here)."""
     folder = _Folder(mod)
-    return relax.transform.DeadCodeElimination()(folder.transform()), folder.left
+    folded = rewrite_functions(mod, lambda _mod: folder)  # the folder kept: it counts what it left
+    return relax.transform.DeadCodeElimination()(folded), folder.left
 
 
 def fold_constants(mod: tvm.IRModule) -> tvm.IRModule:
