@@ -45,7 +45,7 @@ from pipeline.compile import schedule
 from pipeline.partition import Partition, partition
 from pipeline.relax_import import import_model, to_relax
 
-VERSION = 1  # part of every cached key: bump it when kernels or timing change what a price means
+VERSION = 2  # part of every cached key: bump it when kernels or timing change what a price means
 # Timings per price: as many as fit in this many seconds, within these bounds (median taken).
 TIMING_BUDGET_S = 0.25
 MIN_REPEAT, MAX_REPEAT = 5, 25

@@ -21,7 +21,7 @@ from kerneltune.targets.parse import parse_target
 from kerneltune.targets.registry import device_for
 from pipeline.layout import nchwc, pbqp, search
 from pipeline.compile import compile_partition, outputs_numpy, to_device
-from pipeline.layout.cost import ConvOption, Pricer
+from pipeline.layout.cost import VERSION, ConvOption, Pricer
 from pipeline.partition import select_tasks
 from pipeline.relax_import import import_model
 
@@ -395,7 +395,7 @@ def test_a_price_a_decision_turns_on_is_timed_twice(tmp_path, monkeypatch):
     pricer = Pricer(LLVM, tmp_path / "p.json")
     decision = search.search(graph, 16, pricer)
     assert decision.summary["class_layouts"] == {"16c": 2}
-    key = "v2|conv|" + "1x32x8x8-f32-k1x1-s1x1-p0.0.0.0-d1x1-g1-float32|nchw"
+    key = f"v{VERSION}|conv|" + "1x32x8x8-f32-k1x1-s1x1-p0.0.0.0-d1x1-g1-float32|nchw"
     assert pricer.cache.get(key) == pytest.approx(2.55e-3) and not pricer.confirm_conv(spec, ConvOption(None, None))
 
 

@@ -120,17 +120,35 @@ def _np_conv(x, w, stride, pad, groups):
     return out
 
 
-@pytest.mark.parametrize("stride,pad,groups", [(1, 1, 1), (2, 1, 2), (1, 0, 4)])
-def test_conv2d_matches_numpy(stride, pad, groups):
-    task = make_task("conv2d", "2,8,9,10,8,3,3", stride=stride, pad=pad, groups=groups)
+@pytest.mark.parametrize("shape,stride,pad,groups,pads", [
+    ("2,8,9,10,8,3,3", 1, 1, 1, ("stage", "inline")), ("2,8,9,10,8,3,3", 2, 1, 2, ("stage", "inline", "phases")),
+    ("2,8,9,10,8,3,3", 1, 0, 4, ("stage", "inline")), ("1,8,9,9,8,3,3", 2, 1, 8, ("stage", "inline")),  # odd padded width
+    ("1,3,16,16,8,3,3", 2, 1, 1, ("stage", "inline", "phases"))])
+def test_conv2d_matches_numpy(shape, stride, pad, groups, pads):
+    task = make_task("conv2d", shape, stride=stride, pad=pad, groups=groups)
     assert task.kind == "conv2d" and task.dims["G"] == groups
     space = templates.space_for(task, LLVM)
     configs = _configs(task)
-    # both ways of handling the pad block: inlined into the conv and kept as its own parallel stage
-    configs.append(space.from_dict({**space.as_dict(configs[0]), "pad": "inline"}))
+    # every way of handling the pad block: inlined into the conv, kept as its own parallel stage, and kept
+    # as even and odd columns (stride 2, even padded width only)
+    knobs = {k.name: k for k in space.knobs}
+    assert tuple(knobs["pad"].values if "pad" in knobs else ()) == pads
+    configs += [space.from_dict({**space.as_dict(configs[0]), "pad": v}) for v in pads]
     for config in configs:
         (x, w), (out,) = _run(task, config)
         np.testing.assert_allclose(out, _np_conv(x, w, stride, pad, groups), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,stride,pad,groups,expected", [
+    ("1,16,28,28,16,3,3", 1, 1, 16, "inline"),   # depthwise: the checks inline cost less than a scalar copy
+    ("1,16,28,28,16,3,3", 2, 1, 16, "inline"),
+    ("1,3,32,32,16,3,3", 2, 1, 1, "phases"),     # a stride-2 stem reads even and odd columns apart
+    ("1,8,14,14,16,3,3", 1, 1, 1, "stage"),      # a padded stride-1 conv copies once, checks nothing inside
+    ("1,8,14,14,16,3,3", 1, 0, 1, "inline")])    # no padding: nothing to check
+def test_default_pad_handling(shape, stride, pad, groups, expected):
+    task = make_task("conv2d", shape, stride=stride, pad=pad, groups=groups)
+    space = templates.space_for(task, LLVM)
+    assert space.as_dict(templates.default_config(task, LLVM)).get("pad", "inline") == expected
 
 
 def _fused_model_funcs():

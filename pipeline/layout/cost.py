@@ -33,7 +33,9 @@ from pipeline.compile import schedule
 from pipeline.kernel_price import time_cold
 from pipeline.partition import partition
 
-VERSION = 2  # 2: inputs packed from their logical shapes (1 priced garbage inputs)
+# 3: NCHW depthwise convs inline their padding, stride-2 convs read it as phases (cpu template defaults);
+# 2: inputs packed from their logical shapes (1 priced garbage inputs)
+VERSION = 3
 
 Block = "int | None"  # a channel block; None is plain NCHW
 
