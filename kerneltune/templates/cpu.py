@@ -11,14 +11,15 @@ Loop structure for every anchor axis split into S0..S3 (spatial) and R0..R1 (red
 
 The accumulator is a ``local`` buffer covering the S2*S3 tile; LLVM keeps it in vector registers when the
 S3 tile is small and unrolled (``pragma_auto_unroll_max_step``).  A conv's pad block is either inlined into
-the anchor or kept as a separate parallel, vectorized copy (knob ``pad``); other epilogue blocks are inlined
+the anchor or kept as a separate parallel, vectorized copy (knob ``pad``; a stride-2 conv's copy may store
+even and odd columns apart); other epilogue blocks are inlined
 into the write-back.  ``decompose_reduction`` comes last, splitting the accumulator's init out of the k-loops.
 
 Knobs: ``tile_<role>`` (factor, 4 levels spatial / 2 levels reduction) per axis of extent > 1, ``unroll``
 (0/16/64/512); with two or more spatial axes ``s1_order`` (axis/reversed: which operand's panel stays in
 cache across the S1 loops); for the matmul family ``pack`` (none/panel: copy B's column panel contiguous at
 the outermost S1 loop; prepack, when B is a model weight: B stored as panels ``[N/nb, K, nb]`` once, at
-build time, see :mod:`kerneltune.prepack`); for convs ``pad`` (stage/inline).
+build time, see :mod:`kerneltune.prepack`); for convs ``pad`` (stage/inline, and phases at stride 2).
 """
 from __future__ import annotations
 
@@ -343,8 +344,8 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
       so each weight broadcast feeds 2 FMAs (52 vs 44 GFLOP/s for 16 filters x 1 row; NCHW stays load-bound);
     * reductions: R1 (inner) = 64 deep along ``k`` / ``rc*ry*rx`` so operand panels stay in L1;
     * parallel: prime factors move from S1 (then S2, S3) of the outer axes to S0 until every core has work;
-    * a conv's padding stays a separate stage (bounds checks in the inner loop cost ~10x), a pad of 0 is
-      inlined; unroll 64.
+    * a conv's padding stays a separate stage (bounds checks in the inner loop cost ~10x), stored as even and
+      odd columns for a stride-2 conv; a pad of 0 and a depthwise conv's padding are inlined; unroll 64.
     """
     sp = space(task)
     if row_repeat is None and task.kind != "conv2d":
