@@ -21,7 +21,8 @@ kept only if it is at least ``e2e_margin`` faster; otherwise the input graph is 
 
 The same blindness cuts the other way for merges: when the search keeps nothing, the graph with every
 parallel matmul/conv group merged (:func:`merged_alternative`) is timed against the input too, and kept if it
-is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1.04x faster end to end in TVM).
+is faster by the same margin (NASRNN, all 70 merges: priced +64% per operator, 1.04x faster end to end in TVM);
+not when the search's result was merges alone and its kernels priced slower (:func:`merges_priced_slower`).
 
 Last, the 3x3 convolutions that price cheaper as Winograd F(2x2,3x3) or F(4x4,3x3) (:mod:`graphopt.winograd`:
 fewer multiplies, more memory traffic) are rewritten, layer by layer by price, and the result faces the same
@@ -324,6 +325,22 @@ def searched_cost(graph: Graph, cost_model: CostModel) -> float:
     return cost_model.graph_cost(canonical)
 
 
+def merges_priced_slower(check: E2ECheck, applied: dict[str, int], rules: list[Rule]) -> str:
+    """Why the merge-everything alternative is not tried ('' when it is): the search's own result was nothing
+    but merges, and its kernels priced slower than the input's (fusion-aware, :meth:`CostModel.kernel_times`).
+    Merging every group applies more of the same rewrites: on Inception-v3 (Intel Xeon, 2 threads) the
+    search's 2 merges priced 5.1 ms against 1.5, and all 19 priced 24.6 against 11.8, which took 26 of the
+    stage's 65 s to find out.  Where merges do pay somewhere in the model (NASRNN: 1.04x with all 70), the
+    search's merges price cheaper, or the search applied none, and the alternative is still tried."""
+    names = {r.name for r in merge_rules(rules)}
+    used = [name for name, n in applied.items() if n]
+    before, after = check.kernels_ms_before, check.kernels_ms_after
+    if not used or any(name not in names for name in used) or before is None or after is None or after <= before:
+        return ""
+    return (f"the search's {sum(applied[n] for n in used)} merges priced {after:.3f} ms at the kernel level "
+            f"against the input's {before:.3f}: merging every group was not tried")
+
+
 def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost_model: CostModel,
                        options: GraphStageOptions, clock: StageClock | None = None) -> tuple[Graph | None, dict[str, Any]]:
     """The graph with every parallel group the merge rules reach merged (searched under
@@ -449,8 +466,11 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     if _timed_out(check.status, check.decision):
         cut.append("end-to-end check (input kept)")
     merged, merge_info = None, {}
+    lost = merges_priced_slower(check, result.applied, rules)
     if options.e2e_check and (check.kept == "original" or not any(result.applied.values())):
-        if clock.left() > 0:
+        if lost:
+            merge_info = {"skipped": lost}
+        elif clock.left() > 0:
             merged, merge_info = merged_alternative(original, searched, rules, guarded, options, clock)
             if merge_info.get("stopped_by") == "time limit" or _timed_out(merge_info.get("e2e_check", ""),
                                                                          merge_info.get("e2e_decision", "")):

@@ -75,6 +75,22 @@ def test_a_candidate_whose_kernels_price_no_cheaper_is_not_timed():
     assert cost.timed and rep["kept"] == "optimized" and rep["e2e_check"] == "measured" and _matmuls(out) == 1
 
 
+def test_merges_that_price_slower_are_not_merged_everywhere():
+    """The search merges the projections (cheaper per operator under LaunchCost), and their kernels price
+    slower than the input's: the input is kept at the gate, and merging every group - more of the same
+    rewrites - is not tried (no second search, no second price).  Priced cheaper, though short of the gate,
+    the merge-everything alternative is still tried."""
+    cost = PricedLaunchCost(cheaper_by=-0.5)
+    out, rep = optimize(three_projections(), cost=cost, rules=None, budget=60)
+    assert rep["candidate_applied"] and rep["kept"] == "original" and rep["e2e_check"] == "priced"
+    assert len(cost.priced) == 1 and cost.timed == [] and _matmuls(out) == 3
+    assert "merges priced 1500.000 ms" in rep["merge_all"]["skipped"] and "applied" not in rep["merge_all"]
+    cost = PricedLaunchCost(cheaper_by=0.02)
+    out, rep = optimize(three_projections(), cost=cost, rules=None, budget=60)
+    assert rep["kept"] == "original" and "skipped" not in rep["merge_all"] and rep["merge_all"]["applied"]
+    assert len(cost.priced) == 2  # the search's result, then the merge-everything graph
+
+
 def test_slower_end_to_end_hands_back_the_input():
     proto = three_projections()
     cost = TimedLaunchCost(before_ms=1.0, after_ms=1.1)
