@@ -258,7 +258,7 @@ class Graph:
                     h.update(tensor_key(i).encode() if i else b"-")
                 key = h.hexdigest()
             elif t in self.initializers:
-                key = "w:" + _array_key(self.initializers[t])
+                key = "w:" + array_key(self.initializers[t])
             else:
                 key = "in:" + t
             memo[t] = key
@@ -289,7 +289,7 @@ def attrs_key(attrs: dict[str, Any]) -> str:
     for k in sorted(attrs):
         v = attrs[k]
         if isinstance(v, np.ndarray):
-            v = _array_key(v)
+            v = array_key(v)
         elif hasattr(v, "SerializeToString"):
             v = hashlib.sha1(v.SerializeToString()).hexdigest()
         parts.append(f"{k}={v!r}")
@@ -299,7 +299,7 @@ def attrs_key(attrs: dict[str, Any]) -> str:
 _ARRAY_KEYS: IdentityCache[str] = IdentityCache(1 << 14)
 
 
-def _array_key(arr: np.ndarray) -> str:
+def array_key(arr: np.ndarray) -> str:
     """Content hash of a weight, cached by identity because weights are shared between graph copies."""
     hit = _ARRAY_KEYS.get(arr)
     if hit is not None:
