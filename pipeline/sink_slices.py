@@ -14,7 +14,12 @@ they pass compute at most a few percent more; they move past:
 * elementwise binary ops whose other operand is a constant broadcast along the axis or as long as the slice
   (padded: zeros, ones for a divisor; the padded values are sliced off, so they only have to be finite);
 * reductions over other axes (a global mean or max);
-* a reshape that only drops or adds unit dimensions around the axis (a flatten of ``[N, C, 1, 1]``).
+* a reshape that only drops or adds unit dimensions around the axis (a flatten of ``[N, C, 1, 1]``);
+* a depthwise conv by a constant weight (NCHW, the channel axis sliced): it runs on the padded channels with
+  zero weights there;
+
+and a conv by a constant weight that reads the sliced channels takes the whole tensor, with zero weights on
+the padded channels: the slice is gone (:func:`pipeline.relax_import._padded_conv`'s channel padding).
 """
 from __future__ import annotations
 
@@ -106,6 +111,8 @@ class _SinkSlices(PyExprMutator):
         if moved is None:
             return call
         out, out_axis = moved
+        if out_axis is None:  # the slice was absorbed (a conv reading the padded channels)
+            return out
         y = self.builder_.emit(out)
         return relax.op.strided_slice(y, axes=[out_axis], begin=[0], end=[kept])
 
@@ -130,7 +137,31 @@ class _SinkSlices(PyExprMutator):
             target = call.args[1]
             new = tuple(int(v) for v in target.values) if isinstance(target, relax.ShapeExpr) else None
             return _reshaped(src, shape, axis, kept, new)
+        if name == "relax.nn.conv2d":
+            return _conv_on_padded(call, src, axis, kept, shape[axis])
         return None
+
+
+def _conv_on_padded(call: relax.Call, src, axis: int, kept: int, full: int):
+    """(conv, its output's sliced axis or None) of ``call`` (a conv of the first ``kept`` channels of ``src``)
+    on all ``full`` channels of ``src``: a dense conv's weight gets zero input channels and its output needs
+    no slice; a depthwise conv's gets zero filters, and its output is sliced as its input was."""
+    a, w = call.attrs, call.args[1]
+    if (axis != 1 or not isinstance(w, tvm.ir.Constant) or a.data_layout != "NCHW" or a.kernel_layout != "OIHW"
+            or a.out_layout not in ("", "NCHW")):
+        return None
+    value = w.value.numpy()
+    groups = int(a.groups)
+
+    def conv(weight: np.ndarray, groups: int):
+        return relax.op.nn.conv2d(src, relax.const(weight), a.strides, a.padding, a.dilation, groups,
+                                  a.data_layout, a.kernel_layout, a.out_layout or None, a.out_dtype or None)
+
+    if groups == 1 and value.shape[1] == kept:
+        return conv(np.pad(value, ((0, 0), (0, full - kept), (0, 0), (0, 0))), 1), None
+    if groups == kept and value.shape[:2] == (kept, 1):
+        return conv(np.pad(value, ((0, full - kept), (0, 0), (0, 0), (0, 0))), full), 1
+    return None
 
 
 def sink_padding_slices(mod: tvm.IRModule) -> tvm.IRModule:

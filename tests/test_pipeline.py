@@ -542,6 +542,50 @@ def test_head_conv_channels_padded_to_whole_vectors_match_onnxruntime(llvm):
     assert res.ok and res.max_abs_err <= 1e-4
 
 
+def _shuffle_branch_net(ch: int) -> onnx.ModelProto:
+    """A ShuffleNet-v2 unit's branch with ``ch`` channels: Conv(1x1) + bias + Relu, a depthwise 3x3 conv +
+    bias, Conv(1x1) + bias + Relu, concatenated with the unit's other half (``x`` itself)."""
+    rng = np.random.default_rng(5)
+    w = lambda name, *shape: numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32), name)  # noqa: E731
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "wd", "bd"], ["d"], group=ch, pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["d", "w2", "b2"], ["c2"]), helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Concat", ["x", "r2"], ["y"], axis=1)]
+    inits = [w("w1", ch, ch, 1, 1), w("b1", ch), w("wd", ch, 1, 3, 3), w("bd", ch), w("w2", ch, ch, 1, 1), w("b2", ch)]
+    g = helper.make_graph(nodes, "branch", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, ch, 14, 14])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2 * ch, 14, 14])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nchwc"])
+def test_channels_without_half_a_vector_are_padded_through_a_branch(llvm, layout):
+    """ShuffleNet-v2's 58 channels split into no 8- or 16-lane vectors: both 1x1 convs compute 64 channels,
+    the depthwise conv between them runs on 64 (zero weights on the padding), the second 1x1 conv reads the
+    padded channels with zero weights, and one slice is left, before the concat.  The outputs equal
+    onnxruntime's, in NCHW and in blocked layouts."""
+    from pipeline.compile import check_outputs, compile_partition
+    from pipeline.layout.search import partition_model
+    from pipeline.relax_import import import_model
+    from tvm import relax
+
+    imported = import_model(_shuffle_branch_net(58))
+    calls = [b.value for b in imported.mod["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    convs = [c for c in calls if getattr(c.op, "name", "") == "relax.nn.conv2d"]
+    assert [tuple(int(d) for d in c.args[1].ty.shape) for c in convs] == [(64, 58, 1, 1), (64, 1, 3, 3),
+                                                                         (64, 64, 1, 1)]
+    assert int(convs[1].attrs.groups) == 64
+    slices = [c for c in calls if getattr(c.op, "name", "") == "relax.strided_slice"]
+    assert [tuple(int(d) for d in c.args[0].ty.shape) for c in slices] == [(1, 64, 14, 14)]
+    part = partition_model(imported.mod, llvm, layout)
+    res = check_outputs(compile_partition(imported, part, llvm), imported.graph, imported.onnx_model)
+    assert res.ok and res.max_abs_err <= 1e-4
+    # 56 channels split into 8-lane vectors: left as they are
+    assert all(int(b.value.args[1].ty.shape[0]) == 56 for b in import_model(_shuffle_branch_net(56)).mod["main"]
+               .body.blocks[0].bindings if getattr(getattr(b.value, "op", None), "name", "") == "relax.nn.conv2d")
+
+
 def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
     """The graph stage's fusion-aware price: every fused kernel timed once, cached on disk by its structure;
     a model whose first conv's epilogue changed (Relu -> Sigmoid) times only that kernel again, and the two
