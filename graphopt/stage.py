@@ -466,8 +466,8 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     if _timed_out(check.status, check.decision):
         cut.append("end-to-end check (input kept)")
     merged, merge_info = None, {}
-    lost = merges_priced_slower(check, result.applied, rules)
     if options.e2e_check and (check.kept == "original" or not any(result.applied.values())):
+        lost = merges_priced_slower(check, result.applied, rules)
         if lost:
             merge_info = {"skipped": lost}
         elif clock.left() > 0:

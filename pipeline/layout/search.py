@@ -48,7 +48,7 @@ from graphopt import timing
 from graphopt.errors import UserError
 from kerneltune.targets.host import vector_lanes
 from kerneltune.targets.registry import TargetSpec
-from pipeline.compile import build, schedule
+from pipeline.compile import CompiledModel, build, model_runner, schedule
 from pipeline.layout import nchwc, pbqp
 from pipeline.layout.cost import ConvOption, Pricer
 from pipeline.layout.modes import LAYOUTS
@@ -291,15 +291,12 @@ def _runner(mod: tvm.IRModule, spec: TargetSpec):
     """One call of the whole module, built with default schedules as the pipeline builds it, on seeded
     random inputs (floats in [-1, 1], integers 0: a valid index anywhere)."""
     scheduled, _ = schedule(partition(mod), spec)
-    vm = tvm.relax.VirtualMachine(build(scheduled, spec), tvm.cpu())
     rng = np.random.default_rng(0)
-    args = []
-    for p in mod["main"].params:
+    feeds = {}  # keyed by position: the runner passes them in the order of the names given
+    for i, p in enumerate(mod["main"].params):
         shape, dtype = [int(d) for d in p.ty.shape], str(p.ty.dtype)
-        value = rng.uniform(-1, 1, shape).astype(dtype) if dtype.startswith("float") else np.zeros(shape, dtype)
-        args.append(tvm.runtime.tensor(value, tvm.cpu()))
-    main = vm["main"]
-    return lambda: main(*args)
+        feeds[str(i)] = rng.uniform(-1, 1, shape).astype(dtype) if dtype.startswith("float") else np.zeros(shape, dtype)
+    return model_runner(CompiledModel(build(scheduled, spec), spec, list(feeds)), feeds)
 
 
 def check_against_heuristic(auto: tvm.IRModule, heuristic: tvm.IRModule, spec: TargetSpec,
