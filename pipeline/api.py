@@ -25,7 +25,7 @@ import onnx
 from graphopt.errors import UserError
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
-from kerneltune.targets.threads import use_threads
+from kerneltune.targets.threads import fork_safe, use_threads
 from pipeline.artifact import Model, read_report
 from pipeline.context import BuildContext, TuneOptions
 
@@ -86,6 +86,7 @@ def load(directory: str | os.PathLike, threads: int | None = None, rpc: str | No
     return Model.load(directory, threads, rpc)
 
 
+@fork_safe  # in a forked child, on a thread with a TVM pool of its own
 def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", trials: int = 0,
              output: str | os.PathLike | None = None, *, threads: int | None = None,
              input_shapes: Mapping[str, Any] | None = None, inputs: str | os.PathLike | Mapping[str, Any] | None = None,

@@ -42,7 +42,7 @@ from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, write_bytes_atomic
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.host import arch_of, host_arch, missing_cpu_features
-from kerneltune.targets.threads import use_threads
+from kerneltune.targets.threads import fork_safe, use_threads
 from pipeline import cpu_pool
 
 log = logging.getLogger(__name__)
@@ -280,6 +280,7 @@ class Model:
                          f"only ({'it decides ' + why if why else 'the build is specialized on it'}); rebuild with "
                          f"optimize-model --inputs FILE.npz holding {spec.name}={given} to run that value")
 
+    @fork_safe  # TVM's pool (OPTIMIZE_MODEL_POOL=tvm) in a forked child: on a thread with a pool of its own
     def run(self, feeds: Mapping[str, Any] | Sequence[Any]) -> dict[str, np.ndarray]:
         """One inference: inputs by name (or in order), outputs by name in the model's output order."""
         args = self._arguments(feeds)
@@ -306,6 +307,7 @@ class Model:
         return UserError(f"{self.directory / LIBRARY} rejects input {m.group(1)!r} ({detail}): report.json's "
                          "signature does not match the library; copy the folder again or rebuild")
 
+    @fork_safe
     def latency(self, feeds: Mapping[str, Any] | Sequence[Any], runs: int):
         """The latency distribution of ``runs`` back-to-back inferences on ``feeds`` after a warm-up
         (:func:`graphopt.timing.latency`); on an --rpc device each call timed by the device itself."""
@@ -332,7 +334,7 @@ class Model:
             dev.sync()
             return out
 
-        return once
+        return fork_safe(once)
 
     # ---- inputs and the reference ------------------------------------------------------------------------
 
