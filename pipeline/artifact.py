@@ -88,6 +88,7 @@ def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tensor
     shipped = [p for p in (lib, lib.with_suffix(".hsaco")) if p.is_file()]  # the GPU code object beside it
     section = {
         "library": LIBRARY, "device": spec.device, "triple": spec.triple, "arch": arch_of(spec.triple),
+        "target": str(spec.target),  # the CPU features the code needs: under the checksum, read by the loader
         "runs_on_build_machine": bool(spec.can_run),
         "inputs": [t.to_json() for t in inputs],
         "outputs": [t.to_json() for t in outputs],
@@ -170,8 +171,9 @@ class Model:
         import tvm
         from tvm import relax
 
-        if self.device_type == "cpu" and self.report.get("target_detail"):
-            missing = missing_cpu_features(tvm.target.Target(json.loads(self.report["target_detail"])))
+        target = dep.get("target") or self.report.get("target_detail")  # the latter: folders before 0.1 r4
+        if self.device_type == "cpu" and target:
+            missing = missing_cpu_features(tvm.target.Target(json.loads(target)))
             if missing:
                 raise UserError(f"{self.directory} is built for a CPU with {', '.join(missing[:6])}, which this CPU "
                                 "lacks: run it on such a CPU, or rebuild with --target llvm")
@@ -255,11 +257,7 @@ class Model:
                             f"; the model takes {', '.join(names)}")
         args = []
         for t in self.inputs:
-            value = np.asarray(feeds[t.name])
-            if value.dtype != np.dtype(t.dtype):
-                if not np.can_cast(value.dtype, t.dtype, casting="same_kind"):
-                    raise UserError(f"input {t.name!r} is {value.dtype}, the model takes {t.dtype}")
-                value = value.astype(t.dtype)
+            value = _cast(t, np.asarray(feeds[t.name]))
             if t.shape is not None and (value.ndim != len(t.shape) or any(
                     d is not None and d != v for d, v in zip(t.shape, value.shape))):
                 raise UserError(f"input {t.name!r} has shape {list(value.shape)}, model.so is compiled for "
@@ -294,6 +292,8 @@ class Model:
                 values = outputs_numpy(self._entry()(*args))
         except ValueError as exc:
             raise self._signature_error(exc) from None
+        except AssertionError as exc:  # model.so's own check of a value it is built for (pipeline.value_guard)
+            raise UserError(_first_line(exc)) from None
         return {t.name: v for t, v in zip(self.outputs, values)}
 
     def _signature_error(self, exc: ValueError) -> Exception:
@@ -423,6 +423,24 @@ def _signature(directory: Path, dep: Mapping[str, Any]) -> tuple[list[TensorSpec
     return inputs, outputs
 
 
+def _cast(spec: TensorSpec, value: np.ndarray) -> np.ndarray:
+    """``value`` in the input's dtype: a cast of the same kind that keeps every value (int64 4294967298 is not
+    the int32 2 that a wrapping cast makes of it, nor is a finite float64 an infinite float32)."""
+    want = np.dtype(spec.dtype)
+    if value.dtype == want:
+        return value
+    if not np.can_cast(value.dtype, want, casting="same_kind"):
+        raise UserError(f"input {spec.name!r} is {value.dtype}, the model takes {want}")
+    with np.errstate(all="ignore"):
+        cast = value.astype(want)
+        kept = (np.array_equal(cast.astype(value.dtype), value) if want.kind in "iub"
+                else not np.any(np.isinf(cast) & np.isfinite(value)))
+    if not kept:
+        raise UserError(f"input {spec.name!r} holds values that {want} cannot represent (the model takes {want}): "
+                        f"give values in {want}'s range")
+    return cast
+
+
 def check_files(directory: Path, dep: Mapping[str, Any]) -> None:
     """The libraries are the ones the build wrote (the sizes first: a truncated copy costs no hashing)."""
     recorded = dep.get("files", {})  # absent in folders written before the hashes
@@ -433,6 +451,12 @@ def check_files(directory: Path, dep: Mapping[str, Any]) -> None:
         if path.stat().st_size != want["bytes"] or file_digest(path)["sha256"] != want["sha256"]:
             raise UserError(f"{path} is not the library this build wrote (size/hash differs): copy the folder "
                             "again or rebuild")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message of a runtime error raised inside the VM, without TVM's traceback lines."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def outputs_numpy(result) -> list[np.ndarray]:

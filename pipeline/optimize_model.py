@@ -89,7 +89,8 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         staged = stages.graph_stage(ctx, source, model.input_shapes, log)
         optimized = staged.model
 
-        lowered = stages.lower(optimized, spec, ctx.layout)
+        lowered = stages.lower(optimized, spec, ctx.layout,
+                               built_values=specialized.values if specialized else None)
         imported, part = lowered.imported, lowered.part
         log.add("partition", lowered.import_s + lowered.partition_s, tasks=len(part.tasks),
                 tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
