@@ -34,6 +34,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Collection
 
 import numpy as np
 import onnx
@@ -248,13 +249,16 @@ def model_inputs(model: onnx.ModelProto) -> dict[str, InputSpec]:
     return specs
 
 
-def read_inputs(path: str | os.PathLike, expected: dict[str, InputSpec]) -> dict[str, np.ndarray]:
+def read_inputs(path: str | os.PathLike, expected: dict[str, InputSpec],
+                fixed: Collection[str] = ()) -> dict[str, np.ndarray]:
     """``--inputs FILE.npz`` checked (:func:`read_input_headers`), then read: for a caller whose ``expected``
-    dims are all static (run-model's compiled shapes), so that the headers bound every array's size."""
-    return load_inputs(path, read_input_headers(path, expected))
+    dims are all static (run-model's compiled shapes), so that the headers bound every array's size.
+    ``fixed``: inputs that take a known value when the file leaves them out (a specialized build's)."""
+    return load_inputs(path, read_input_headers(path, expected, fixed))
 
 
-def read_input_headers(path: str | os.PathLike, expected: dict[str, InputSpec]) -> Headers:
+def read_input_headers(path: str | os.PathLike, expected: dict[str, InputSpec],
+                       fixed: Collection[str] = ()) -> Headers:
     """``--inputs FILE.npz``: each array's name, dtype, rank and static dims checked against ``expected`` from its
     .npy header alone.  A small file can hold a compressed array of gigabytes: it is
     refused here (or by the memory check its shape feeds) before a byte of it is decompressed.
@@ -268,7 +272,7 @@ def read_input_headers(path: str | os.PathLike, expected: dict[str, InputSpec]) 
     headers = _npy_headers(p)
     for k, (shape, dtype) in headers.items():
         _check_sample(k, shape, dtype, expected)
-    missing = [k for k in expected if k not in headers]
+    missing = [k for k in expected if k not in headers and k not in fixed]  # a fixed one takes its value
     if missing:
         log.warning("warning: --inputs %s gives no %s: random values (the --seed draw) are used for %s", p,
                     ", ".join(missing), "it" if len(missing) == 1 else "them")

@@ -368,7 +368,8 @@ class Model:
         those inputs drawn as :meth:`random_feeds` draws them."""
         from graphopt.validate import InputSpec, read_inputs
 
-        samples = read_inputs(path, {t.name: InputSpec(t.dtype, t.shape) for t in self.inputs})
+        samples = read_inputs(path, {t.name: InputSpec(t.dtype, t.shape) for t in self.inputs},
+                              fixed=[t.name for t in self.inputs if t.value is not None])
         if len(samples) == len(self.inputs):
             return samples
         return self.random_feeds(seed) | samples

@@ -111,3 +111,11 @@ def test_a_cast_keeps_every_value_or_is_refused(dtype, value, ok):
     else:
         with pytest.raises(UserError, match="cannot represent"):
             _cast(spec, value)
+
+
+def test_an_omitted_specialized_input_takes_its_value_without_the_random_warning(built, tmp_path, caplog):
+    np.savez(tmp_path / "x.npz", x=X)
+    with caplog.at_level("WARNING"):
+        feeds = Model.load(built).read_inputs(tmp_path / "x.npz")
+    assert int(feeds["sr"]) == 8000 and np.array_equal(feeds["x"], X)
+    assert not any("random" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
