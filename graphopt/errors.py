@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable
 
-from graphopt import console
+from graphopt import console, rlimits
 
 
 class UserError(Exception):
@@ -109,6 +109,10 @@ def cli_entry(main: Callable[[list[str] | None], int | None]) -> Callable[[list[
         except Exception as exc:  # noqa: BLE001 - last line of defence for a CLI
             if debug:
                 raise
+            limit = rlimits.explain(exc)  # ulimit -v / -f: named, not reported as our bug
+            if limit:
+                print(f"error: {limit}", file=sys.stderr)
+                return EXIT_USER_ERROR
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             print(f"error: internal {type(exc).__name__}: {first[:300]} (rerun with --debug for the traceback "
                   "and report it)", file=sys.stderr)

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
+from graphopt import rlimits
 from graphopt.errors import UserError
 
 PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
@@ -116,6 +117,9 @@ def _write_error(exc: OSError, p: Path) -> UserError:
         return UserError(f"no space left on {p.parent}: {p.name} was not written; free some space or write elsewhere")
     if exc.errno in _DENIED:
         return UserError(f"cannot write {str(p)!r} ({exc.strerror}); choose a writable folder")
+    limit = rlimits.explain(exc)  # ulimit -f: "File too large"
+    if limit:
+        return UserError(f"{p.name}: {limit}")
     return UserError(f"cannot write {str(p)!r} ({exc.strerror or exc}); check the path")
 
 

@@ -247,24 +247,38 @@ class Graph:
         produced = self.producers()
         memo: dict[str, str] = {}
 
-        def tensor_key(t: str) -> str:
-            if t in memo:
-                return memo[t]
-            if t in produced:
+        def leaf_key(t: str) -> str:
+            return "w:" + array_key(self.initializers[t]) if t in self.initializers else "in:" + t
+
+        def tensor_key(root: str) -> str:
+            """Post-order over the producers with an explicit stack: a chain of any length (no recursion limit)."""
+            stack, expanding = [root], set()
+            while stack:
+                t = stack[-1]
+                if t in memo:
+                    stack.pop()
+                    continue
+                if t not in produced:
+                    memo[t] = leaf_key(t)
+                    stack.pop()
+                    continue
                 n, k = produced[t]
+                pending = [i for i in n.inputs if i and i not in memo]
+                if pending and t not in expanding:
+                    expanding.add(t)
+                    if any(i in expanding for i in pending):
+                        raise ValueError(f"the graph has a cycle through tensor {t!r}")
+                    stack.extend(reversed(pending))
+                    continue
                 h = hashlib.sha1()
                 h.update(f"{n.domain}:{n.op_type}:{attrs_key(n.attrs)}:{k}".encode())
                 for i in n.inputs:
-                    h.update(tensor_key(i).encode() if i else b"-")
-                key = h.hexdigest()
-            elif t in self.initializers:
-                key = "w:" + array_key(self.initializers[t])
-            else:
-                key = "in:" + t
-            memo[t] = key
-            return key
+                    h.update(memo[i].encode() if i else b"-")
+                memo[t] = h.hexdigest()
+                expanding.discard(t)
+                stack.pop()
+            return memo[root]
 
-        sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
         h = hashlib.sha1()
         for o in self.output_names:
             h.update(tensor_key(o).encode())

@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from graphopt import rlimits
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, write_bytes_atomic
 from kerneltune.native_log import quiet_native_stderr
@@ -167,6 +168,9 @@ class Model:
         if dep.get("arch") and dep["arch"] != host_arch():
             raise UserError(f"{self.directory} is built for {dep['triple']}, this machine is {host_arch()}: copy the "
                             "folder to such a machine and run it there")
+        refusal = rlimits.shortfall(rlimits.RUN_ADDRESS_SPACE)
+        if refusal:
+            raise UserError(refusal)
         self.threads = _size_pool(self.requested_threads)
         import tvm
         from tvm import relax

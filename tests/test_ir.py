@@ -118,3 +118,21 @@ def test_identity_cache_is_bounded_and_forgets_dead_objects():
     reborn = [np.ones(2) for _ in range(50)]  # some may reuse the dead array's id
     assert all(cache.get(r) is None for r in reborn if id(r) == dead_id)
     assert all(cache.get(r) != "dead" for r in reborn)
+
+
+def test_structural_hash_of_a_20000_node_chain_needs_no_recursion():
+    """The hash walks producers with an explicit stack: a chain of any length (12,000 nodes hit Python's
+    recursion limit when it recursed once per node), the same hash for the same computation."""
+    def chain(n: int, prefix: str):
+        nodes, prev = [], "x"
+        for i in range(n):
+            nodes.append(helper.make_node("Add" if i % 2 == 0 else "Mul", [prev, "c"], [f"{prefix}{i}"]))
+            prev = f"{prefix}{i}"
+        nodes[-1].output[0] = "y"
+        g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                              [numpy_helper.from_array(np.array(1.5, np.float32), "c")])
+        return import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), {})
+
+    a, b = chain(20000, "t"), chain(20000, "renamed")
+    assert a.structural_hash() == b.structural_hash() != chain(19999, "t").structural_hash()
