@@ -378,6 +378,8 @@ def _shapes() -> list[Case]:
     return [
         Case("dynamic-without-shape/optimize-model", "input shape", "optimize-model", _opt(dynamic_relu),
              words=("unknown dimensions", "--input-shape x=")),
+        Case("zero-size-input/optimize-model", "input shape", "optimize-model", _opt(lambda: relu((0, 3))),
+             words=("'x'", "zero-size")),  # it built, then run-model refused the only shape it was built for
         Case("shape-negative/optimize-model", "input shape", "optimize-model", _opt(dynamic_relu, "--input-shape", "x=-1,8"),
              words=("not positive",)),
         Case("shape-2^63/bench-model", "input shape", "bench-model", lambda d: dyn(d) + ["--input-shape", f"x={2**63},8"],
