@@ -71,6 +71,7 @@ import numpy as np
 import onnx
 
 from graphopt.cost.base import CostModel
+from graphopt.cost.cache import flag
 from graphopt.cost.guard import GuardedCost
 from graphopt.cost.kernel_count import KernelCountCost
 from graphopt.errors import UserError
@@ -253,10 +254,11 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         return E2ECheck("optimized", "skipped: no substitution applied", margin)
     # "e2e2": whole models timed in the blocked conv layouts the product builds (GraphRunner.prepare_model)
     key = f"e2e2|{margin!r}|{runs}|{original.structural_hash()}|{candidate.structural_hash()}"
-    recorded = cost_model.recall(key)
-    if recorded is not None:
-        before, after = cost_model.recall(key + "|ms_before"), cost_model.recall(key + "|ms_after")
-        return E2ECheck("optimized" if recorded >= 0.5 else "original", "recorded", margin, before, after,
+    recorded = (cost_model.recall(key, flag), cost_model.recall(key + "|ms_before"),
+                cost_model.recall(key + "|ms_after"))
+    if None not in recorded:  # all three valid, or the verdict is measured again
+        faster, before, after = recorded
+        return E2ECheck("optimized" if faster else "original", "recorded", margin, before, after,
                         cost_model.name, "the verdict of an earlier run with this cost cache")
     if deadline is not None and time.perf_counter() >= deadline:
         return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models")

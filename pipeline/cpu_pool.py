@@ -8,7 +8,9 @@ same for TVM kernels: a loop is cut into :data:`CHUNKS_PER_THREAD` chunks per th
 counter by whoever runs.  TVM's generated code calls its launcher through the ``__TVMBackendParallelLaunch``
 pointer every TVM library exports (TVM's ``c_backend_api.h``); :func:`install` points it at ours after TVM
 loaded the library.  A library without the launcher (an older build) keeps TVM's pool, as does a process
-with ``OPTIMIZE_MODEL_POOL=tvm`` in its environment (to compare the two: ``bench/contention.py``).
+with ``OPTIMIZE_MODEL_POOL=tvm`` in its environment (to compare the two: ``bench/contention.py``); unset,
+empty, ``own`` or ``native`` mean the library's own launcher, and any other value is warned about once and
+ignored (a typo must not pass silently, nor stop a deployed model).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import ctypes
 import logging
 import os
 import subprocess
+from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -24,7 +27,8 @@ SOURCE = Path(__file__).with_name("native") / "parallel.c"
 LAUNCH = "optm_parallel_launch"
 CONFIG = "optm_parallel_config"
 TVM_POINTER = "__TVMBackendParallelLaunch"
-POOL_VARIABLE = "OPTIMIZE_MODEL_POOL"  # "tvm": keep TVM's pool
+POOL_VARIABLE = "OPTIMIZE_MODEL_POOL"
+POOLS = ("own", "native", "tvm")  # its values: the library's own launcher (the default; two names), TVM's pool
 
 CHUNKS_PER_THREAD = 4  # bench/contention.py: enough for the caller to absorb a stalled worker's share
 SPIN = 2000  # pause iterations a worker waits for the next loop before it sleeps (TVM_THREAD_POOL_SPIN_COUNT's role)
@@ -50,7 +54,7 @@ def install(library: Path, threads: int) -> bool:
     """Point the kernels of the loaded ``library`` at its own launcher, sized to ``threads``; False when the
     library has none.  Call after ``tvm.runtime.load_module`` (which sets the pointer to TVM's pool): dlopen
     of the same file returns the same handle, so this edits the copy TVM runs."""
-    if os.environ.get(POOL_VARIABLE, "").lower() == "tvm":
+    if _pool(os.environ.get(POOL_VARIABLE, "").strip().lower()) == "tvm":
         return False
     lib = ctypes.CDLL(str(library))
     if not hasattr(lib, LAUNCH) or not hasattr(lib, TVM_POINTER):  # no launcher, or no kernel with a parallel loop
@@ -59,3 +63,14 @@ def install(library: Path, threads: int) -> bool:
     pointer = ctypes.c_void_p.in_dll(lib, TVM_POINTER)
     pointer.value = ctypes.cast(getattr(lib, LAUNCH), ctypes.c_void_p).value
     return True
+
+
+@lru_cache(maxsize=None)
+def _pool(value: str) -> str:
+    """The pool ``$OPTIMIZE_MODEL_POOL``'s (lowercased) ``value`` asks for; a value it does not know is warned
+    about, once per value and process (every model load asks), and means the default, the own launcher."""
+    if value and value not in POOLS:
+        log.warning("warning: %s=%r is not one of %s (or unset); the model uses its own parallel launcher",
+                    POOL_VARIABLE, value, ", ".join(POOLS))
+        return POOLS[0]
+    return value

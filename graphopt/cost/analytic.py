@@ -4,7 +4,6 @@ tests, and for targets that cannot be measured here (only relative costs mean an
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any, Sequence
@@ -14,16 +13,16 @@ import numpy as np
 from graphopt import ops
 from graphopt.cost.analysis import numel
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, Shape, itemsize, params_key
-from graphopt.cost.cache import cache_dir, read_json
-from graphopt.fileio import write_text_atomic
+from graphopt.cost.cache import CostCache, cache_dir
 from graphopt.ir import Graph, Node
 
 
 def measure_machine(force: bool = False) -> dict[str, float]:
-    """Peak float32 FLOP/s (numpy sgemm) and memory bandwidth (numpy copy), measured once and cached."""
-    path = cache_dir() / "machine.json"
-    cached = read_json(path) if not force else {}
-    if cached:
+    """Peak float32 FLOP/s (numpy sgemm) and memory bandwidth (numpy copy), measured once and cached (both
+    measured again when either cached number is missing or not a positive rate)."""
+    cache = CostCache(cache_dir() / "machine.json")
+    cached = {key: cache.get(key) for key in ("peak_flops", "bandwidth")}
+    if not force and None not in cached.values():
         return cached
     n = 1024
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
@@ -43,7 +42,9 @@ def measure_machine(force: bool = False) -> dict[str, float]:
         best = min(best, time.perf_counter() - t)
     bandwidth = 2 * src.nbytes / best
     result = {"peak_flops": peak, "bandwidth": bandwidth}
-    write_text_atomic(path, json.dumps(result))
+    for key, value in result.items():
+        cache.put(key, value)
+    cache.flush()
     return result
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from graphopt import ops
 from graphopt.cost.analysis import constant_tensors, foldable, free_targets, fused_epilogue
+from graphopt.cost.cache import Valid, positive
 from graphopt.ir import Graph, Node, TensorInfo
 from graphopt.match import GraphIndex
 
@@ -68,9 +69,10 @@ class CostModel:
         """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate
         instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""
 
-    def recall(self, key: str) -> float | None:
+    def recall(self, key: str, valid: Valid = positive) -> float | None:
         """A value :meth:`record` stored for ``key`` in this model's persistent store (e.g. an end-to-end
-        verdict, so a rerun decides the same way), or ``None``."""
+        verdict, so a rerun decides the same way), or ``None``, also when the stored value is not ``valid``
+        (the store is a file anyone can edit: :mod:`graphopt.cost.cache`)."""
         return None
 
     def record(self, key: str, value: float) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
+from graphopt.cost.cache import Valid, positive
 from graphopt.ir import Graph, Node, array_key, attrs_key
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,8 @@ class GuardedCost(CostModel):
     def set_deadline(self, deadline: float | None) -> None:
         self.inner.set_deadline(deadline)
 
-    def recall(self, key: str) -> float | None:
-        return self.inner.recall(key)
+    def recall(self, key: str, valid: Valid = positive) -> float | None:
+        return self.inner.recall(key, valid)
 
     def record(self, key: str, value: float) -> None:
         try:

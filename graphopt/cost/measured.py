@@ -34,7 +34,7 @@ from graphopt.cost.analysis import numel
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
 from graphopt.console import version
-from graphopt.cost.cache import CostCache, cache_dir, cpu_id
+from graphopt.cost.cache import CostCache, Valid, cache_dir, cpu_id, non_negative, positive
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.ir import Graph, Node, TensorInfo, attrs_key
 from graphopt.timing import time_blocks
@@ -70,8 +70,8 @@ class MeasuredCost(CostModel):
     def set_deadline(self, deadline: float | None) -> None:
         self.deadline = deadline
 
-    def recall(self, key: str) -> float | None:
-        return self.cache.get(key)
+    def recall(self, key: str, valid: Valid = positive) -> float | None:
+        return self.cache.get(key, valid)
 
     def record(self, key: str, value: float) -> None:
         self.cache.put(key, value)
@@ -181,7 +181,7 @@ class MeasuredCost(CostModel):
         priced once per cache, and a rerun decides the same way."""
         # "kernels2": priced in the blocked conv layouts the product builds (the first prices were as imported)
         keys = [f"kernels2|{'|'.join(g.structural_hash() for g in graphs)}|{i}" for i in range(len(graphs))]
-        hits = [self.cache.get(k) for k in keys]
+        hits = [self.cache.get(k, non_negative) for k in keys]
         if any(h is None for h in hits):
             hits = self.runner.kernel_times(graphs)
             if hits is None:
@@ -199,12 +199,12 @@ class MeasuredCost(CostModel):
 
     def _time(self, graph: Graph) -> float:
         if self._baseline is None:
-            key = "baseline"
-            if key not in self.cache:
+            self._baseline = self.cache.get("baseline")
+            if self._baseline is None:
                 g = Graph(nodes=[Node("Identity", ["i0"], ["o0"], name="n")],
                           inputs=[TensorInfo("i0", "float32", (1,))], outputs=[TensorInfo("o0", "float32", (1,))])
-                self.cache.put(key, self._run_time(g))
-            self._baseline = self.cache[key]
+                self._baseline = self._run_time(g)
+                self.cache.put("baseline", self._baseline)
         return max(self._run_time(graph) - self._baseline, 0.0) + LAUNCH_OVERHEAD_S
 
 

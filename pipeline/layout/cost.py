@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from graphopt.cost.cache import CostCache, cache_dir
+from graphopt.cost.cache import CostCache, Valid, cache_dir, flag
 from kerneltune.templates import conv_nchwc
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -95,9 +96,10 @@ class Pricer:
             self.cache.put(key, hit)
         return hit
 
-    def recall(self, key: str, n: int) -> tuple[float, ...] | None:
-        """The ``n`` numbers :meth:`record` kept under ``key`` (a verdict and its timings), or None."""
-        values = [self.cache.get(f"v{VERSION}|{key}|{i}") for i in range(n)]
+    def recall(self, key: str, valid: Sequence[Valid]) -> tuple[float, ...] | None:
+        """The numbers :meth:`record` kept under ``key`` (a verdict and its timings), one per check in
+        ``valid``; None when one is missing or fails its check."""
+        values = [self.cache.get(f"v{VERSION}|{key}|{i}", check) for i, check in enumerate(valid)]
         return None if any(v is None for v in values) else tuple(values)
 
     def record(self, key: str, values: tuple[float, ...]) -> None:
@@ -114,7 +116,7 @@ class Pricer:
         price (the cache remembers it): a decision that turns on this price then rests on two timings, not on
         one cold run's noise.  True when it was timed now."""
         key = f"v{VERSION}|{_conv_price_key(spec, option)}"
-        if self.cache.get(key + "|confirmed") is not None:
+        if self.cache.get(key + "|confirmed", flag):
             return False
         first = self.conv(spec, option)
         self.cache.put(key, (first + self._time(conv_module(spec, option))) / 2)

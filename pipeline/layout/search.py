@@ -45,6 +45,7 @@ import tvm
 import tvm_ffi
 
 from graphopt import timing
+from graphopt.cost.cache import flag, positive
 from graphopt.errors import UserError
 from kerneltune.targets.host import vector_lanes
 from kerneltune.targets.registry import TargetSpec
@@ -309,7 +310,7 @@ def check_against_heuristic(auto: tvm.IRModule, heuristic: tvm.IRModule, spec: T
     The verdict is recorded with the prices, keyed by both modules, so the same command decides the same."""
     key = f"e2e|{tvm_ffi.structural_hash(auto) & 0xFFFFFFFFFFFFFFFF:x}|" \
           f"{tvm_ffi.structural_hash(heuristic) & 0xFFFFFFFFFFFFFFFF:x}"
-    recorded = pricer.recall(key, 3)
+    recorded = pricer.recall(key, (flag, positive, positive))
     if recorded is not None:
         return {"kept": "auto" if recorded[0] >= 0.5 else "heuristic", "status": "recorded",
                 "ms_heuristic": recorded[1], "ms_auto": recorded[2]}
