@@ -15,7 +15,7 @@ import contextlib
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import onnx
@@ -36,6 +36,11 @@ InputShapes = dict[str, tuple[int, ...]]
 # Largest dimension --input-shape takes: ONNX stores dims as int64; anything near that is refused here, and
 # sizes the machine cannot hold are refused by the memory estimate (graphopt.limits.check_memory).
 MAX_DIM = 2**62
+
+
+# The IR version from which an initializer need not be a graph input (ONNX 1.4); before it, onnx.checker demands
+# every initializer among the inputs (https://onnx.ai/onnx/repo-docs/IR.html#graphs).
+IR_WEIGHTS_APART = 4
 
 
 def parse_input_shapes(specs: list[str] | None) -> InputShapes:
@@ -85,7 +90,36 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise UserError(f"{str(p)!r} is not an ONNX model (no graph found); re-export it with torch.onnx.export "
                         "or check the file is complete")
+    weights = {t.name for t in model.graph.initializer}
+    listed = weights <= {i.name for i in model.graph.input}
+    if 0 < model.ir_version < IR_WEIGHTS_APART and not listed:  # 0: no IR version, which onnx.checker names
+        weights_apart(model)
     return model
+
+
+def ir_version_for(model: onnx.ModelProto) -> int:
+    """``model``'s IR version raised, where needed, to what its opsets require and to :data:`IR_WEIGHTS_APART`."""
+    return max(model.ir_version, IR_WEIGHTS_APART,
+               helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+
+
+def weights_apart(model: onnx.ModelProto) -> None:
+    """An IR<4 model (older exporters) in today's form, in place: its initializers out of the graph inputs and its
+    IR version raised (:func:`ir_version_for`).
+
+    Why: such a model lists every initializer as an input, and import folds its Constant nodes into weights that
+    are not, so exporting it at its own IR version fails onnx.checker.  Raising the IR version alone would make
+    onnxruntime take the listed weights for inputs a caller may override (IR >= 4), skipping its constant
+    folding and warning once per weight; out of the inputs they are weights to every reader, as they are to
+    this project (no runtime input of the build).  Applied to files that do not list them all (which the
+    checker refuses at IR<4); a file that lists them keeps its form (``graphopt optimize --weights-as-inputs``
+    keeps them as inputs; elsewhere :meth:`graphopt.ir.Graph.freeze_weights` makes them weights) and is
+    exported at IR >= 4, where a folded Constant's weight needs no input."""
+    weights = {t.name for t in model.graph.initializer}
+    kept = [i for i in model.graph.input if i.name not in weights]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    model.ir_version = ir_version_for(model)
 
 
 def _external_locations(p: Path) -> list[str]:
@@ -234,6 +268,7 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
         raise UserError(f"ONNX shape inference failed ({str(exc).splitlines()[0][:200]}); "
                         "check the model with onnx.checker or re-export it") from None
     g = inferred.graph
+    _capture_outer_reads(g)
 
     initializers: dict[str, np.ndarray] = {}
     for t in model.graph.initializer:
@@ -335,14 +370,90 @@ def account_nodes(source: onnx.ModelProto, graph: Graph) -> dict[str, Any]:
 
 
 def _rename_in_subgraphs(graph: Graph, rename: dict[str, str]) -> None:
-    """Control-flow bodies may capture outer tensors by name; keep those references valid."""
+    """Control-flow bodies may capture outer tensors by name, at any depth; keep those references valid."""
     for n in graph.nodes:
         for v in n.attrs.values():
             if isinstance(v, onnx.GraphProto):
-                for sub in v.node:
-                    for i, t in enumerate(sub.input):
-                        if t in rename:
-                            sub.input[i] = rename[t]
+                rename_reads(v, rename)
+
+
+# ---- control-flow bodies: names resolved per scope ----------------------------------------------------------
+# A body reads the tensors of every enclosing graph by name, and may define a name of its own that an enclosing
+# graph defines too after the node (onnx.checker's full check and onnxruntime accept it; a sibling body may
+# reuse it as well): that name is the body's own tensor there, https://onnx.ai/onnx/repo-docs/IR.html#graphs.
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The bodies of a control-flow node (If's branches, Loop's and Scan's body)."""
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def local_names(g: onnx.GraphProto) -> set[str]:
+    """The tensors ``g`` itself defines (its inputs, weights and node outputs; not those of its bodies)."""
+    return {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output if o}
+
+
+def rename_reads(g: onnx.GraphProto, rename: dict[str, str]) -> None:
+    """Rename the outer tensors that ``g``'s nodes and bodies read, in place; a name a scope defines itself
+    shadows the outer one there, so its reads in that scope stay."""
+    rename = {k: v for k, v in rename.items() if k not in local_names(g)}
+    if not rename:
+        return
+    for n in g.node:
+        n.input[:] = [rename.get(t, t) for t in n.input]
+        for body in subgraphs(n):
+            rename_reads(body, rename)
+
+
+def all_names(g: onnx.GraphProto) -> set[str]:
+    """Every tensor name of ``g`` and its bodies: defined or read."""
+    out = {i.name for i in (*g.input, *g.output, *g.value_info)} | {t.name for t in g.initializer}
+    for n in g.node:
+        out.update(n.input)
+        out.update(n.output)
+        for body in subgraphs(n):
+            out |= all_names(body)
+    return out
+
+
+def _capture_nested_reads(body: onnx.GraphProto, taken: set[str]) -> set[str]:
+    """Make ``body`` read, by an Identity node of its own, each outer tensor that only its nested bodies read
+    (their reads renamed to the Identity's output; ``taken``: every name in use, updated); returns the outer
+    tensors ``body`` reads.  Why: what keeps a tensor alive, or renames it, sees the bodies of a node one level
+    deep (:func:`graphopt.ir.subgraph_inputs`), so a weight or a node output that only an If nested in a branch
+    reads was dropped as unused."""
+    local = local_names(body)
+    nested: set[str] = set()
+    for n in body.node:
+        for sub in subgraphs(n):
+            nested |= _capture_nested_reads(sub, taken) - local
+    direct = {t for n in body.node for t in n.input if t and t not in local}
+    fresh: dict[str, str] = {}
+    for name in sorted(nested - direct):
+        k = 1
+        while f"{name}_outer{k}" in taken:
+            k += 1
+        fresh[name] = f"{name}_outer{k}"
+        taken.add(fresh[name])
+    for n in body.node:
+        for sub in subgraphs(n):
+            rename_reads(sub, fresh)
+    if fresh:
+        nodes = [helper.make_node("Identity", [name], [copy]) for name, copy in fresh.items()] + list(body.node)
+        del body.node[:]
+        body.node.extend(nodes)
+    return direct | nested
+
+
+def _capture_outer_reads(g: onnx.GraphProto) -> None:
+    """:func:`_capture_nested_reads` for every body of ``g``'s nodes, in place."""
+    bodies = [sub for n in g.node for sub in subgraphs(n)]
+    taken = all_names(g) if bodies else set()
+    for sub in bodies:
+        _capture_nested_reads(sub, taken)
 
 
 def _value_info_proto(info: TensorInfo) -> onnx.ValueInfoProto:
@@ -381,7 +492,8 @@ def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
         g, opset_imports=[helper.make_opsetid(d, v) for d, v in graph.opset_imports.items()],
         producer_name=graph.producer_name,
     )
-    model.ir_version = min(graph.ir_version, ort_max_ir_version())  # readable by the pinned onnxruntime
+    # readable by the pinned onnxruntime; at least IR_WEIGHTS_APART, since folded Constants are weights no input lists
+    model.ir_version = min(max(graph.ir_version, IR_WEIGHTS_APART), ort_max_ir_version())
     model.functions.extend(graph.functions)
     if check:
         try:

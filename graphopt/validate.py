@@ -16,7 +16,9 @@ internal error, a ``RecursionError`` or a wrong success.  In order, cheapest fir
 6. the memory the model needs, estimated from its inferred shapes, against this machine's memory (a
    1e6 x 1e6 MatMul or a 130 GB Expand is refused here instead of being attempted);
 7. an onnxruntime session on the model (it is the reference every check compares with: a model it rejects
-   cannot be checked), unknown custom-domain operators named.
+   cannot be checked), unknown custom-domain operators named; a model of an opset whose operator versions
+   onnxruntime no longer implements (BatchNormalization-6, AveragePool-1: opsets 1-6) is upgraded with onnx's
+   version converter (:func:`upgrade_opset`), and every stage then works on the upgraded model.
 
 What the machine allows (a thread count, the memory estimate against this machine's memory) is checked by
 :mod:`graphopt.limits`, which needs no ONNX: kerneltune's single-operator mode uses it too.
@@ -38,18 +40,27 @@ from typing import Collection
 
 import numpy as np
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper, shape_inference, version_converter
 
 from graphopt.errors import UserError
 from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
-from graphopt.onnx_io import (SUPPORTED_DTYPES, InputShapes, apply_input_shapes, load_model, require_static_inputs,
-                              without_weight_data)
+from graphopt.onnx_io import (SUPPORTED_DTYPES, InputShapes, apply_input_shapes, ir_version_for, load_model,
+                              require_static_inputs, without_weight_data)
 
 # The newest IR version onnxruntime 1.31 reads; the pinned onnx writes 14 by default (onnx.IR_VERSION), so a
 # model saved with a plain onnx.helper.make_model is one onnxruntime rejects.
 _ORT_IR_RE = re.compile(r"max supported IR version: (\d+)")
 _ORT_OPSET_RE = re.compile(r"official support for domain (\S+) is till opset (\d+)")
 _ORT_UNKNOWN_OP_RE = re.compile(r"([\w.]*):(\w+)\(-?\d+\) is not a registered function/op")
+_ORT_NO_KERNEL_RE = re.compile(r"Could not find an implementation for (\w+)\((\d+)\)")
+# onnxruntime "only *guarantees* support for models stamped with opset version 7 or above" (its own warning); an
+# older model may use an operator version it has no kernel for (BatchNormalization-6, AveragePool-1).
+ORT_OLDEST_OPSET = 7
+# The opset a model is upgraded to when onnxruntime lacks one of its operator versions.  onnxruntime runs
+# opset 7 and up, but TVM's ONNX importer is written against opset 13: 35 of its converters have no
+# implementation as old as their operator's version at opset 7, 37 at opset 11 and 12, 5 at opset 13 (Slice-1
+# of an opset-6 model upgraded to 7 or 9 is rejected by it; upgraded to 13, the model compiles and matches).
+UPGRADE_OPSET = 13
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 log = logging.getLogger(__name__)
 
@@ -63,6 +74,22 @@ class ModelInput:
     input_shapes: InputShapes = field(default_factory=dict)  # --input-shape merged with the --inputs shapes
     samples: dict[str, np.ndarray] | None = None  # from --inputs FILE.npz
     memory_bytes: int = 0  # the estimate :func:`check_memory` accepted
+    upgrade: OpsetUpgrade | None = None  # set when ``proto`` is the model upgraded to an opset onnxruntime runs
+
+
+@dataclass(frozen=True)
+class OpsetUpgrade:
+    """report.json's ``opset_upgrade``: the model was compiled, checked and shipped at ``to_opset``, upgraded from
+    ``from_opset`` by onnx's version converter because onnxruntime implements no ``lacking`` (e.g.
+    BatchNormalization-6)."""
+
+    from_opset: int
+    to_opset: int
+    lacking: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"from": self.from_opset, "to": self.to_opset, "by": "onnx.version_converter",
+                "why": f"onnxruntime implements no {self.lacking}"}
 
 
 def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None,
@@ -89,14 +116,27 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     if shapes:
         apply_input_shapes(shaped, shapes)
     require_static_inputs(shaped)
+    check_nonempty_inputs(shaped)
     if shapes:
         check_onnx(proto, name)  # the model itself first, so that a failure below is the sizes' fault
     check_onnx(shaped, name, shapes)
     inferred = _infer(without_weight_data(shaped))  # types and dims: all the memory check reads
     memory = check_memory(tensor_sizes(inferred), memory_limit)
-    check_onnxruntime(proto, path)
+    proto, upgrade = check_onnxruntime(proto, path)
     samples = load_inputs(inputs_file, headers) if inputs_file else None  # last: the memory check passed them
-    return ModelInput(str(path), proto, shapes, samples, memory)
+    return ModelInput(str(path), proto, shapes, samples, memory, upgrade)
+
+
+def check_nonempty_inputs(model: onnx.ModelProto) -> None:
+    """No runtime input with a zero-size dimension: --input-shape and --inputs refuse empty tensors, so a model
+    declaring one would build and then be refused the only shape it was built for."""
+    weights = {t.name for t in model.graph.initializer}
+    for inp in model.graph.input:
+        dims = [d.dim_value for d in inp.type.tensor_type.shape.dim] if inp.type.HasField("tensor_type") else []
+        if inp.name not in weights and 0 in dims and all(d.HasField("dim_value") for d in
+                                                         inp.type.tensor_type.shape.dim):
+            raise UserError(f"input {inp.name!r} has a zero-size dimension (shape {dims}): a build for it computes "
+                            "nothing; re-export the model with at least one element per axis")
 
 
 # ---- 2. structure ------------------------------------------------------------------------------------------
@@ -400,8 +440,78 @@ def tensor_sizes(model: onnx.ModelProto) -> list[TensorSize]:
 
 # ---- 7. onnxruntime ----------------------------------------------------------------------------------------
 
-def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """An onnxruntime session on the model (optimizations off: only loading and type checking matter)."""
+def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[onnx.ModelProto, OpsetUpgrade | None]:
+    """The model onnxruntime, the reference of every check, loads: ``model``, or ``model`` upgraded to
+    :data:`UPGRADE_OPSET` (:func:`upgrade_opset`) when onnxruntime lacks one of its operator versions and its
+    opset is older than :data:`ORT_OLDEST_OPSET` (a newer one lacking a kernel has a dtype onnxruntime does not
+    implement the operator for: today's refusal); a UserError when it loads neither."""
+    refusal = _ort_refusal(model, path)
+    if refusal is None:
+        return model, None
+    lacking = _ORT_NO_KERNEL_RE.search(refusal)
+    opset = _default_opset(model)
+    if lacking is None or opset is None or opset >= ORT_OLDEST_OPSET:
+        raise UserError(_ort_message(model, refusal))
+    upgrade = OpsetUpgrade(opset, UPGRADE_OPSET, f"{lacking.group(1)}-{lacking.group(2)}")
+    upgraded = upgrade_opset(model, path, upgrade)
+    log.warning("note: %s uses opset %d, and onnxruntime implements no %s: the model is upgraded to opset %d by "
+                "onnx's version converter, and checked and built at that opset", Path(path).name, opset,
+                upgrade.lacking, UPGRADE_OPSET)
+    return upgraded, upgrade
+
+
+def _default_opset(model: onnx.ModelProto) -> int | None:
+    """The version of the default ONNX domain the model imports (None: it imports none)."""
+    return next((o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS), None)
+
+
+def upgrade_opset(model: onnx.ModelProto, path: str | os.PathLike, upgrade: OpsetUpgrade) -> onnx.ModelProto:
+    """``model`` converted to ``upgrade.to_opset`` by :func:`onnx.version_converter.convert_version`, checked by
+    onnx.checker and loaded by onnxruntime.  Why: onnxruntime no longer implements the operator versions of
+    opsets 1-6 (older exporters' models), so without the upgrade nothing could check the build; the converter
+    rewrites each operator to its version at the new opset, computing the same values (a BatchNormalization-6's
+    ``is_test`` dropped, an ``Add`` with ``broadcast=1`` as numpy broadcasting, a Slice's attributes as inputs).
+    A UserError naming the opset and the re-export when the converter fails, onnxruntime's refusal when the
+    upgraded model fails too."""
+    fix = (f"re-export the model at opset {upgrade.to_opset} or newer (e.g. torch.onnx.export(..., "
+           "opset_version=17))")
+    try:
+        upgraded = version_converter.convert_version(model, upgrade.to_opset)
+        upgraded.ir_version = ir_version_for(upgraded)  # the converter keeps the old one
+        onnx.checker.check_model(upgraded, full_check=True)
+    except Exception as exc:  # noqa: BLE001 - the converter raises RuntimeError, ValidationError, InferenceError
+        raise UserError(f"the model uses opset {upgrade.from_opset}, and onnxruntime implements no {upgrade.lacking}; "
+                        f"onnx's version converter cannot upgrade it to opset {upgrade.to_opset} "
+                        f"({_conversion_failure(model, upgrade.to_opset, exc)[:200]}): {fix}") from None
+    refusal = _ort_refusal(upgraded, path)
+    if refusal is not None:  # not the opset's fault alone, e.g. a dtype onnxruntime has no kernel for
+        raise UserError(f"onnxruntime cannot load the model at its opset {upgrade.from_opset} ({upgrade.lacking} is "
+                        f"not implemented) nor upgraded to opset {upgrade.to_opset} by onnx's version converter "
+                        f"({_ort_detail(refusal)[:200]}); fix or re-export the model")
+    return upgraded
+
+
+def _conversion_failure(model: onnx.ModelProto, opset: int, exc: Exception) -> str:
+    """Why the converter failed, in words: the operators that no longer exist at ``opset`` (opset 1's experimental
+    ImageScaler or Crop: the converter's own message is an unformatted C++ assertion), else its message."""
+    gone = sorted({n.op_type for n in model.graph.node
+                   if n.domain in _DEFAULT_DOMAINS and not _has_schema(n.op_type, opset)})
+    if gone:
+        return f"{', '.join(gone)} {'does' if len(gone) == 1 else 'do'} not exist at opset {opset}"
+    return re.sub(r"^\S+:\d+: \w+: ", "", _first_line(str(exc)))  # the converter's source location
+
+
+def _has_schema(op_type: str, opset: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, opset)
+    except onnx.defs.SchemaError:
+        return False
+    return True
+
+
+def _ort_refusal(model: onnx.ModelProto, path: str | os.PathLike) -> str | None:
+    """onnxruntime's error on a session of the model (optimizations off: only loading and type checking matter),
+    None when it loads."""
     import onnxruntime as ort  # imported here: the structural checks above fail faster without it
 
     opts = ort.SessionOptions()
@@ -411,7 +521,12 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     try:
         ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own Fail / InvalidGraph / NotImplemented
-        raise UserError(_ort_message(model, str(exc))) from None
+        return str(exc)
+    return None
+
+
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), "no detail")
 
 
 def _ort_message(model: onnx.ModelProto, text: str) -> str:
@@ -428,9 +543,11 @@ def _ort_message(model: onnx.ModelProto, text: str) -> str:
     if m:
         return (f"operator {m.group(2)} of domain {m.group(1)!r} is unknown to onnxruntime and TVM, so no reference "
                 "can run it: replace it in the exporting framework (or register it with onnxruntime and run it there)")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    detail = lines[0] if lines else "no detail"
-    detail = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", detail)
-    detail = re.sub(r"/onnxruntime_src/\S+ \S+ [^)]*\) ", "", detail)
-    return f"onnxruntime cannot load the model ({detail[:240]}); fix or re-export the model"
+    return f"onnxruntime cannot load the model ({_ort_detail(text)[:240]}); fix or re-export the model"
+
+
+def _ort_detail(text: str) -> str:
+    """The first line of onnxruntime's error without its code prefix and source location."""
+    detail = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", _first_line(text))
+    return re.sub(r"/onnxruntime_src/\S+ \S+ [^)]*\) ", "", detail)
 

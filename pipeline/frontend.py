@@ -10,6 +10,11 @@ into symbolic shape expressions that its Expand and Reshape converters then reje
 lowerings too when a node to lower has no static input shape yet: an LSTM behind a Reshape to a computed
 shape (``x.view(t // 8, b, 8)`` exports Shape -> Gather -> Div -> Concat, which ONNX shape inference does
 not evaluate) is unrolled only once the user's input shapes reached it.
+
+An operand that sets a shape (:data:`VALUE_SHAPED`) and is computed from the values of a runtime input (not its
+shape) is refused first, in one line naming the node: the output's size would change with the input's values,
+and the build has fixed sizes.  (A single integer there, a setting, is specialized on its ``--inputs`` value
+before this: :mod:`graphopt.specialize`.)
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from graphopt.cleanup import fold_shapes
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.legalize import LOWERINGS, Legalized, legalize
+from graphopt.specialize import SHAPE_ONLY, SHAPE_OPERANDS
 
 # Converters TVM has but that fail on a case graphopt rewrites (its lowering declines every other case):
 # ConstantOfShape with an empty shape, i.e. a scalar, which TorchScript exports of HF transformers contain.
@@ -24,6 +30,13 @@ MISHANDLED = frozenset({"ConstantOfShape"})
 # Op types that cannot stay inside an If branch: graphopt rewrites them for TVM at the top level only, so an If
 # holding one is folded to its branch on the value of its condition (graphopt.specialize).
 BRANCH_BLOCKERS = frozenset(LOWERINGS)
+# Shape operands whose value TVM's importer needs when it converts the model.  Computed from a runtime input's
+# values, each failed inside TVM: Expand with an internal AttributeError ('ExternFunc' object has no attribute
+# 'name': Relax's FastMathTransform reads the name of every call, and the importer's dynamic Expand calls the
+# packed function vm.builtin.tensor_to_shape), ConstantOfShape with an AssertionError, Tile with a kernel of
+# symbolic shape, Reshape with a TypeError.
+VALUE_SHAPED = {op: SHAPE_OPERANDS[op] for op in ("Expand", "ConstantOfShape", "Tile", "Reshape")}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _tvm_converters() -> frozenset[str] | None:
@@ -50,9 +63,37 @@ def _unshaped_lowering(graph: Graph, ops: set[str]) -> bool:
                for n in graph.nodes)
 
 
+def _runtime_values(graph: Graph) -> dict[str, str]:
+    """{tensor: the runtime input its values are computed from} for every tensor of ``graph`` (nodes in
+    topological order) computed from the values of a runtime input; Shape and Size read only its shape."""
+    origin = {i.name: i.name for i in graph.inputs if i.name not in graph.initializers}
+    for n in graph.nodes:
+        if n.op_type in SHAPE_ONLY and n.domain in _DEFAULT_DOMAINS:
+            continue
+        source = next((origin[t] for t in n.inputs if t in origin), None)
+        if source is not None:
+            origin.update((o, source) for o in n.outputs if o)
+    return origin
+
+
+def _check_value_shapes(graph: Graph) -> None:
+    """UserError naming the first node whose shape operand (:data:`VALUE_SHAPED`) is computed from the values of
+    a runtime input, and that input."""
+    origin = _runtime_values(graph)
+    for n in graph.nodes:
+        operands = VALUE_SHAPED.get(n.op_type, {}) if n.domain in _DEFAULT_DOMAINS else {}
+        for k, operand in operands.items():
+            if k < len(n.inputs) and n.inputs[k] in origin:
+                raise UserError(f"{n.op_type} node {n.name!r} takes its {operand} from the values of input "
+                                f"{origin[n.inputs[k]]!r}, so its output's size changes with them, and model.so is "
+                                f"built for fixed sizes: compute the {operand} from constants or from tensor shapes "
+                                "(Shape) in the exporting framework")
+
+
 def legalize_for_tvm(graph: Graph) -> Legalized:
     """Rewrite what TVM's importer cannot take into primitive ops and fold static shape arithmetic (module
     docstring); UserError naming what still cannot be imported."""
+    _check_value_shapes(graph)
     source, before = graph, 0
     if _unshaped_lowering(graph, frontend_gaps(graph)):
         graph = graph.copy()  # the caller's graph is not modified

@@ -17,6 +17,7 @@ from typing import Any
 
 import onnx
 
+from graphopt import rlimits
 from graphopt.compare import Comparison, compare_runs
 from graphopt.dynamic import dynamic_model
 from graphopt.errors import UserError
@@ -71,6 +72,10 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
     ctx = ctx.with_model(model.samples)
     source, specialized = specialize_model(model, BRANCH_BLOCKERS)  # the model as compiled
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
+    weights = model.proto.ByteSize()  # model.so and optimized.onnx each hold them
+    refusal = rlimits.shortfall(rlimits.BUILD_ADDRESS_SPACE + weights, file_bytes=weights)
+    if refusal:
+        raise UserError(refusal)
     with lock_output_dir(out, "-o") as folder:  # one writer per folder until the end, also on an error
         # Deferred: these load TVM (seconds), after every cheap check above has passed.
         from pipeline import stages
@@ -172,6 +177,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                                                         specialized.values if specialized else None),
                                      tensor_specs(imported.graph.outputs), new),
                 "specialized": specialized.to_json() if specialized else None,
+                "opset_upgrade": model.upgrade.to_json() if model.upgrade else None,  # compiled at a newer opset
                 "latency": latency,
                 "dynamic_shapes": dynamic.to_json(),
                 "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
