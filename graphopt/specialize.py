@@ -16,7 +16,8 @@ it can serve one value of such an input only:
    (``--inputs``), folds what is computed from it (:func:`graphopt.cleanup.fold_shapes`: the pads become
    constants, shapes are inferred again) and replaces every ``If`` whose condition became constant by the
    nodes of the branch it takes (:func:`fold_constant_ifs`), until nothing changes.  The input stays in the
-   model's interface, so a caller passes it as before;
+   model's interface, so a caller passes it as before.  A value giving a Pad pads onnxruntime refuses (a
+   negative pad crops, past the axis's size) is refused in one line naming it (:func:`_check_pads`);
 3. the value is recorded in the built folder's signature, and the loader refuses any other (a build
    specialized silently would compute the 16 kHz answer for 8 kHz audio).  ``optimized.onnx``, the graph
    the library is compiled from, is the specialized one where it is shipped (it takes the input and
@@ -28,7 +29,7 @@ An ``If`` whose branches compile as they are is kept: that build serves every va
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import onnx
@@ -37,7 +38,8 @@ from onnx import helper, shape_inference
 from graphopt.cleanup import fold_shapes
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, without_weight_data
+from graphopt.onnx_io import (InputShapes, all_names, apply_input_shapes, export_onnx, import_onnx, local_names,
+                               rename_reads, subgraphs, without_weight_data)
 from graphopt.validate import ModelInput
 
 # Operands whose values set the shape (or rank) of an operator's output, by input index (ONNX operator specs).
@@ -88,18 +90,11 @@ class _Use:
 
 # ---- 1. which inputs the build needs the value of ----------------------------------------------------------
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
-
-
 def _value_uses(g: onnx.GraphProto, tainted: set[str]) -> list[_Use]:
-    """Every use deciding structure of a tensor in ``tainted`` or computed from one, in ``g`` and its bodies.
-    ``tainted`` grows with what is computed from it (ONNX names are unique across a graph and its bodies,
-    https://onnx.ai/onnx/repo-docs/IR.html#names-within-a-graph, so one set serves every scope)."""
+    """Every use deciding structure of a tensor in ``tainted`` or computed from one, in ``g`` and its bodies;
+    ``tainted`` grows with what ``g`` computes from it.  Names resolve per scope: a body's own tensor named like
+    a tainted one (a sibling body's, or one the outer graph defines after the node: onnx.checker accepts both)
+    is another tensor, untainted unless the body computes it from a tainted one."""
     uses: list[_Use] = []
     for n in g.node:
         default = n.domain in _DEFAULT_DOMAINS
@@ -108,10 +103,11 @@ def _value_uses(g: onnx.GraphProto, tainted: set[str]) -> list[_Use]:
         for k, operand in (SHAPE_OPERANDS.get(n.op_type, {}) if default else {}).items():
             if k < len(n.input) and n.input[k] in tainted:
                 uses.append(_Use(operand, n))
-        bodies = list(_subgraphs(n))
-        for body in bodies:
-            uses += _value_uses(body, tainted)
-        reads = any(t in tainted for t in n.input) or any(o.name in tainted for b in bodies for o in b.output)
+        reads = any(t in tainted for t in n.input)
+        for body in subgraphs(n):
+            inner = tainted - local_names(body)
+            uses += _value_uses(body, inner)
+            reads = reads or any(o.name in inner for o in body.output)
         if reads and not (default and n.op_type in SHAPE_ONLY):
             tainted.update(o for o in n.output if o)
     return uses
@@ -147,7 +143,7 @@ def _static_types(model: onnx.ModelProto, shapes: InputShapes) -> set[str]:
             if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
                 names.add(vi.name)
         for n in g.node:
-            for body in _subgraphs(n):
+            for body in subgraphs(n):
                 walk(body)
 
     walk(inferred.graph)
@@ -156,7 +152,7 @@ def _static_types(model: onnx.ModelProto, shapes: InputShapes) -> set[str]:
 
 def _op_types(g: onnx.GraphProto) -> set[str]:
     """Op types of every node of ``g`` and of its bodies."""
-    return {n.op_type for n in g.node} | {op for n in g.node for b in _subgraphs(n) for op in _op_types(b)}
+    return {n.op_type for n in g.node} | {op for n in g.node for b in subgraphs(n) for op in _op_types(b)}
 
 
 def needed_values(model: onnx.ModelProto, shapes: InputShapes | None, blockers: frozenset[str]) -> dict[str, str]:
@@ -171,7 +167,7 @@ def needed_values(model: onnx.ModelProto, shapes: InputShapes | None, blockers: 
             if use.condition:
                 if static is None:
                     static = _static_types(model, shapes)
-                branch_ops = {op for body in _subgraphs(use.node) for op in _op_types(body)}
+                branch_ops = {op for body in subgraphs(use.node) for op in _op_types(body)}
                 keeps = not (branch_ops & blockers) and all(o in static for o in use.node.output if o)
                 if keeps:
                     continue  # both branches compile: the build serves every value
@@ -181,16 +177,6 @@ def needed_values(model: onnx.ModelProto, shapes: InputShapes | None, blockers: 
 
 
 # ---- 2. the specialized graph ------------------------------------------------------------------------------
-
-def _rename_reads(g: onnx.GraphProto, rename: dict[str, str]) -> None:
-    """Rename the tensors ``g``'s nodes (and those of its bodies) read, in place."""
-    for n in g.node:
-        for i, t in enumerate(n.input):
-            if t in rename:
-                n.input[i] = rename[t]
-        for body in _subgraphs(n):
-            _rename_reads(body, rename)
-
 
 def _substitute(graph: Graph, values: dict[str, np.ndarray]) -> None:
     """Every read of each input of ``values`` (bodies included) reads a weight holding its value instead."""
@@ -206,19 +192,8 @@ def _substitute(graph: Graph, values: dict[str, np.ndarray]) -> None:
             if isinstance(v, onnx.GraphProto):
                 body = onnx.GraphProto()
                 body.CopyFrom(v)  # bodies are shared with the caller's graph (Graph.copy)
-                _rename_reads(body, rename)
+                rename_reads(body, rename)
                 n.attrs[key] = body
-
-
-def _names(g: onnx.GraphProto) -> set[str]:
-    """Every tensor name of ``g`` and its bodies: defined or read."""
-    out = {i.name for i in (*g.input, *g.output, *g.value_info)} | {t.name for t in g.initializer}
-    for n in g.node:
-        out.update(n.input)
-        out.update(n.output)
-        for body in _subgraphs(n):
-            out |= _names(body)
-    return out
 
 
 def _defined(g: onnx.GraphProto) -> set[str]:
@@ -226,7 +201,7 @@ def _defined(g: onnx.GraphProto) -> set[str]:
     out = {i.name for i in g.input} | {t.name for t in g.initializer}
     for n in g.node:
         out.update(o for o in n.output if o)
-        for body in _subgraphs(n):
+        for body in subgraphs(n):
             out |= _defined(body)
     return out
 
@@ -240,7 +215,7 @@ def _rename_all(g: onnx.GraphProto, rename: dict[str, str]) -> None:
     for n in g.node:
         n.input[:] = [rename.get(t, t) for t in n.input]
         n.output[:] = [rename.get(t, t) for t in n.output]
-        for body in _subgraphs(n):
+        for body in subgraphs(n):
             _rename_all(body, rename)
 
 
@@ -258,8 +233,8 @@ def _inline(outer: onnx.GraphProto, index: int, taken: bool, introduced: set[str
         elsewhere.update(n.input)
         elsewhere.update(n.output)
         if k != index:
-            for body in _subgraphs(n):
-                elsewhere |= _names(body)
+            for body in subgraphs(n):
+                elsewhere |= all_names(body)
     defined = _defined(branch)
     avoid = elsewhere | defined
     rename: dict[str, str] = {}
@@ -314,6 +289,46 @@ def specialize(graph: Graph, values: dict[str, np.ndarray], max_rounds: int = 16
     return folded
 
 
+def _pad_problem(size: int, begin: int, end: int, mode: str) -> str | None:
+    """What is wrong with padding an axis of ``size`` elements by ``begin`` and ``end`` (a negative pad crops,
+    https://onnx.ai/onnx/operators/onnx__Pad.html) in ``mode``, by onnxruntime's rules; None if nothing."""
+    kept = size + min(begin, 0) + min(end, 0)
+    if kept < 0:
+        return f"crop {size - kept} of its {size} elements"
+    if mode in ("reflect", "edge") and kept == 0:
+        return f"leave no element for {mode} padding to repeat"
+    if mode == "reflect" and max(begin, end) >= kept:
+        return f"reflect {max(begin, end)} elements of the {kept} it keeps (reflect padding takes fewer)"
+    return None
+
+
+def _check_pads(graph: Graph, values: dict[str, np.ndarray]) -> None:
+    """UserError naming the values a build is specialized on when they give a Pad pads onnxruntime refuses (a
+    crop past the axis's size; reflect or edge padding of nothing), before any work: the build's check against
+    onnxruntime could only fail, minutes later and naming neither the input nor its value."""
+    given = ", ".join(f"input {k!r} = {np.asarray(v).tolist()}" for k, v in values.items())
+    for n in graph.nodes:
+        if n.op_type != "Pad" or n.domain not in _DEFAULT_DOMAINS or len(n.inputs) < 2 \
+                or not graph.is_constant(n.inputs[1]):
+            continue
+        shape = graph.shape(n.inputs[0])
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            continue
+        pads = [int(p) for p in np.asarray(graph.initializers[n.inputs[1]]).reshape(-1)]
+        axes_in = n.inputs[3] if len(n.inputs) > 3 and n.inputs[3] else None
+        if axes_in is not None and not graph.is_constant(axes_in):
+            continue
+        axes = (range(len(shape)) if axes_in is None
+                else [int(a) % len(shape) for a in np.asarray(graph.initializers[axes_in]).reshape(-1)])
+        if len(pads) != 2 * len(axes):
+            continue  # not a Pad onnxruntime runs: its session or its check says so
+        for i, axis in enumerate(axes):
+            problem = _pad_problem(shape[axis], pads[i], pads[i + len(axes)], n.attr("mode", "constant"))
+            if problem:
+                raise UserError(f"{given} gives Pad node {n.name!r} the pads {pads}, which on axis {axis} {problem}; "
+                                "onnxruntime refuses these pads too: give --inputs a value the model accepts")
+
+
 def specialize_model(model: ModelInput, blockers: frozenset[str]) -> tuple[onnx.ModelProto, Specialization | None]:
     """The model a build compiles: ``model.proto`` itself, or specialized on the ``--inputs`` values of the
     control inputs it needs (and the record of it); a UserError naming an input it needs that ``--inputs``
@@ -330,4 +345,5 @@ def specialize_model(model: ModelInput, blockers: frozenset[str]) -> tuple[onnx.
     values = {k: np.asarray(samples[k]) for k in needed}
     graph = import_onnx(model.proto, model.input_shapes, require_static=True)
     folded = specialize(graph, values)
+    _check_pads(graph, values)
     return export_onnx(graph), Specialization(values, needed, folded)

@@ -469,6 +469,8 @@ def outputs_numpy(result) -> list[np.ndarray]:
     :mod:`pipeline.compile`, so that loading a built model needs none of the compiler."""
     if hasattr(result, "numpy"):
         return [result.numpy()]
+    if type(result).__name__ == "Shape":  # an output that is a shape (ONNX Shape's result): int64, as onnxruntime's
+        return [np.array(list(result), dtype=np.int64)]
     out: list[np.ndarray] = []
     for r in result:
         out.extend(outputs_numpy(r))

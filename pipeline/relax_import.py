@@ -36,7 +36,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model
+from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model, subgraphs
 from kerneltune.templates.cpu import vector_padding, weight_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.fold import fold_constants
@@ -77,6 +77,12 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
     shapes = {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
               if i.name not in graph.initializers}
     dtypes = {i.name: i.dtype for i in graph.inputs if i.name not in graph.initializers}
+    unresolved = _unresolved_read(model.graph, set())
+    if unresolved:
+        node, name = unresolved
+        raise UserError(f"{node.op_type} node {node.name!r} reads {name!r}, which no enclosing graph defines before "
+                        "it, so TVM's ONNX importer cannot convert the model: check it with "
+                        "onnx.checker.check_model(model, full_check=True) and re-export it")
     problem = ""
     with importer_output() as printed, _checked_already():
         try:
@@ -99,6 +105,26 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
     with quiet_native_stderr():
         mod = fold_constants(mod)
     return sink_padding_slices(import_rewrites(mod))
+
+
+def _unresolved_read(g: onnx.GraphProto, visible: set[str]) -> tuple[onnx.NodeProto, str] | None:
+    """The first node of ``g`` (or of a body, at any depth) that reads a tensor no enclosing scope defines
+    before it, and that name; None when every read resolves (``visible``: what the enclosing scopes define).
+    Why: TVM's importer looks a body's reads up in a dictionary and hands a converter None for a name it
+    lacks, and some converters (Concat) dereference it: SIGSEGV, the process gone without a message.  A model
+    onnx.checker's full check passed always resolves; a graph built from one node of a model (the graph
+    stage prices an If alone) may not."""
+    scope = visible | {i.name for i in g.input} | {t.name for t in g.initializer}
+    for n in g.node:
+        missing = next((t for t in n.input if t and t not in scope), None)
+        if missing is not None:
+            return n, missing
+        for body in subgraphs(n):
+            found = _unresolved_read(body, scope)
+            if found:
+                return found
+        scope.update(o for o in n.output if o)
+    return None
 
 
 @contextlib.contextmanager

@@ -46,6 +46,10 @@ def add_value_guards(mod: tvm.IRModule, values: Mapping[str, np.ndarray]) -> tvm
 
 
 def _all_equal(param: relax.Var, want: np.ndarray) -> relax.Expr:
-    """A scalar bool: ``param == want`` everywhere (the minimum of the elementwise equality)."""
-    equal = relax.op.equal(param, relax.const(want, str(want.dtype)))
+    """A scalar bool: ``param == want`` everywhere (the minimum of the elementwise equality).  A bool input is
+    compared as int8: LLVM has no ordered compare of its i1."""
+    value: relax.Expr = param
+    if want.dtype == np.bool_:
+        value, want = relax.op.astype(param, "int8"), want.astype(np.int8)
+    equal = relax.op.equal(value, relax.const(want, str(want.dtype)))
     return equal if want.ndim == 0 else relax.op.astype(relax.op.min(relax.op.astype(equal, "int8")), "bool")
