@@ -41,6 +41,8 @@ MAX_DIM = 2**62
 # The IR version from which an initializer need not be a graph input (ONNX 1.4); before it, onnx.checker demands
 # every initializer among the inputs (https://onnx.ai/onnx/repo-docs/IR.html#graphs).
 IR_WEIGHTS_APART = 4
+# The names of ONNX's default operator domain (the empty string and its long form).
+DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def parse_input_shapes(specs: list[str] | None) -> InputShapes:
@@ -287,7 +289,7 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
     nodes: list[Node] = []
     used_names: set[str] = set()
     for k, n in enumerate(g.node):
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1:
+        if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and len(n.attribute) == 1:
             initializers[n.output[0]] = _constant_value(n)
             continue
         name = n.name or f"{n.op_type}_{k}"
@@ -332,9 +334,9 @@ def _remove_identities(graph: Graph) -> None:
     kept: list[Node] = []
     for n in graph.nodes:
         n.inputs = [rename.get(t, t) for t in n.inputs]
-        if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.outputs[0] == n.inputs[0]:
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.outputs[0] == n.inputs[0]:
             continue  # x -> x: the dynamo exporter writes this for an output that is an input (ORT rejects it)
-        if n.op_type == "Identity" and n.domain in ("", "ai.onnx") and n.outputs[0] not in outputs:
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.outputs[0] not in outputs:
             rename[n.outputs[0]] = n.inputs[0]
             continue
         kept.append(n)
@@ -356,7 +358,7 @@ def account_nodes(source: onnx.ModelProto, graph: Graph) -> dict[str, Any]:
     counts = {"kept": 0, "folded_constants": 0, "bypassed_identities": 0}
     dropped: list[str] = []
     for n in source.graph.node:
-        default_domain = n.domain in ("", "ai.onnx")
+        default_domain = n.domain in DEFAULT_DOMAINS
         if (n.op_type, tuple(n.output)) in kept_outputs:
             counts["kept"] += 1
         elif default_domain and n.op_type == "Constant" and n.output[0] in graph.initializers:

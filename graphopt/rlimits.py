@@ -93,4 +93,5 @@ def vm_peak() -> int | None:
 
 
 def _size(n: int) -> str:
+    """graphopt.limits.format_bytes's words, not imported from there: limits imports errors, which imports this."""
     return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"

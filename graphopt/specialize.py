@@ -38,8 +38,8 @@ from onnx import helper, shape_inference
 from graphopt.cleanup import fold_shapes
 from graphopt.errors import UserError
 from graphopt.ir import Graph
-from graphopt.onnx_io import (InputShapes, all_names, apply_input_shapes, export_onnx, import_onnx, local_names,
-                               rename_reads, subgraphs, without_weight_data)
+from graphopt.onnx_io import (DEFAULT_DOMAINS, InputShapes, all_names, apply_input_shapes, export_onnx, import_onnx,
+                               local_names, rename_reads, subgraphs, without_weight_data)
 from graphopt.validate import ModelInput
 
 # Operands whose values set the shape (or rank) of an operator's output, by input index (ONNX operator specs).
@@ -54,7 +54,6 @@ SHAPE_OPERANDS: dict[str, dict[int, str]] = {
 }
 # Operators whose outputs depend on their input's shape only, never on its values.
 SHAPE_ONLY = frozenset({"Shape", "Size"})
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 @dataclass
@@ -97,7 +96,7 @@ def _value_uses(g: onnx.GraphProto, tainted: set[str]) -> list[_Use]:
     is another tensor, untainted unless the body computes it from a tainted one."""
     uses: list[_Use] = []
     for n in g.node:
-        default = n.domain in _DEFAULT_DOMAINS
+        default = n.domain in DEFAULT_DOMAINS
         if default and n.op_type == "If" and n.input and n.input[0] in tainted:
             uses.append(_Use("condition", n))
         for k, operand in (SHAPE_OPERANDS.get(n.op_type, {}) if default else {}).items():
@@ -257,7 +256,7 @@ def fold_constant_ifs(graph: Graph) -> int:
     """Replace every ``If`` whose condition is a weight by the nodes of the branch it takes (in place, shapes
     inferred again); returns the number replaced.  The condition is a one-element boolean tensor (ONNX If)."""
     taken = {n.name: bool(np.asarray(graph.initializers[n.inputs[0]]).reshape(-1)[0]) for n in graph.nodes
-             if n.op_type == "If" and n.domain in _DEFAULT_DOMAINS and n.inputs and graph.is_constant(n.inputs[0])}
+             if n.op_type == "If" and n.domain in DEFAULT_DOMAINS and n.inputs and graph.is_constant(n.inputs[0])}
     if not taken:
         return 0
     graph.value_info = {k: v for k, v in graph.value_info.items() if v.is_static}  # stale symbolic types go
@@ -308,7 +307,7 @@ def _check_pads(graph: Graph, values: dict[str, np.ndarray]) -> None:
     onnxruntime could only fail, minutes later and naming neither the input nor its value."""
     given = ", ".join(f"input {k!r} = {np.asarray(v).tolist()}" for k, v in values.items())
     for n in graph.nodes:
-        if n.op_type != "Pad" or n.domain not in _DEFAULT_DOMAINS or len(n.inputs) < 2 \
+        if n.op_type != "Pad" or n.domain not in DEFAULT_DOMAINS or len(n.inputs) < 2 \
                 or not graph.is_constant(n.inputs[1]):
             continue
         shape = graph.shape(n.inputs[0])

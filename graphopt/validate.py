@@ -44,8 +44,8 @@ from onnx import helper, shape_inference, version_converter
 
 from graphopt.errors import UserError
 from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
-from graphopt.onnx_io import (SUPPORTED_DTYPES, InputShapes, apply_input_shapes, ir_version_for, load_model,
-                              require_static_inputs, without_weight_data)
+from graphopt.onnx_io import (DEFAULT_DOMAINS, SUPPORTED_DTYPES, InputShapes, apply_input_shapes, ir_version_for,
+                              load_model, require_static_inputs, without_weight_data)
 
 # The newest IR version onnxruntime 1.31 reads; the pinned onnx writes 14 by default (onnx.IR_VERSION), so a
 # model saved with a plain onnx.helper.make_model is one onnxruntime rejects.
@@ -61,7 +61,6 @@ ORT_OLDEST_OPSET = 7
 # implementation as old as their operator's version at opset 7, 37 at opset 11 and 12, 5 at opset 13 (Slice-1
 # of an opset-6 model upgraded to 7 or 9 is rejected by it; upgraded to 13, the model compiles and matches).
 UPGRADE_OPSET = 13
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 log = logging.getLogger(__name__)
 
 
@@ -220,11 +219,11 @@ def check_versions(model: onnx.ModelProto) -> None:
     """Opsets the pinned onnx knows and IR versions it defines (onnxruntime's own limits: check_onnxruntime)."""
     newest = onnx.defs.onnx_opset_version()
     for o in model.opset_import:
-        if o.domain in _DEFAULT_DOMAINS and o.version > newest:
+        if o.domain in DEFAULT_DOMAINS and o.version > newest:
             raise UserError(f"the model imports opset {o.version} of the default ONNX domain, newer than the "
                             f"installed onnx knows ({newest}): re-export with an older opset, e.g. "
                             "torch.onnx.export(..., opset_version=17)")
-        if o.domain in _DEFAULT_DOMAINS and o.version < 1:
+        if o.domain in DEFAULT_DOMAINS and o.version < 1:
             raise UserError(f"the model imports opset {o.version} of the default ONNX domain: re-export it "
                             "with a valid opset (e.g. 17)")
     if model.ir_version > onnx.IR_VERSION:
@@ -429,7 +428,7 @@ def tensor_sizes(model: onnx.ModelProto) -> list[TensorSize]:
             seen.add(vi.name)
             out.append(TensorSize(vi.name, tuple(int(d.dim_value) for d in tt.shape.dim), dtype, kind))
     for n in g.node:  # Constant nodes hold weights too
-        if n.op_type == "Constant" and n.domain in _DEFAULT_DOMAINS:
+        if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS:
             for a in n.attribute:
                 if a.type == onnx.AttributeProto.TENSOR and n.output[0] not in seen:
                     seen.add(n.output[0])
@@ -462,7 +461,7 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> tuple[
 
 def _default_opset(model: onnx.ModelProto) -> int | None:
     """The version of the default ONNX domain the model imports (None: it imports none)."""
-    return next((o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS), None)
+    return next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), None)
 
 
 def upgrade_opset(model: onnx.ModelProto, path: str | os.PathLike, upgrade: OpsetUpgrade) -> onnx.ModelProto:
@@ -495,7 +494,7 @@ def _conversion_failure(model: onnx.ModelProto, opset: int, exc: Exception) -> s
     """Why the converter failed, in words: the operators that no longer exist at ``opset`` (opset 1's experimental
     ImageScaler or Crop: the converter's own message is an unformatted C++ assertion), else its message."""
     gone = sorted({n.op_type for n in model.graph.node
-                   if n.domain in _DEFAULT_DOMAINS and not _has_schema(n.op_type, opset)})
+                   if n.domain in DEFAULT_DOMAINS and not _has_schema(n.op_type, opset)})
     if gone:
         return f"{', '.join(gone)} {'does' if len(gone) == 1 else 'do'} not exist at opset {opset}"
     return re.sub(r"^\S+:\d+: \w+: ", "", _first_line(str(exc)))  # the converter's source location

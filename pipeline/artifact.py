@@ -297,7 +297,7 @@ class Model:
         except ValueError as exc:
             raise self._signature_error(exc) from None
         except AssertionError as exc:  # model.so's own check of a value it is built for (pipeline.value_guard)
-            raise UserError(_first_line(exc)) from None
+            raise UserError(_vm_message(exc)) from None
         return {t.name: v for t, v in zip(self.outputs, values)}
 
     def _signature_error(self, exc: ValueError) -> Exception:
@@ -458,8 +458,8 @@ def check_files(directory: Path, dep: Mapping[str, Any]) -> None:
                             "again or rebuild")
 
 
-def _first_line(exc: BaseException) -> str:
-    """The message of a runtime error raised inside the VM, without TVM's traceback lines."""
+def _vm_message(exc: BaseException) -> str:
+    """The message of an error raised inside the VM: its last line, after TVM's traceback lines."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return (lines[-1] if lines else type(exc).__name__)[:300]
 

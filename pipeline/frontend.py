@@ -22,6 +22,7 @@ from graphopt.cleanup import fold_shapes
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.legalize import LOWERINGS, Legalized, legalize
+from graphopt.onnx_io import DEFAULT_DOMAINS
 from graphopt.specialize import SHAPE_ONLY, SHAPE_OPERANDS
 
 # Converters TVM has but that fail on a case graphopt rewrites (its lowering declines every other case):
@@ -36,7 +37,6 @@ BRANCH_BLOCKERS = frozenset(LOWERINGS)
 # packed function vm.builtin.tensor_to_shape), ConstantOfShape with an AssertionError, Tile with a kernel of
 # symbolic shape, Reshape with a TypeError.
 VALUE_SHAPED = {op: SHAPE_OPERANDS[op] for op in ("Expand", "ConstantOfShape", "Tile", "Reshape")}
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _tvm_converters() -> frozenset[str] | None:
@@ -68,7 +68,7 @@ def _runtime_values(graph: Graph) -> dict[str, str]:
     topological order) computed from the values of a runtime input; Shape and Size read only its shape."""
     origin = {i.name: i.name for i in graph.inputs if i.name not in graph.initializers}
     for n in graph.nodes:
-        if n.op_type in SHAPE_ONLY and n.domain in _DEFAULT_DOMAINS:
+        if n.op_type in SHAPE_ONLY and n.domain in DEFAULT_DOMAINS:
             continue
         source = next((origin[t] for t in n.inputs if t in origin), None)
         if source is not None:
@@ -81,7 +81,7 @@ def _check_value_shapes(graph: Graph) -> None:
     a runtime input, and that input."""
     origin = _runtime_values(graph)
     for n in graph.nodes:
-        operands = VALUE_SHAPED.get(n.op_type, {}) if n.domain in _DEFAULT_DOMAINS else {}
+        operands = VALUE_SHAPED.get(n.op_type, {}) if n.domain in DEFAULT_DOMAINS else {}
         for k, operand in operands.items():
             if k < len(n.inputs) and n.inputs[k] in origin:
                 raise UserError(f"{n.op_type} node {n.name!r} takes its {operand} from the values of input "

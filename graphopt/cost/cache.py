@@ -103,7 +103,7 @@ def _unusable(path: Path, why: str) -> None:
 
 
 def _reason(exc: Exception) -> str:
-    """The OS's words for a failed write: write_text_atomic wraps the OSError in a sentence of its own."""
+    """The OS's words for a failed read or write (write_text_atomic wraps the OSError in a sentence of its own)."""
     cause = exc if isinstance(exc, OSError) else exc.__context__
     return (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(exc)
 
@@ -132,7 +132,7 @@ def _read_bytes(path: Path) -> bytes | None:
     except FileNotFoundError:
         return b""
     except OSError as exc:
-        _unusable(path, exc.strerror or str(exc))
+        _unusable(path, _reason(exc))
         return None
     with os.fdopen(fd, "rb") as f:
         try:
@@ -141,7 +141,7 @@ def _read_bytes(path: Path) -> bytes | None:
                 return None
             return f.read()
         except OSError as exc:
-            _unusable(path, exc.strerror or str(exc))
+            _unusable(path, _reason(exc))
             return None
 
 
