@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -78,6 +78,7 @@ class Comparison:
     top1_agreement: float | None = None  # classifier-like outputs only; lowest over outputs and input sets
     outputs: int = 0
     input_sets: int = 0
+    quantization: dict | None = None  # a quantized model's per-output tolerances (graphopt.quant_tolerance)
 
     def reason(self) -> str:
         """What failed, in words ("" when ok)."""
@@ -123,7 +124,7 @@ class Comparison:
             nan_mismatch=self.nan_mismatch + other.nan_mismatch, inf_mismatch=self.inf_mismatch + other.inf_mismatch,
             shape_mismatch=self.shape_mismatch + other.shape_mismatch,
             top1_agreement=min(top1) if top1 else None, outputs=max(self.outputs, other.outputs),
-            input_sets=self.input_sets + other.input_sets)
+            input_sets=self.input_sets + other.input_sets, quantization=self.quantization or other.quantization)
 
 
 def _classifier_like(ref: np.ndarray) -> bool:
@@ -168,16 +169,21 @@ def _compare_one(ref: np.ndarray, got: np.ndarray, index: int, tol: Tolerance | 
     return res
 
 
+Tolerances = Union[Tolerance, Sequence[Tolerance], None]
+
+
 def compare_outputs(ref: Sequence[np.ndarray], got: Sequence[np.ndarray],
-                    tolerance: Tolerance | None = None) -> Comparison:
-    """Compare one run's outputs (in output order) with the reference's; ``tolerance`` overrides the
+                    tolerance: Tolerances = None) -> Comparison:
+    """Compare one run's outputs (in output order) with the reference's; ``tolerance`` (one for all
+    outputs, or one per output: a quantized model's, :mod:`graphopt.quant_tolerance`) overrides the
     per-dtype table (:data:`TOLERANCES`)."""
     if len(ref) != len(got):
         return Comparison(ok=False, max_abs_err=math.inf, max_rel_err=math.inf, worst=math.inf,
                           shape_mismatch=[f"{len(ref)} outputs vs {len(got)}"], outputs=len(ref), input_sets=1)
     total: Comparison | None = None
     for i, (x, y) in enumerate(zip(ref, got)):
-        one = _compare_one(np.asarray(x), np.asarray(y), i, tolerance)
+        tol = tolerance if tolerance is None or isinstance(tolerance, Tolerance) else tolerance[i]
+        one = _compare_one(np.asarray(x), np.asarray(y), i, tol)
         total = one if total is None else total.merge(one)
     total = total or Comparison()
     total.outputs = len(ref)
@@ -186,7 +192,7 @@ def compare_outputs(ref: Sequence[np.ndarray], got: Sequence[np.ndarray],
 
 
 def compare_runs(pairs: Sequence[tuple[Sequence[np.ndarray], Sequence[np.ndarray]]],
-                 tolerance: Tolerance | None = None) -> Comparison:
+                 tolerance: Tolerances = None) -> Comparison:
     """The verdict over several input sets: ``pairs`` holds (reference outputs, our outputs) per set."""
     total: Comparison | None = None
     for ref, got in pairs:

@@ -134,11 +134,12 @@ def run_ort(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray], threads:
 
 
 def run_ort_sets(model: onnx.ModelProto | str, sets: list[dict[str, np.ndarray]],
-                 threads: int = 0) -> list[list[np.ndarray]]:
-    """onnxruntime's outputs on each input set, from one session.  A failure on the inputs we chose is the
+                 threads: int = 0, optimize: bool = True) -> list[list[np.ndarray]]:
+    """onnxruntime's outputs on each input set, from one session (``optimize=False``: with its graph
+    optimizations off).  A failure on the inputs we chose is the
     user's to fix with ``--inputs`` (a Reshape fed a random shape tensor, an index out of range), so it is
     a UserError."""
-    sess = ort_session(model, threads)
+    sess = ort_session(model, threads, optimize=optimize)
     names = {i.name for i in sess.get_inputs()}
     out = []
     for feeds in sets:

@@ -27,7 +27,7 @@ from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
 from kerneltune.targets.threads import fork_safe, use_threads
 from pipeline.artifact import Model, read_report
-from pipeline.context import BuildContext, TuneOptions
+from pipeline.context import PRECISIONS, BuildContext, TuneOptions
 
 _PATH, _OPTIONAL_PATH = (str, os.PathLike), (str, os.PathLike, type(None))
 _INT, _OPTIONAL_INT = (numbers.Integral,), (numbers.Integral, type(None))
@@ -52,6 +52,7 @@ ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
     "rpc": (_OPTIONAL_STR, "'HOST:PORT:KEY' of a TVM RPC tracker, or None"),
     "skip_tune": ((bool,), "True or False"),
     "progress": ((bool,), "True or False"),
+    "precision": ((str,), f"one of {', '.join(PRECISIONS)}"),
 }
 
 
@@ -72,6 +73,8 @@ def _valid_value(name: str, value: Any) -> bool:
         return TuneOptions(**{name: value}).invalid() is None
     if name == "seed":
         return value >= 0
+    if name == "precision":
+        return value in PRECISIONS
     if name == "input_shapes" and value is not None:
         return all(isinstance(k, str) and not isinstance(v, (str, bytes)) and hasattr(v, "__iter__")
                    and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in v)
@@ -92,11 +95,13 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
              input_shapes: Mapping[str, Any] | None = None, inputs: str | os.PathLike | Mapping[str, Any] | None = None,
              skip_graph: bool = False, seed: int = 0, kernels: str | None = None, scheduler: str = "gradient",
              searcher: str = "opevo", records: str | os.PathLike | None = None, rpc: str | None = None,
-             skip_tune: bool = False, progress: bool = False) -> Model:
+             skip_tune: bool = False, progress: bool = False, precision: str = "fp32") -> Model:
     """Optimize and compile ``model`` (a path or an ``onnx.ModelProto``) for ``target`` as optimize-model
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
-    checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do."""
+    checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do.
+    ``precision="int8"`` quantizes the model with onnxruntime first, calibrated on ``inputs``
+    (:mod:`pipeline.quantize`; the accuracy vs fp32 in report.json's ``precision``)."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
     from pipeline.optimize_model import optimize_model  # deferred: loads TVM
 
@@ -116,7 +121,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
         tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
                              skip_tune, progress)
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
-                                  input_shapes=shapes, inputs=str(inputs) if inputs is not None else None)
+                                  input_shapes=shapes, inputs=str(inputs) if inputs is not None else None,
+                                  precision=precision)
         optimize_model(str(model), str(out), ctx)
         built = Model(out, read_report(out), n)
     except BaseException:

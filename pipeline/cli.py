@@ -41,8 +41,9 @@ from kerneltune.targets.registry import KINDS
 from kerneltune.targets.threads import use_threads
 from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
-from pipeline.context import BuildContext, TuneOptions
+from pipeline.context import PRECISIONS, BuildContext, TuneOptions
 from pipeline.optimize_model import optimize_model
+from pipeline.quantize import PRECISION_HELP, accuracy_phrase
 from pipeline.report import slower_warning
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
     p.add_argument("--time-limit", type=seconds, default=TIME_LIMIT, metavar="SECONDS",
                    help=f"bound on the whole graph stage: pricing, search, end-to-end timing (default {TIME_LIMIT:g})")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=PRECISION_HELP)
     t = p.add_argument_group("kernel tuning")
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
@@ -110,7 +112,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
-                              input_shapes=parse_input_shapes(args.input_shape), inputs=args.inputs)
+                              input_shapes=parse_input_shapes(args.input_shape), inputs=args.inputs,
+                              precision=args.precision)
     res = optimize_model(args.model, args.output, ctx)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
@@ -118,6 +121,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
         check += f", top-1 agreement {comp['top1_agreement']:.1%}"
     if comp.get("not_run"):
         check += f"; kernels not run: {comp['not_run']}"
+    if accuracy_phrase(res.report.get("precision")):
+        check += f"; {accuracy_phrase(res.report['precision'])}"
     print(f"wrote {display_path(res.out_dir)}/optimized.onnx, model.so, report.json "
           f"({len(res.report['tasks'])} kernels; {check})")
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")

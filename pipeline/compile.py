@@ -30,6 +30,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from graphopt.compare import Comparison, compare_runs
+from graphopt.quant_tolerance import model_tolerance
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
@@ -218,5 +219,9 @@ def check_outputs(compiled: CompiledModel, graph: Graph, reference: onnx.ModelPr
     :data:`~graphopt.feeds.CHECK_INPUT_SETS` seeded random sets drawn for ``graph`` - and compare."""
     sets = feed_sets(graph, seed, samples)
     refs = run_ort_sets(reference, sets, threads)
+    quantized = model_tolerance(reference, sets, refs, threads)  # a quantized model: per-output allowances
     vm, dev = compiled.vm(), device_for(compiled.spec)
-    return compare_runs([(ref, run(vm, to_device(feeds, compiled.input_names, dev))) for feeds, ref in zip(sets, refs)])
+    check = compare_runs([(ref, run(vm, to_device(feeds, compiled.input_names, dev))) for feeds, ref in zip(sets, refs)],
+                         quantized.tolerances if quantized else None)
+    check.quantization = quantized.to_json() if quantized else None
+    return check

@@ -30,6 +30,8 @@ from kerneltune.targets.registry import TargetRequest
 if TYPE_CHECKING:
     from kerneltune.targets.registry import TargetSpec
 
+PRECISIONS = ("fp32", "int8")  # --precision: int8 quantizes the model first (pipeline.quantize)
+
 
 @dataclass(frozen=True)
 class TuneOptions:
@@ -88,6 +90,7 @@ class BuildContext:
     graph_time_limit: float = TIME_LIMIT  # --time-limit of the graph stage, seconds
     input_shapes: InputShapes | None = None  # --input-shape
     inputs: str | None = None  # --inputs FILE.npz
+    precision: str = "fp32"  # --precision (PRECISIONS)
     samples: dict[str, Any] | None = None  # its arrays, as checked (graphopt.validate.check_model): every check
     records: RecordLog | None = None  # the tuning records, opened once for the run
 
@@ -98,6 +101,8 @@ class BuildContext:
         request = target if isinstance(target, TargetRequest) else check_name(target)
         ctx = cls(request, **options)
         ctx.tuning.validate()
+        if ctx.precision not in PRECISIONS:  # argparse's choices refuse it first on the command line
+            raise UserError(f"--precision {ctx.precision!r}: use one of {', '.join(PRECISIONS)}")
         return ctx
 
     @cached_property

@@ -26,11 +26,11 @@ from graphopt.fileio import (check_output_dir, check_output_file, display_path, 
                              write_text_atomic)
 from graphopt.ir import Graph
 from graphopt.onnx_io import external_data_name, save_model
-from graphopt.validate import check_model
 from graphopt.specialize import specialize_model
 from pipeline.artifact import deployment, tensor_specs
 from pipeline.context import BuildContext
 from pipeline.frontend import BRANCH_BLOCKERS
+from pipeline.quantize import FP32, checked_model
 from pipeline.report import report_markdown
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
     the graph stage's and the tuning options).
 
     Every input problem is found before TVM loads (seconds): the target's spelling (read when ``ctx`` was
-    made), the output paths, the model (:func:`graphopt.validate.check_model`) and the control inputs whose
-    value the build needs (:func:`graphopt.specialize.specialize_model`: the build is specialized on their
+    made), the output paths, the model (:func:`graphopt.validate.check_model`; with ``--precision int8`` the
+    fp32 model, then onnxruntime's int8 model of it: :func:`pipeline.quantize.checked_model`) and the control
+    inputs whose value the build needs (:func:`graphopt.specialize.specialize_model`: the build is specialized on their
     ``inputs`` values, and report.json's signature records them); then DIR is locked (another run into it is
     refused).  The artifacts are written only after the compiled model matched onnxruntime, into a new folder
     that takes DIR's place in one step (:func:`graphopt.fileio.lock_output_dir`): a run killed at any moment
@@ -68,7 +69,8 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
     if tuning.enabled:  # a records path we cannot write, or one another tuner holds
         check_output_file(records, "--records")
         ctx.records.check_free()
-    model = check_model(model_path, ctx.input_shapes, ctx.inputs)
+    # --precision int8: the input quantized by onnxruntime, checked, and every stage below works on it
+    model, precision = checked_model(model_path, ctx)
     ctx = ctx.with_model(model.samples)
     source, specialized = specialize_model(model, BRANCH_BLOCKERS)  # the model as compiled
     check_output_dir(out, "-o", need_bytes=output_bytes(model.proto))
@@ -178,6 +180,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                                      tensor_specs(imported.graph.outputs), new),
                 "specialized": specialized.to_json() if specialized else None,
                 "opset_upgrade": model.upgrade.to_json() if model.upgrade else None,  # compiled at a newer opset
+                "precision": precision.to_json() if precision else FP32,
                 "latency": latency,
                 "dynamic_shapes": dynamic.to_json(),
                 "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}

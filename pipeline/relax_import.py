@@ -41,6 +41,7 @@ from kerneltune.templates.cpu import vector_padding, weight_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
+from pipeline.int8 import integer_compute
 from pipeline.sink_slices import MIN_KEPT, sink_padding_slices
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
         raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
     # constants computed in the graph (an unrolled GRU's weights: a transpose of a Gather of an initializer)
     # become constants first, so that the rewrites see them (the weight padding)
+    mod = integer_compute(mod)  # before folding: the int8 weights are still int8 (pipeline.int8)
     with quiet_native_stderr():
         mod = fold_constants(mod)
     return sink_padding_slices(import_rewrites(mod))

@@ -56,6 +56,15 @@ def report_markdown(report: dict[str, Any]) -> str:
                   "`bench-model` for a longer comparison)", ""]
     elif lat:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
+    prec = report.get("precision") or {}
+    if prec.get("precision") == "int8":  # pipeline.quantize
+        acc = prec["accuracy_vs_fp32"]
+        top1 = f", top-1 agreement {acc['top1_agreement']:.1%}" if acc.get("top1_agreement") is not None else ""
+        cos = f", cosine {acc['cosine_similarity']:.6f}" if acc.get("cosine_similarity") is not None else ""
+        lines += ["## Precision", "",
+                  f"int8 by onnxruntime {prec['onnxruntime_version']} ({prec['method']}: {prec['why']}); vs the fp32 "
+                  f"model on {prec['measured_on']} inputs: max abs err {float(acc['max_abs_err']):.3g}{cos}{top1}.",
+                  ""]
     lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
     for name, st in report["stages"].items():
         # per-item detail (tasks, kernels, Winograd's layer prices) stays in report.json

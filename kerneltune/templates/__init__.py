@@ -16,7 +16,8 @@ API used by the searchers, the measurer and the pipeline:
 
 Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets.registry` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
-(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`.  For CPU code use
+(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; u8 x s8 matmuls by a weight on a
+CPU with AVX-512 VNNI -> :mod:`.int8`.  For CPU code use
 :func:`kerneltune.targets.host.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tvm import s_tir
 from ..space import SearchSpace
 from ..task import Task, classify_primfunc
 from ..targets.registry import kind_of
-from . import conv_nchwc, cpu, cpu_nchwc, gpu
+from . import conv_nchwc, cpu, cpu_nchwc, gpu, int8
 from .common import InvalidConfig
 
 __all__ = ["space_for", "apply", "schedule", "default_config", "InvalidConfig", "template_for", "task_for"]
@@ -52,6 +53,8 @@ def _template(task: Task, t: tvm.target.Target):
 
             raise UserError(f"NCHWc convolutions are a CPU layout; no {t.kind.name} template for {task.name}")
         return cpu_nchwc
+    if int8.applies(task, t):  # u8 x s8 products by a weight, where the CPU has a dot-product instruction
+        return int8
     return template_for(t)
 
 

@@ -1,0 +1,154 @@
+"""CPU template for u8 x s8 -> s32 matmuls by a constant weight: the dot-product instruction as the inner loop.
+
+Which tasks: a matmul (or batch-1 matmul: leading extent-1 axes) whose anchor accumulates
+``int32(A[.., k]) * int32(B[k, j])`` with A uint8 and B an int8 model weight, on a target with AVX-512 VNNI
+(:mod:`pipeline.int8` puts every quantized product of a model in this form).  Other int8 products, and every
+target without VNNI, take the generic template (:mod:`.cpu`), which LLVM vectorizes as widened int32
+multiply-adds: correct, about 3x slower than VNNI.
+
+Loop nest (rows = every spatial axis but the last, fused; ``j`` the columns; ``k`` the reduction)::
+
+    parallel(rows_o, j_o)                 # output tiles over the cores
+      j_1                                 # <- write-back (the dequantize / requantize epilogue) here
+        k_o                               # k-block: the B panel (kb x nv*16 bytes) stays in L1
+          k_i                             #   groups of 4
+            rows_r (unrolled)             # register tile: mr rows x nv vectors of 16 int32 accumulators
+              j_v (unrolled)
+                [16 lanes x 4 deep]       # tensorized: one vpdpbusd (:mod:`.int8_intrin`)
+
+B is pre-packed at build time as ``[N/16, K/4, 16, 4]`` (each instruction's 64 bytes contiguous), with the
+same layout-rewrite mechanism as the fp32 template's panels (:mod:`kerneltune.prepack`).  A is read in place:
+its 4 bytes of ``k`` are contiguous in a row.
+
+Knobs: ``tile_rows`` (outer, register rows), ``tile_j`` (outer, write-back tile, vectors in the register
+tile; in units of 16 columns), ``tile_k`` (k-blocks, groups of 4 per block).  Defaults from the machine:
+the register tile fills :func:`~kerneltune.targets.host.vector_registers` minus the B vectors and the
+broadcast, and the k-block keeps the B panel in half of L1.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.target import codegen
+
+from ..prepack import PREPROC
+from ..space import FactorKnob, SearchSpace
+from ..task import Task, _mac_operands, root_blocks
+from ..targets.host import vector_registers
+from . import int8_intrin
+from .common import InvalidConfig, check_config
+
+LANES, DEPTH = int8_intrin.LANES, int8_intrin.DEPTH
+L1_BYTES = 32 * 1024  # the smallest L1d of the x86 CPUs with VNNI (Ice Lake client); half holds the B panel
+
+
+def applies(task: Task, target: tvm.target.Target) -> bool:
+    """Whether this template schedules ``task`` on ``target`` (module docstring)."""
+    if task.kind not in ("matmul", "batch_matmul") or task.dtype != "int32" or task.dims.get("B", 1) != 1:
+        return False
+    if task.dims.get("ta") or task.dims.get("tb"):
+        return False
+    if target.kind.name != "llvm" or not codegen.target_has_features("avx512vnni", target):
+        return False
+    operands = _operands(task)
+    if operands is None:
+        return False
+    (a_name, a_dtype), (b_name, b_dtype) = operands
+    k, n = task.dims["K"], task.dims["N"]
+    return (a_dtype == "uint8" and b_dtype == "int8" and b_name in task.weights
+            and k % DEPTH == 0 and n % LANES == 0)
+
+
+def _operands(task: Task) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """(name, dtype) of the anchor's A and B loads (through their int32 casts)."""
+    block = next((b for b in root_blocks(task.func) if b.name_hint == task.anchor), None)
+    ops = _mac_operands(block) if block is not None else None
+    if ops is None:
+        return None
+    (a, b) = ops  # TOPI's matmul multiplies int32(A) * int32(B), in that order
+    return (a.source.name, str(a.source.dtype)), (b.source.name, str(b.source.dtype))
+
+
+def _extents(task: Task) -> tuple[int, int, int]:
+    return task.dims["M"], task.dims["N"], task.dims["K"]
+
+
+def space(task: Task) -> SearchSpace:
+    m, n, k = _extents(task)
+    return SearchSpace([FactorKnob("tile_rows", m, 2), FactorKnob("tile_j", n // LANES, 3),
+                        FactorKnob("tile_k", k // DEPTH, 2)])
+
+
+def default_config(task: Task, target: tvm.target.Target):
+    """Register tile: ``nv`` vectors x ``mr`` rows of accumulators, with one register per B vector and one
+    for A's broadcast (32 AVX-512 registers: 4 x 6 = 24 accumulators + 4 + 1); the k-block holds the B
+    panel (``kb x nv x 64`` bytes) in half of L1; the write-back tile is the register tile; the parallel
+    loop gets at least two chunks per core."""
+    m, n, k = _extents(task)
+    groups, kgroups = n // LANES, k // DEPTH
+    regs = vector_registers(target)
+    nv = max(d for d in _divisors(groups) if d <= 4)
+    mr = max(d for d in _divisors(m) if d <= max(1, (regs - nv - 1) // nv))
+    kb = max(d for d in _divisors(kgroups) if d * DEPTH * nv * LANES <= L1_BYTES // 2)
+    cfg = {"tile_rows": (m // mr, mr), "tile_j": (groups // nv, 1, nv), "tile_k": (kgroups // kb, kb)}
+    return tuple(cfg[kn.name] for kn in space(task).knobs)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
+    cfg = check_config(space(task), config)
+    (rows_o, mr), (j_o, j_1, nv), (k_o, kb) = cfg["tile_rows"], cfg["tile_j"], cfg["tile_k"]
+    sch = s_tir.Schedule(task.func)
+    anchor = sch.get_sblock(task.anchor)
+    root = sch.get_sblock(task.func.body.block.name_hint)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+    pos = names.index(task.anchor)
+    for name in names[:pos]:  # producers (a zero-point cast): inlined into the anchor
+        sch.compute_inline(sch.get_sblock(name))
+    epilogue = names[pos + 1:]
+    for name in epilogue[:-1]:
+        sch.compute_inline(sch.get_sblock(name))
+    if epilogue:
+        writeback = sch.get_sblock(epilogue[-1])
+        sch.set_scope(anchor, 0, "local")
+    else:
+        writeback = sch.cache_write(anchor, 0, "local")
+    packed = sch.cache_read(anchor, _b_index(sch, anchor, task), "global")
+    sch.transform_layout(packed, ("write", 0), lambda kk, j: (j // LANES, kk // DEPTH, j % LANES, kk % DEPTH))
+    sch.annotate(packed, PREPROC, True)
+    loops = sch.get_loops(anchor)
+    *row_loops, j, kk = loops
+    rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
+    r0, r1 = sch.split(rows, [rows_o, mr])
+    j0, j1, j2, j3 = sch.split(j, [j_o, j_1, nv, LANES])
+    k0, k1, k2 = sch.split(kk, [k_o, kb, DEPTH])
+    sch.reorder(r0, j0, j1, k0, k1, r1, j2, j3, k2)
+    outer = sch.fuse(r0, j0)
+    sch.parallel(outer)
+    sch.reverse_compute_at(writeback, j1)
+    wb_loops = sch.get_loops(writeback)
+    inner = sch.get(wb_loops[-1]).extent
+    if int(inner) % LANES == 0:
+        lo, li = sch.split(wb_loops[-1], [None, LANES])
+        sch.vectorize(li)
+    sch.decompose_reduction(anchor, k0)
+    sch.unroll(r1)
+    sch.unroll(j2)
+    try:
+        sch.tensorize(j3, int8_intrin.VNNI_512)
+    except RuntimeError as exc:  # TVM's InternalError / ScheduleError: a tile that breaks the 16 x 4 pattern
+        raise InvalidConfig(f"int8 tile does not tensorize: {str(exc).splitlines()[0][:200]}") from None
+    return sch
+
+
+def _b_index(sch, anchor, task: Task) -> int:
+    names = [r.source.name for r in sch.get(anchor).reads]
+    b_name = _operands(task)[1][0]
+    return names.index(b_name)
+
+
+def apply(task: Task, config, target: tvm.target.Target) -> tirx.PrimFunc:
+    return schedule(task, config, target).mod["main"].with_attr("tirx.is_scheduled", True)

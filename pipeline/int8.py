@@ -1,0 +1,345 @@
+"""Quantized operators computed in integers: u8 x s8 -> s32 products, the requantization in the epilogue.
+
+TVM's ONNX importer keeps a quantized model's meaning but not its arithmetic: QDQ (onnxruntime's
+``quantize_static``) becomes ``dequantize -> float conv/matmul -> quantize``, and ``MatMulInteger``
+(``quantize_dynamic``) becomes a product of int32-widened operands.  Both run as float or int32 kernels,
+slower than the fp32 model.  This pass rewrites them, right after the import (before constants fold, so the
+int8 weights are still int8), into what onnxruntime's own kernels compute (its QLinearConv and MLAS QGEMM):
+
+* **the product** in integers, ``A (u8) x B (s8) -> s32``, the operand types every x86 dot-product
+  instruction takes (AVX-512 VNNI ``vpdpbusd``, AVX-VNNI, and AVX2's ``vpmaddubsw``); an s8 activation is
+  shifted to u8 (+128) and a u8 weight to s8 (-128), the shifts moved into the zero-point terms;
+* **the zero points** as corrections outside the product: ``(A - za)(B - zb) = AB - za colsum(B)
+  - zb rowsum(A) + K za zb``, where ``colsum(B)`` of a constant weight is a constant.  A conv's padding is
+  the input's zero point (a padded element dequantizes to 0), padded explicitly before the product;
+* **the bias** (quantize_static's int32 bias, scale ``xs * ws``) added to the accumulator in integers;
+* **the requantization** ``round(acc * (xs * ws / ys)) + yz``, with the multiplier computed in float32 as
+  onnxruntime computes it, so a following ``quantize`` rounds the same value onnxruntime rounds; where no
+  ``quantize`` follows, ``acc * (xs * ws)`` (the dequantized product).
+
+Everything after the product is elementwise, so Relax's fusion puts it into the product's kernel as its
+epilogue; the ``dequantize`` of the next layer's input disappears, so u8 activations stay u8 between
+layers.  Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
+scale, a non-constant weight) keep the importer's form, which is correct, only slower.
+
+Reference: ONNX operators QuantizeLinear, DequantizeLinear, MatMulInteger, QLinearConv
+(https://onnx.ai/onnx/operators/); onnxruntime's quantization docs
+(https://onnxruntime.ai/docs/performance/model-optimizations/quantization.html).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+INT8_TYPES = ("uint8", "int8")
+
+
+@dataclass
+class _Dequantized:
+    """``dequantize(q, scale, zp, axis)``: the quantized tensor and its constant parameters."""
+
+    q: relax.Expr
+    scale: np.ndarray  # float32, scalar or per-channel along ``axis``
+    zp: np.ndarray  # int32, same shape as ``scale``
+    axis: int
+
+
+def _op_name(e) -> str | None:
+    return e.op.name if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None
+
+
+def _dtype(e: relax.Expr) -> str:
+    return str(getattr(e.ty, "dtype", ""))
+
+
+def _shape(e: relax.Expr) -> tuple[int, ...] | None:
+    shape = getattr(e.ty, "shape", None)
+    try:
+        return tuple(int(d) for d in shape) if shape is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+@mutator
+class _IntegerCompute(PyExprMutator):
+    """Rewrites every quantized product it recognizes; see the module docstring."""
+
+    def value(self, e: relax.Expr) -> relax.Expr:
+        """What ``e`` is bound to (through variables), else ``e``."""
+        while isinstance(e, relax.Var):
+            bound = self.lookup_binding(e)
+            if bound is None:
+                return e
+            e = bound
+        return e
+
+    def const(self, e: relax.Expr) -> np.ndarray | None:
+        """The value of a constant, seen through variables, casts and reshapes; None when not constant."""
+        e = self.value(e)
+        name = _op_name(e)
+        if isinstance(e, tvm.ir.Constant):
+            return np.asarray(e.value.numpy())
+        if name == "relax.astype":
+            inner = self.const(e.args[0])
+            return None if inner is None else np.asarray(inner.astype(str(e.attrs.dtype)))
+        if name in ("relax.reshape", "relax.expand_dims", "relax.squeeze"):  # shape-only: the values reshaped
+            inner, shape = self.const(e.args[0]), _shape(e)
+            return None if inner is None or shape is None else inner.reshape(shape)
+        return None
+
+    def dequantized(self, e: relax.Expr) -> _Dequantized | None:
+        """``e`` as a dequantize of an 8-bit tensor with constant scale and zero point."""
+        e = self.value(e)
+        if _op_name(e) != "relax.dequantize" or _dtype(e.args[0]) not in INT8_TYPES:
+            return None
+        scale, zp = self.const(e.args[1]), self.const(e.args[2])
+        if scale is None or zp is None or scale.dtype != np.float32:
+            return None
+        return _Dequantized(e.args[0], scale, zp.astype(np.int32), int(e.attrs.axis))
+
+    def emit(self, expr: relax.Expr) -> relax.Var:
+        return self.builder_.emit(expr)
+
+    # -- operands in the form the dot-product instructions take ---------------------------------------------
+
+    def unsigned(self, q: relax.Expr, zp):
+        """An activation as u8 with its zero point: an s8 tensor shifted by +128 (zp too)."""
+        if _dtype(q) == "uint8":
+            return q, zp
+        shifted = self.emit(relax.op.add(relax.op.astype(q, "int32"), relax.const(128, "int32")))
+        shifted_zp = zp + 128 if isinstance(zp, (int, np.ndarray, np.generic)) else self.emit(relax.op.add(zp, relax.const(128, "int32")))
+        return self.emit(relax.op.astype(shifted, "uint8")), shifted_zp
+
+    @staticmethod
+    def signed_weight(w: np.ndarray, zp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A constant weight as s8 with its zero point: a u8 weight shifted by -128 (zp too)."""
+        if w.dtype == np.int8:
+            return w, zp.astype(np.int32)
+        return (w.astype(np.int16) - 128).astype(np.int8), zp.astype(np.int32) - 128
+
+    # -- the rewrites ---------------------------------------------------------------------------------------
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
+        call = super().visit_call_(call)
+        name = _op_name(call)
+        out = None
+        if name == "relax.nn.conv2d" and _dtype(call).startswith("float"):
+            out = self.quantized_conv(call)
+        elif name == "relax.matmul" and _dtype(call).startswith("float"):
+            out = self.quantized_matmul(call)
+        elif name == "relax.matmul" and _dtype(call) == "int32":
+            out = self.integer_matmul(call)
+        elif name == "relax.add":
+            out = self.integer_bias(call)
+        elif name == "relax.quantize":
+            out = self.requantize(call)
+        return call if out is None else out
+
+    def quantized_conv(self, call: relax.Call) -> relax.Expr | None:
+        """``conv2d(dequantize(x), dequantize(W))`` -> ``conv2d(pad(x, xz), W) - xz sum(W)`` in int32, times
+        ``xs ws`` (module docstring)."""
+        a = call.attrs
+        x, w = self.dequantized(call.args[0]), self.dequantized(call.args[1])
+        if (x is None or w is None or x.scale.size != 1 or a.data_layout != "NCHW" or a.kernel_layout != "OIHW"
+                or a.out_layout not in ("", "NCHW")):
+            return None
+        weight = self.const(w.q)
+        out_channels = weight.shape[0] if weight is not None else 0
+        if weight is None or w.scale.size not in (1, out_channels) or (w.scale.size > 1 and w.axis != 0):
+            return None
+        weight, wz = self.signed_weight(weight, w.zp)
+        if np.any(wz != 0):
+            return None  # window sums of x would be needed: keep the float form
+        xq, xz = self.unsigned(x.q, int(x.zp.ravel()[0]))
+        pad = [int(p) for p in a.padding]  # top, left, bottom, right
+        if any(pad):
+            xq = self.emit(relax.op.nn.pad(xq, [0, 0, 0, 0, pad[0], pad[2], pad[1], pad[3]], pad_value=float(xz)))
+        acc = self.emit(relax.op.nn.conv2d(xq, relax.const(weight), strides=a.strides, padding=(0, 0, 0, 0),
+                                           dilation=a.dilation, groups=int(a.groups), out_dtype="int32"))
+        correction = xz * weight.astype(np.int32).reshape(out_channels, -1).sum(axis=1)
+        if np.any(correction != 0):
+            acc = self.emit(relax.op.subtract(acc, relax.const(correction.reshape(1, -1, 1, 1).astype(np.int32))))
+        scale = (np.float32(x.scale.ravel()[0]) * np.broadcast_to(w.scale.ravel(), (out_channels,))).astype(np.float32)
+        return self.scaled(acc, scale.reshape(1, -1, 1, 1))
+
+    def quantized_matmul(self, call: relax.Call) -> relax.Expr | None:
+        """``matmul(dequantize(x), W')`` with ``W'`` a dequantized constant (or its transpose, a Gemm's
+        ``transB``) -> the integer product times ``xs ws``."""
+        x = self.dequantized(call.args[0])
+        b = self.value(call.args[1])
+        transposed = _op_name(b) == "relax.permute_dims"
+        if transposed:
+            axes = [int(i) for i in b.attrs.axes] if b.attrs.axes is not None else [1, 0]
+            if axes != [1, 0]:
+                return None
+        w = self.dequantized(b.args[0] if transposed else b)
+        if x is None or w is None or x.scale.size != 1:
+            return None
+        weight = self.const(w.q)
+        if weight is None or weight.ndim != 2:
+            return None
+        # per-column parameters: along N, axis 1 of [K, N] (or axis 0 of the transposed [N, K])
+        column_axis = 0 if transposed else 1
+        if w.scale.size > 1 and w.axis != column_axis:
+            return None
+        if transposed:
+            weight = np.ascontiguousarray(weight.T)
+        n = weight.shape[1]
+        weight, wz = self.signed_weight(weight, np.broadcast_to(w.zp.ravel(), (n,)) if w.zp.size > 1 else w.zp.ravel()[:1])
+        acc = self.integer_product(x.q, relax.const(int(x.zp.ravel()[0]), "int32"), weight, wz.ravel())
+        scale = (np.float32(x.scale.ravel()[0]) * np.broadcast_to(w.scale.ravel(), (n,))).astype(np.float32)
+        return self.scaled(acc, scale)
+
+    def integer_matmul(self, call: relax.Call) -> relax.Expr | None:
+        """The importer's ``MatMulInteger``: ``matmul(astype(A, i32) - za, astype(B, i32) - zb)`` with B a
+        constant -> the u8 x s8 product and its zero-point terms."""
+        a, az = self._widened(call.args[0])
+        az_shape = _shape(az) if az is not None else ()
+        if a is None or az_shape is None or int(np.prod(az_shape)) != 1:
+            return None  # a per-row zero point of A: keep the int32 product
+        b, bz = self._widened(call.args[1])
+        if b is not None:
+            weight = self.const(b)
+            wz = np.zeros(1, np.int32) if bz is None else self.const(bz)
+        else:  # the importer folded ``astype(B) - zb`` of constants into one int32 constant
+            weight, wz = self._int8_span(self.const(call.args[1]))
+        if weight is None or wz is None or weight.ndim != 2:
+            return None
+        wz = wz.astype(np.int32).ravel()
+        if wz.size not in (1, weight.shape[1]):
+            return None
+        weight, wz = self.signed_weight(weight, wz)
+        return self.integer_product(a, az, weight, wz)
+
+    @staticmethod
+    def _int8_span(values: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """A 2-D integer constant ``[K, N]`` whose columns each span at most 256 values, as ``s8 - zp`` with a
+        zero point per column (``values = s8 - zp``): ``astype(B) - zb`` folded by the importer."""
+        if values is None or values.ndim != 2 or not np.issubdtype(values.dtype, np.integer) or values.size == 0:
+            return None, None
+        low, high = values.min(axis=0).astype(np.int64), values.max(axis=0).astype(np.int64)
+        if np.any(high - low > 255):
+            return None, None
+        offset = low + 128
+        return (values.astype(np.int64) - offset).astype(np.int8), (-offset).astype(np.int32)
+
+    def _widened(self, e: relax.Expr) -> tuple[relax.Expr | None, relax.Expr | None]:
+        """``astype(q, int32) [- zp]`` with ``q`` 8-bit and ``zp`` one value or one per column -> (q, zp as an
+        int32 expression or None)."""
+        e = self.value(e)
+        zp = None
+        if _op_name(e) == "relax.subtract":
+            e, zp = self.value(e.args[0]), e.args[1]
+        if _op_name(e) != "relax.astype" or _dtype(e.args[0]) not in INT8_TYPES:
+            return None, None
+        if zp is not None:
+            shape, columns = _shape(zp), (_shape(e) or (0,))[-1]
+            size = int(np.prod(shape)) if shape is not None else -1
+            if _dtype(zp) != "int32" or size not in (1, columns) or (size > 1 and shape[-1] != columns):
+                return None, None
+        return e.args[0], zp
+
+    def integer_product(self, a: relax.Expr, az: relax.Expr | None, weight: np.ndarray, wz: np.ndarray) -> relax.Expr:
+        """``(A - az)(W - wz)`` over the last axis of ``A`` (u8 or s8, any leading axes), W an s8 constant
+        ``[K, N]`` and ``wz`` its zero point (scalar or per column): the u8 x s8 product plus the zero-point
+        terms, in int32."""
+        k = weight.shape[0]
+        const_az = self.const(az) if az is not None else np.zeros((), np.int32)
+        a, az = self.unsigned(a, const_az.astype(np.int32) if const_az is not None else az)
+        acc = self.emit(relax.op.matmul(a, relax.const(weight), out_dtype="int32"))
+        if np.any(wz != 0):
+            rows = self.emit(relax.op.sum(relax.op.astype(a, "int32"), axis=[-1], keepdims=True))
+            acc = self.emit(relax.op.subtract(acc, relax.op.multiply(rows, relax.const(wz.astype(np.int32)))))
+        colsum = weight.astype(np.int32).sum(axis=0)
+        if isinstance(az, (np.ndarray, np.generic)):  # a constant zero point: one constant vector
+            term = int(np.asarray(az).ravel()[0]) * (colsum - k * wz)
+            if np.any(term != 0):
+                acc = self.emit(relax.op.subtract(acc, relax.const(term.astype(np.int32))))
+        else:  # a zero point computed at run time (DynamicQuantizeLinear): za (colsum - K wz)
+            term = relax.op.multiply(relax.op.reshape(az, ()) if _shape(az) != () else az,
+                                     relax.const((colsum - k * wz).astype(np.int32)))
+            acc = self.emit(relax.op.subtract(acc, term))
+        return acc
+
+    def scaled(self, acc: relax.Expr, scale: np.ndarray) -> relax.Expr:
+        """The dequantized accumulator ``float(acc) * scale``, in the form :meth:`integer_bias` and
+        :meth:`requantize` recognize."""
+        return relax.op.multiply(self.emit(relax.op.astype(acc, "float32")), relax.const(scale))
+
+    def _scaled_parts(self, e: relax.Expr) -> tuple[relax.Expr, np.ndarray] | None:
+        """``e`` as ``float(acc) * scale`` (what :meth:`scaled` made): (acc, scale)."""
+        e = self.value(e)
+        if _op_name(e) != "relax.multiply":
+            return None
+        cast = self.value(e.args[0])
+        scale = self.const(e.args[1])
+        if _op_name(cast) != "relax.astype" or _dtype(cast.args[0]) != "int32" or scale is None:
+            return None
+        return cast.args[0], scale
+
+    def integer_bias(self, call: relax.Call) -> relax.Expr | None:
+        """``float(acc) * s + dequantize(b_int32, s)`` -> ``float(acc + b) * s``: quantize_static's bias is
+        int32 at the product's scale, added in integers as onnxruntime's QLinearConv adds it."""
+        parts = self._scaled_parts(call.args[0])
+        bias = self.value(call.args[1])
+        reshape_to = None
+        if _op_name(bias) == "relax.reshape":
+            reshape_to, bias = _shape(bias), self.value(bias.args[0])
+        if parts is None or _op_name(bias) != "relax.dequantize" or _dtype(bias.args[0]) != "int32":
+            return None
+        acc, scale = parts
+        b, bs, bz = self.const(bias.args[0]), self.const(bias.args[1]), self.const(bias.args[2])
+        if b is None or bs is None or bz is None or np.any(bz != 0):
+            return None
+        b = b.reshape(reshape_to) if reshape_to else b
+        if b.shape != np.broadcast_shapes(b.shape, scale.shape) and b.size != scale.size:
+            return None
+        bs = np.broadcast_to(bs.reshape(bs.shape if bs.size == 1 else b.shape), b.shape)
+        if not np.allclose(bs.astype(np.float32), np.broadcast_to(scale, b.shape), rtol=1e-6, atol=0):
+            return None
+        total = self.emit(relax.op.add(acc, relax.const(b.astype(np.int32))))
+        return self.scaled(total, scale)
+
+    def requantize(self, call: relax.Call) -> relax.Expr | None:
+        """``quantize(float(acc) * s, ys, yz)`` -> ``clip(round(float(acc) * (s / ys)) + yz)``: onnxruntime's
+        requantization, with its float32 multiplier."""
+        parts = self._scaled_parts(call.args[0])
+        ys, yz = self.const(call.args[1]), self.const(call.args[2])
+        out_dtype = str(call.attrs.out_dtype)
+        if parts is None or ys is None or yz is None or ys.size != 1 or yz.size != 1 or out_dtype not in INT8_TYPES:
+            return None
+        acc, scale = parts
+        multiplier = (scale / np.float32(ys.ravel()[0])).astype(np.float32)
+        info = np.iinfo(out_dtype)
+        scaled = relax.op.multiply(self.emit(relax.op.astype(acc, "float32")), relax.const(multiplier))
+        shifted = relax.op.add(relax.op.round(scaled), relax.const(np.float32(yz.ravel()[0])))
+        return relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
+
+
+def integer_compute(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every recognized quantized product computed in integers (module docstring); a module
+    without quantized operators comes back unchanged."""
+    if not any(_has_quantized(f) for _, f in mod.functions_items() if isinstance(f, relax.Function)):
+        return mod
+    rewriter = _IntegerCompute(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            new = rewriter.visit_expr(func)
+            rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+    return rewriter.builder_.get()
+
+
+def _has_quantized(func: relax.Function) -> bool:
+    found = []
+
+    def visit(e):
+        if _op_name(e) in ("relax.dequantize", "relax.quantize") or (
+                _op_name(e) == "relax.matmul" and _dtype(e) == "int32"):
+            found.append(e)
+
+    relax.analysis.post_order_visit(func, visit)
+    return bool(found)

@@ -1,0 +1,189 @@
+"""Quantized models computed in integers (pipeline.int8), the VNNI template (kerneltune.templates.int8) and
+the quantized check's tolerance (graphopt.quant_tolerance).
+
+Models are quantized with onnxruntime's own tools, as users do; each is a few thousand weights.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+os.environ.setdefault("TVM_NUM_THREADS", "2")
+
+import tvm  # noqa: E402
+from tvm import relax  # noqa: E402
+from tvm.target import codegen  # noqa: E402
+
+from graphopt.compare import compare_runs  # noqa: E402
+from graphopt.feeds import feed_sets, run_ort_sets  # noqa: E402
+from graphopt.quant_tolerance import model_tolerance  # noqa: E402
+from kerneltune.targets.host import llvm_target  # noqa: E402
+from models.builder import GraphBuilder  # noqa: E402
+from pipeline.relax_import import import_model  # noqa: E402
+
+
+def _quantize(model: onnx.ModelProto, tmp_path, static: bool, samples=None, **options) -> onnx.ModelProto:
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
+                                          quantize_static)
+
+    src, dst = tmp_path / "fp32.onnx", tmp_path / "int8.onnx"
+    onnx.save(model, str(src))
+    if static:
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.sets = iter(samples)
+
+            def get_next(self):
+                return next(self.sets, None)
+
+        quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, **options)
+    else:
+        quantize_dynamic(str(src), str(dst), weight_type=options.pop("weight_type", QuantType.QInt8), **options)
+    return onnx.load(str(dst))
+
+
+def conv_net(batch: int = 1) -> onnx.ModelProto:
+    """Conv (padded, bias) -> Relu -> Conv (stride 2) -> Relu + a residual-free head: GAP, Gemm."""
+    b = GraphBuilder("int8-conv", seed=3)
+    x = b.input("x", (batch, 3, 12, 12))
+    h = b.op("Relu", [b.op("Conv", [x, b.he("w1", (16, 3, 3, 3), 27), b.normal("b1", (16,), 0.1)], pads=[1] * 4)])
+    h = b.op("Relu", [b.op("Conv", [h, b.he("w2", (32, 16, 3, 3), 144), b.normal("b2", (32,), 0.1)],
+                           pads=[1] * 4, strides=[2, 2])])
+    h = b.op("Flatten", [b.op("GlobalAveragePool", [h])])
+    b.op("Gemm", [h, b.normal("wf", (10, 32), 0.3), b.normal("bf", (10,), 0.05)], transB=1, out="y")
+    b.output("y", (batch, 10))
+    return b.model("int8 conv net")
+
+
+def mlp(rows: int = 8) -> onnx.ModelProto:
+    """Two MatMul + bias layers with a GELU-free Relu between: quantize_dynamic's MatMulInteger form."""
+    b = GraphBuilder("int8-mlp", seed=4)
+    x = b.input("x", (rows, 64))
+    h = b.op("Relu", [b.op("Add", [b.op("MatMul", [x, b.normal("w1", (64, 96), 0.15)]), b.normal("b1", (96,), 0.1)])])
+    b.op("Add", [b.op("MatMul", [h, b.normal("w2", (96, 32), 0.12)]), b.normal("b2", (32,), 0.1)], out="y")
+    b.output("y", (rows, 32))
+    return b.model("int8 mlp")
+
+
+def _ops(mod: tvm.IRModule) -> list[tuple[str, tuple[str, ...]]]:
+    """(op name, argument dtypes) of every call in main."""
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op):
+            found.append((e.op.name, tuple(str(getattr(a.ty, "dtype", "")) for a in e.args)))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return found
+
+
+def _built_check(model: onnx.ModelProto, tmp_path):
+    """optimize() the model (no graph stage, untuned) and return report.json's compile facts."""
+    import json
+
+    from pipeline.api import optimize
+
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    optimize(str(path), output=tmp_path / "out", skip_graph=True, threads=2)
+    return json.loads((tmp_path / "out" / "report.json").read_text())["stages"]["compile"]
+
+
+def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_path):
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
+    model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
+    ops = _ops(import_model(model).mod)
+    # every conv and the classifier multiply u8 activations by s8 weights into int32: no float product left
+    convs = [a for name, a in ops if name == "relax.nn.conv2d"]
+    assert convs and all(a == ("uint8", "int8") for a in convs)
+    assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")]
+    assert not any(name == "relax.dequantize" and a[0] == "int8" for name, a in ops)  # weights stay int8
+    facts = _built_check(model, tmp_path)
+    assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6
+
+
+def test_dynamic_matmul_integer_is_a_u8_s8_product_equal_to_onnxruntime(tmp_path):
+    model = _quantize(mlp(), tmp_path, static=False)
+    ops = _ops(import_model(model).mod)
+    assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")] * 2
+    facts = _built_check(model, tmp_path)
+    assert facts["ok"] and facts["quantization"] is not None
+
+
+def test_u8_weights_and_s8_activations_are_shifted_exactly(tmp_path):
+    """QUInt8 weights (zero point 128-ish) and s8 activations: computed as u8 x s8 with the shifts in the
+    zero-point terms; MatMulInteger's int32 output must equal onnxruntime's exactly."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(5)
+    w = rng.integers(0, 256, (24, 16)).astype(np.uint8)
+    nodes = [helper.make_node("MatMulInteger", ["a", "w", "az", "wz"], ["y"])]
+    graph = helper.make_graph(nodes, "mixed", [helper.make_tensor_value_info("a", TensorProto.INT8, [4, 24])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, [4, 16])],
+                              [onnx.numpy_helper.from_array(w, "w"),
+                               onnx.numpy_helper.from_array(np.array(-3, np.int8), "az"),
+                               onnx.numpy_helper.from_array(rng.integers(100, 150, 16).astype(np.uint8), "wz")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    ops = _ops(import_model(model).mod)
+    assert ("relax.matmul", ("uint8", "int8")) in ops
+    facts = _built_check(model, tmp_path)
+    assert facts["ok"] and facts["max_abs_err"] == 0.0
+
+
+def test_quantized_tolerance_takes_one_step_and_refuses_a_zero_point_error(tmp_path):
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
+    model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
+    graph = import_model(model).graph
+    sets = feed_sets(graph, 0, None)
+    refs = run_ort_sets(model, sets)
+    tol = model_tolerance(model, sets, refs)
+    step = tol.outputs[0].step
+    assert step > 0 and tol.outputs[0].allowance >= step
+    one_step = [[r[0] + step * np.sign(rng.uniform(-1, 1, r[0].shape)).astype(np.float32)] for r in refs]
+    assert compare_runs(list(zip(refs, one_step)), tol.tolerances).ok
+    # a zero point applied twice shifts outputs by many steps: refused
+    shifted = [[r[0] + 8 * tol.outputs[0].allowance] for r in refs]
+    assert not compare_runs(list(zip(refs, shifted)), tol.tolerances).ok
+    assert model_tolerance(conv_net(), sets, run_ort_sets(conv_net(), sets)) is None  # fp32: dtype table
+
+
+@pytest.mark.skipif(not codegen.target_has_features("avx512vnni", llvm_target()),
+                    reason="this CPU has no AVX-512 VNNI (the int8 template's instruction)")
+def test_vnni_template_schedules_u8_s8_matmuls_and_equals_the_reference():
+    from kerneltune.prepack import pack_inputs, strip
+    from kerneltune.task import build_func, classify_primfunc, run_func
+    from kerneltune.templates import apply, default_config, int8, space_for
+
+    m, k, n = 8, 64, 48
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType([m, k], "uint8"))
+    with bb.function("main", [a]):
+        with bb.dataflow():
+            w = relax.const(np.random.default_rng(0).integers(-128, 128, (k, n)).astype(np.int8))
+            acc = bb.emit(relax.op.matmul(a, w, out_dtype="int32"))
+            out = bb.emit_output(relax.op.multiply(relax.op.astype(acc, "float32"), relax.const(np.float32(0.5))))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod)))
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)  # the weight: packed at build time
+    name, func = next((gv.name_hint, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    task = classify_primfunc(name, func)
+    target = llvm_target()
+    assert task is not None and int8.applies(task, target)
+    assert not int8.applies(task, tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3"}))  # AVX2: generic
+    inputs = task.make_inputs(0)
+    want = task.reference(inputs)
+    import random
+
+    space, rng = space_for(task, target), random.Random(1)
+    for config in [default_config(task, target)] + [space.sample(rng) for _ in range(3)]:
+        kernel, packings = strip(apply(task, config, target))
+        got = run_func(build_func(kernel, target), task, pack_inputs(inputs, packings), tvm.cpu())
+        np.testing.assert_array_equal(got[0], want[0])
