@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from graphopt.compare import Comparison, compare_runs
+from graphopt.quant_tolerance import model_tolerance
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
 from graphopt.fileio import save_figure, write_text_atomic
@@ -94,6 +95,8 @@ def bench(imported, compiled: dict, ctx: BuildContext, runs: int, model_name: st
     feeds = sample_feeds(imported.graph, samples, seed)
     sets = feed_sets(imported.graph, seed, samples)
     references = run_ort_sets(imported.onnx_model, sets, threads)
+    quantized = model_tolerance(imported.onnx_model, sets, references, threads)  # one quantization step
+    tolerance = quantized.tolerances if quantized else None
     sess = ort_session(imported.onnx_model, threads)  # as it runs alone: blocks with idle gaps (graphopt.timing)
     ort_names = {i.name for i in sess.get_inputs()}
     ort_feeds = {k: v for k, v in feeds.items() if k in ort_names}
@@ -101,7 +104,7 @@ def bench(imported, compiled: dict, ctx: BuildContext, runs: int, model_name: st
     checks: dict[str, Comparison] = {}
     spec = None
     on_cpu = bool(compiled) and all(cm.spec.kind == "llvm" and cm.spec.can_run for cm in compiled.values())
-    peer = openvino_runner(imported.onnx_model, threads, sets, references, feeds) if on_cpu else None
+    peer = openvino_runner(imported.onnx_model, threads, sets, references, feeds, tolerance) if on_cpu else None
     if peer is not None:
         engines["openvino"], checks["openvino"] = peer
     for key, cm in compiled.items():
@@ -109,7 +112,7 @@ def bench(imported, compiled: dict, ctx: BuildContext, runs: int, model_name: st
         dev = device_for(cm.spec)
         main = cm.vm()["main"]
         checks[key] = compare_runs([(ref, outputs_numpy(main(*to_device(f, cm.input_names, dev))))
-                                    for f, ref in zip(sets, references)])
+                                    for f, ref in zip(sets, references)], tolerance)
         if not checks[key].ok:
             raise UserError(f"'{ENGINES[key]}' differs from onnxruntime: {checks[key].reason()}; no latency of a "
                             "wrong build is reported - rerun with --skip-graph to isolate the stage, and report it")
@@ -119,7 +122,7 @@ def bench(imported, compiled: dict, ctx: BuildContext, runs: int, model_name: st
                        tuned_choice)
 
 
-def openvino_runner(model, threads: int, sets: list, references: list, feeds: dict):
+def openvino_runner(model, threads: int, sets: list, references: list, feeds: dict, tolerance=None):
     """OpenVINO's CPU plugin on the same model, as a user who picks it instead would run it: f32 precision,
     latency mode, the same threads (the CPU runtime to beat beside onnxruntime).  ``(runner, check)``, or None
     when the optional package is missing (``pip install optimize-model[bench]``) or the target is not the
@@ -138,7 +141,7 @@ def openvino_runner(model, threads: int, sets: list, references: list, feeds: di
     def run_set(f: dict):
         return [request.infer({n: f[n] for n in names})[o].copy() for o in compiled.outputs]
 
-    check = compare_runs([(ref, run_set(f)) for f, ref in zip(sets, references)])
+    check = compare_runs([(ref, run_set(f)) for f, ref in zip(sets, references)], tolerance)
     if not check.ok:
         return None
     return (lambda: request.infer({n: feeds[n] for n in names})), check

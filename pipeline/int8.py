@@ -32,10 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from kerneltune.templates.int8_intrin import DEPTH
+
 INT8_TYPES = ("uint8", "int8")
+# elementwise ops :meth:`_IntegerCompute.on_flat` computes on a conv's NHWC result
+ELEMENTWISE = ("relax.quantize", "relax.dequantize", "relax.add", "relax.maximum", "relax.clip")
 
 
 @dataclass
@@ -93,9 +97,15 @@ class _IntegerCompute(PyExprMutator):
 
     def dequantized(self, e: relax.Expr) -> _Dequantized | None:
         """``e`` as a dequantize of an 8-bit tensor with constant scale and zero point."""
-        e = self.value(e)
+        flat, nhwc = self.conv_output(e)
+        e = self.value(flat)
         if _op_name(e) != "relax.dequantize" or _dtype(e.args[0]) not in INT8_TYPES:
             return None
+        if nhwc is not None:  # computed on a conv's flat result (on_flat): the quantized tensor as NCHW again
+            scale, zp = self.const(e.args[1]), self.const(e.args[2])
+            if scale is None or zp is None or scale.dtype != np.float32 or scale.size != 1:
+                return None
+            return _Dequantized(self.emit(self.nchw(e.args[0], nhwc)), scale, zp.astype(np.int32), 1)
         scale, zp = self.const(e.args[1]), self.const(e.args[2])
         if scale is None or zp is None or scale.dtype != np.float32:
             return None
@@ -137,15 +147,75 @@ class _IntegerCompute(PyExprMutator):
             out = self.integer_bias(call)
         elif name == "relax.quantize":
             out = self.requantize(call)
+        if out is None and name in ELEMENTWISE:
+            out = self.on_flat(call)
+        elif name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.mean"):
+            out = self.pool_nhwc(call)
         return call if out is None else out
 
+    def pool_nhwc(self, call: relax.Call) -> relax.Expr | None:
+        """A pool or a spatial mean of a conv's NCHW view, computed in NHWC (ResNet's max pool after the stem,
+        the global average pool before the classifier): no transpose of the conv's output."""
+        flat, nhwc = self.conv_output(call.args[0])
+        if nhwc is None:
+            return None
+        x = self.emit(relax.op.reshape(flat, list(nhwc)))
+        if _op_name(call) == "relax.mean":
+            axes = sorted(int(i) % 4 for i in call.attrs.axis) if call.attrs.axis is not None else None
+            if axes != [2, 3]:
+                return None
+            return relax.op.mean(x, axis=[1, 2], keepdims=bool(call.attrs.keepdims)) if not call.attrs.keepdims \
+                else relax.op.permute_dims(self.emit(relax.op.mean(x, axis=[1, 2], keepdims=True)), [0, 3, 1, 2])
+        a = call.attrs
+        if a.layout != "NCHW" or (a.out_layout or "NCHW") != "NCHW":
+            return None
+        op = relax.op.nn.max_pool2d if _op_name(call) == "relax.nn.max_pool2d" else relax.op.nn.avg_pool2d
+        kwargs = dict(pool_size=a.pool_size, strides=a.strides, padding=a.padding, dilation=a.dilation,
+                      ceil_mode=bool(a.ceil_mode), layout="NHWC")
+        if op is relax.op.nn.avg_pool2d:
+            kwargs["count_include_pad"] = bool(a.count_include_pad)
+        pooled = self.emit(op(x, **kwargs))
+        n, oh, ow, c = _shape(pooled)
+        return self.nchw(self.emit(relax.op.reshape(pooled, [n * oh * ow, c])), (n, oh, ow, c))
+
+    def on_flat(self, call: relax.Call) -> relax.Expr | None:
+        """An elementwise op (a residual add, its dequantize / quantize) whose tensor operands are all NCHW
+        views of conv results (:meth:`nchw`) with one shape, computed on the flat NHWC tensors instead and
+        viewed as NCHW again: so ResNet's residual adds read and write contiguous memory and the next conv
+        reads NHWC without a transpose.  Per-channel parameters along axis 1 stay along axis 1 ([P, O])."""
+        args, shape = [], None
+        for arg in call.args:
+            flat, nhwc = self.conv_output(arg)
+            if nhwc is not None:
+                if shape not in (None, nhwc):
+                    return None
+                shape = nhwc
+                args.append(flat)
+            elif len(_shape(arg) or (0,)) == 4:
+                return None  # another NCHW tensor
+            else:
+                args.append(arg)  # a scalar or a per-channel vector (quantize's scale along axis 1)
+        if shape is None or (call.attrs is not None and hasattr(call.attrs, "axis") and int(call.attrs.axis) not in (1, -3)):
+            return None
+        attrs = call.attrs
+        if attrs is not None and hasattr(attrs, "axis"):
+            op = relax.op.quantize if _op_name(call) == "relax.quantize" else relax.op.dequantize
+            flat = op(*args, axis=1, out_dtype=str(attrs.out_dtype))
+        else:
+            flat = relax.Call(call.op, args, call.attrs)
+        return self.nchw(self.emit(flat), shape[:3] + (shape[3],))
+
     def quantized_conv(self, call: relax.Call) -> relax.Expr | None:
-        """``conv2d(dequantize(x), dequantize(W))`` -> ``conv2d(pad(x, xz), W) - xz sum(W)`` in int32, times
-        ``xs ws`` (module docstring)."""
+        """``conv2d(dequantize(x), dequantize(W))`` -> the integer product times ``xs ws``.  A dense conv
+        (groups 1) becomes a matmul of the input's patches (NHWC, ``[N OH OW, KH KW C]``, u8: one byte per
+        element copied) by the weight ``[KH KW C, O]``: the form the VNNI template computes
+        (:mod:`kerneltune.templates.int8`), as onnxruntime's QLinearConv does (im2col + its int8 GEMM).  The
+        result goes back to NCHW after the epilogue, in u8 where a quantize follows; the next conv reads
+        that u8 in NHWC without the round trip.  Grouped and dilated convs stay convs, in int32."""
         a = call.attrs
         x, w = self.dequantized(call.args[0]), self.dequantized(call.args[1])
         if (x is None or w is None or x.scale.size != 1 or a.data_layout != "NCHW" or a.kernel_layout != "OIHW"
-                or a.out_layout not in ("", "NCHW")):
+                or a.out_layout not in ("", "NCHW") or _shape(x.q) is None):
             return None
         weight = self.const(w.q)
         out_channels = weight.shape[0] if weight is not None else 0
@@ -155,6 +225,9 @@ class _IntegerCompute(PyExprMutator):
         if np.any(wz != 0):
             return None  # window sums of x would be needed: keep the float form
         xq, xz = self.unsigned(x.q, int(x.zp.ravel()[0]))
+        scale = (np.float32(x.scale.ravel()[0]) * np.broadcast_to(w.scale.ravel(), (out_channels,))).astype(np.float32)
+        if int(a.groups) == 1 and all(int(d) == 1 for d in a.dilation):
+            return self.patches_product(xq, xz, weight, scale, a)
         pad = [int(p) for p in a.padding]  # top, left, bottom, right
         if any(pad):
             xq = self.emit(relax.op.nn.pad(xq, [0, 0, 0, 0, pad[0], pad[2], pad[1], pad[3]], pad_value=float(xz)))
@@ -163,8 +236,55 @@ class _IntegerCompute(PyExprMutator):
         correction = xz * weight.astype(np.int32).reshape(out_channels, -1).sum(axis=1)
         if np.any(correction != 0):
             acc = self.emit(relax.op.subtract(acc, relax.const(correction.reshape(1, -1, 1, 1).astype(np.int32))))
-        scale = (np.float32(x.scale.ravel()[0]) * np.broadcast_to(w.scale.ravel(), (out_channels,))).astype(np.float32)
         return self.scaled(acc, scale.reshape(1, -1, 1, 1))
+
+    def patches_product(self, xq: relax.Expr, xz: int, weight: np.ndarray, scale: np.ndarray, a) -> relax.Expr:
+        """A dense conv as ``patches(x) @ W'`` (see :meth:`quantized_conv`), returned as
+        ``nchw(float(acc) * scale)``, the form :meth:`integer_bias` and :meth:`requantize` see through."""
+        n, c, h, w = _shape(xq)
+        o, _, kh, kw = weight.shape
+        top, left, bottom, right = (int(p) for p in a.padding)
+        sh, sw = (int(s) for s in a.strides)
+        oh, ow = (h + top + bottom - kh) // sh + 1, (w + left + right - kw) // sw + 1
+        # input channels padded to a multiple of 4 (the instruction's depth; an RGB stem's 3): the padded
+        # weight rows are 0, so the padding value never counts
+        c4 = -(-c // DEPTH) * DEPTH
+        weight = np.pad(weight, ((0, 0), (0, c4 - c), (0, 0), (0, 0)))
+        xt = self.nhwc(xq)
+        if top or left or bottom or right or c4 != c:
+            xt = self.emit(relax.op.nn.pad(xt, [0, 0, top, bottom, left, right, 0, c4 - c], pad_value=float(xz)))
+        if (kh, kw, sh, sw) == (1, 1, 1, 1):
+            flat = self.emit(relax.op.reshape(xt, [n * oh * ow, c4]))
+        else:
+            flat = self.builder_.emit_te(_patches, xt, kh, kw, sh, sw, oh, ow, primfunc_name_hint="patches")
+            # opaque to fusion: fused with its producers (the stem's quantize, the pad) each of them ran once per
+            # patch element, 49 times per input element (ResNet's stem: 12 ms of 20)
+            gv = self.value(flat).args[0]
+            self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", 8))
+            flat = self.emit(relax.op.reshape(flat, [n * oh * ow, kh * kw * c4]))
+        w2 = np.ascontiguousarray(weight.transpose(2, 3, 1, 0).reshape(kh * kw * c4, o))  # rows (r, s, c)
+        acc = self.integer_product(flat, np.array(xz, np.int32), w2, np.zeros(1, np.int32))
+        return self.nchw(self.emit(self.scaled(acc, scale)), (n, oh, ow, o))
+
+    def nhwc(self, xq: relax.Expr) -> relax.Expr:
+        """``xq`` (NCHW) as NHWC: the NHWC tensor it was made from (a previous conv's output), else a transpose."""
+        inner = self.value(xq)
+        if _op_name(inner) == "relax.permute_dims" and [int(i) for i in inner.attrs.axes] == [0, 3, 1, 2]:
+            return inner.args[0]
+        return self.emit(relax.op.permute_dims(xq, [0, 2, 3, 1]))
+
+    def nchw(self, flat: relax.Expr, nhwc: tuple[int, ...]) -> relax.Expr:
+        """A conv's ``[N OH OW, O]`` result as NCHW."""
+        return relax.op.permute_dims(self.emit(relax.op.reshape(flat, list(nhwc))), [0, 3, 1, 2])
+
+    def conv_output(self, e: relax.Expr) -> tuple[relax.Expr, tuple[int, ...] | None]:
+        """``e`` as ``nchw(flat)`` (:meth:`nchw`): (flat, its NHWC shape); else (e, None)."""
+        outer = self.value(e)
+        if _op_name(outer) == "relax.permute_dims" and [int(i) for i in outer.attrs.axes] == [0, 3, 1, 2]:
+            reshaped = self.value(outer.args[0])
+            if _op_name(reshaped) == "relax.reshape" and len(_shape(reshaped) or ()) == 4:
+                return reshaped.args[0], _shape(reshaped)
+        return e, None
 
     def quantized_matmul(self, call: relax.Call) -> relax.Expr | None:
         """``matmul(dequantize(x), W')`` with ``W'`` a dequantized constant (or its transpose, a Gemm's
@@ -284,7 +404,8 @@ class _IntegerCompute(PyExprMutator):
     def integer_bias(self, call: relax.Call) -> relax.Expr | None:
         """``float(acc) * s + dequantize(b_int32, s)`` -> ``float(acc + b) * s``: quantize_static's bias is
         int32 at the product's scale, added in integers as onnxruntime's QLinearConv adds it."""
-        parts = self._scaled_parts(call.args[0])
+        inner, nhwc = self.conv_output(call.args[0])
+        parts = self._scaled_parts(inner)
         bias = self.value(call.args[1])
         reshape_to = None
         if _op_name(bias) == "relax.reshape":
@@ -296,18 +417,24 @@ class _IntegerCompute(PyExprMutator):
         if b is None or bs is None or bz is None or np.any(bz != 0):
             return None
         b = b.reshape(reshape_to) if reshape_to else b
+        if nhwc is not None:  # a per-channel bias [1, O, 1, 1] of the NCHW result: [O] on the flat one
+            if b.size not in (1, nhwc[3]) or (b.size > 1 and b.shape[1:2] != (nhwc[3],)):
+                return None
+            b = b.reshape(-1)
         if b.shape != np.broadcast_shapes(b.shape, scale.shape) and b.size != scale.size:
             return None
         bs = np.broadcast_to(bs.reshape(bs.shape if bs.size == 1 else b.shape), b.shape)
         if not np.allclose(bs.astype(np.float32), np.broadcast_to(scale, b.shape), rtol=1e-6, atol=0):
             return None
         total = self.emit(relax.op.add(acc, relax.const(b.astype(np.int32))))
-        return self.scaled(total, scale)
+        out = self.scaled(total, scale)
+        return out if nhwc is None else self.nchw(self.emit(out), nhwc)
 
     def requantize(self, call: relax.Call) -> relax.Expr | None:
         """``quantize(float(acc) * s, ys, yz)`` -> ``clip(round(float(acc) * (s / ys)) + yz)``: onnxruntime's
         requantization, with its float32 multiplier."""
-        parts = self._scaled_parts(call.args[0])
+        inner, nhwc = self.conv_output(call.args[0])
+        parts = self._scaled_parts(inner)
         ys, yz = self.const(call.args[1]), self.const(call.args[2])
         out_dtype = str(call.attrs.out_dtype)
         if parts is None or ys is None or yz is None or ys.size != 1 or yz.size != 1 or out_dtype not in INT8_TYPES:
@@ -317,7 +444,18 @@ class _IntegerCompute(PyExprMutator):
         info = np.iinfo(out_dtype)
         scaled = relax.op.multiply(self.emit(relax.op.astype(acc, "float32")), relax.const(multiplier))
         shifted = relax.op.add(relax.op.round(scaled), relax.const(np.float32(yz.ravel()[0])))
-        return relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
+        out = relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
+        return out if nhwc is None else self.nchw(self.emit(out), nhwc)
+
+
+def _patches(x: te.Tensor, kh: int, kw: int, sh: int, sw: int, oh: int, ow: int) -> te.Tensor:
+    """im2col of an NHWC tensor (padded already), as ``[N, OH, OW, KH, KW, C]`` (a reshape makes it the
+    ``[N OH OW, KH KW C]`` operand): element ``x[n, y sh + r, x sw + s, c]``.  Affine indices, so the inner
+    ``(s, c)`` loops copy contiguous bytes; as Relax slices and a concat it was a chain of 49 selects per
+    element, and with the row/column index divided back it ran scalar (ResNet's 7 x 7 stem: 5 ms)."""
+    n, c = x.shape[0], x.shape[3]
+    return te.compute((n, oh, ow, kh, kw, c),
+                      lambda b, y, w, r, s, ch: x[b, y * sh + r, w * sw + s, ch], name="patches")
 
 
 def integer_compute(mod: tvm.IRModule) -> tvm.IRModule:

@@ -98,10 +98,10 @@ def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_pa
     samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
     model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
     ops = _ops(import_model(model).mod)
-    # every conv and the classifier multiply u8 activations by s8 weights into int32: no float product left
-    convs = [a for name, a in ops if name == "relax.nn.conv2d"]
-    assert convs and all(a == ("uint8", "int8") for a in convs)
-    assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")]
+    # both convs (as matmuls of their patches) and the classifier multiply u8 activations by s8 weights
+    # into int32: no float product left
+    assert not [a for name, a in ops if name == "relax.nn.conv2d"]
+    assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")] * 3
     assert not any(name == "relax.dequantize" and a[0] == "int8" for name, a in ops)  # weights stay int8
     facts = _built_check(model, tmp_path)
     assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6

