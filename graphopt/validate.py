@@ -8,7 +8,9 @@ internal error, a ``RecursionError`` or a wrong success.  In order, cheapest fir
 2. the graph's structure, with our own messages (no outputs, two writers of one tensor, a tensor nobody
    writes - a missing initializer or a dangling input -, a cycle, nodes out of topological order), because
    ``onnx.checker`` reports several of these all as "not topologically sorted";
-3. dtypes we support, opset and IR versions the pinned onnx / onnxruntime read;
+3. dtypes we support, opset and IR versions the pinned onnx / onnxruntime read; the scales, zero points and
+   quantized types of quantized operators (:mod:`graphopt.quant_check`, before the dtypes, so that an int4 zero
+   point is named with its node);
 4. ``--input-shape`` / ``--inputs`` against the model's inputs (each array's .npy header: the arrays are read
    last, after the memory check), and every runtime input static after them;
 5. ``onnx.checker`` full check (types and shapes included), see
@@ -46,6 +48,7 @@ from graphopt.errors import UserError
 from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
 from graphopt.onnx_io import (DEFAULT_DOMAINS, SUPPORTED_DTYPES, InputShapes, apply_input_shapes, ir_version_for,
                               load_model, require_static_inputs, without_weight_data)
+from graphopt.quant_check import check_quantization
 
 # The newest IR version onnxruntime 1.31 reads; the pinned onnx writes 14 by default (onnx.IR_VERSION), so a
 # model saved with a plain onnx.helper.make_model is one onnxruntime rejects.
@@ -103,6 +106,7 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     name = Path(path).name
     check_structure(proto.graph)
     check_versions(proto)
+    check_quantization(proto)
     check_dtypes(proto.graph)
     headers = read_input_headers(inputs_file, model_inputs(proto)) if inputs_file else {}
     shapes = dict(input_shapes or {})

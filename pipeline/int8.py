@@ -151,7 +151,24 @@ class _IntegerCompute(PyExprMutator):
             out = self.on_flat(call)
         elif name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.mean"):
             out = self.pool_nhwc(call)
+        elif name in ("relax.max", "relax.min"):
+            out = self.two_stage_extreme(call)
         return call if out is None else out
+
+    def two_stage_extreme(self, call: relax.Call) -> relax.Expr | None:
+        """``max(x)`` / ``min(x)`` over a whole tensor (DynamicQuantizeLinear's range, once per quantized
+        matmul input) as the lane-wise extreme of 16-wide vectors, then of those 16 x rows values: TVM
+        schedules a reduction to one scalar as one serial scalar loop (BERT-base, 128 x 3072 floats: 0.6 ms
+        per call, 24 ms of a 60 ms model); the first stage is parallel over rows and vectorized over lanes."""
+        shape = _shape(call.args[0])
+        if call.attrs.axis is not None or shape is None or len(shape) < 2 or int(np.prod(shape)) < 4096 \
+                or shape[-1] % 16:
+            return None
+        op = relax.op.max if _op_name(call) == "relax.max" else relax.op.min
+        rows = int(np.prod(shape[:-1]))
+        lanes = self.emit(relax.op.reshape(call.args[0], [rows, shape[-1] // 16, 16]))
+        partial = self.emit(op(lanes, axis=[1]))
+        return op(partial, axis=None, keepdims=bool(call.attrs.keepdims))
 
     def pool_nhwc(self, call: relax.Call) -> relax.Expr | None:
         """A pool or a spatial mean of a conv's NCHW view, computed in NHWC (ResNet's max pool after the stem,

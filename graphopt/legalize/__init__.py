@@ -12,7 +12,7 @@ converter stops the lowering by itself).  A lowering may decline a node it was a
 that node needs no rewrite, e.g. a ConstantOfShape that produces a non-scalar tensor.
 
 Lowerings live beside this file, one module per family (:mod:`.rnn`, :mod:`.sequence`,
-:mod:`.constants`); each registers itself with :func:`register` (:mod:`.registry`).
+:mod:`.constants`, :mod:`.quantized`); each registers itself with :func:`register` (:mod:`.registry`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from graphopt.ir import Graph, Node
-from graphopt.legalize import constants, rnn, sequence  # noqa: F401  (each registers its lowerings)
+from graphopt.legalize import constants, quantized, rnn, sequence  # noqa: F401  (each registers its lowerings)
 from graphopt.legalize.builder import Builder
 from graphopt.legalize.registry import LOWERINGS, Lowering, register  # noqa: F401  (the package's API)
 
