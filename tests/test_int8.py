@@ -15,7 +15,6 @@ os.environ.setdefault("TVM_NUM_THREADS", "2")
 
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
-from tvm.target import codegen  # noqa: E402
 
 from graphopt.compare import compare_runs  # noqa: E402
 from graphopt.feeds import feed_sets, run_ort_sets  # noqa: E402
@@ -154,13 +153,24 @@ def test_quantized_tolerance_takes_one_step_and_refuses_a_zero_point_error(tmp_p
     assert model_tolerance(conv_net(), sets, run_ort_sets(conv_net(), sets)) is None  # fp32: dtype table
 
 
-@pytest.mark.skipif(not codegen.target_has_features("avx512vnni", llvm_target()),
-                    reason="this CPU has no AVX-512 VNNI (the int8 template's instruction)")
-def test_vnni_template_schedules_u8_s8_matmuls_and_equals_the_reference():
-    from kerneltune.prepack import pack_inputs, strip
-    from kerneltune.task import build_func, classify_primfunc, run_func
-    from kerneltune.templates import apply, default_config, int8, space_for
+@pytest.mark.parametrize("mcpu, instruction", [("native", None), ("sapphirerapids", "VNNI_512"),
+                                               ("x86-64-v3+avxvnni", "AVX_VNNI"), ("skylake-avx512", "MADD_512"),
+                                               ("x86-64-v3", "MADD_256")])
+def test_int8_template_schedules_u8_s8_matmuls_with_each_instruction_exactly(mcpu, instruction):
+    """Every instruction family (VNNI 512 / 256, exact 16-bit multiply-adds on AVX-512BW / AVX2) computes the
+    reference's int32 sums bit for bit, at the default config and at sampled ones."""
+    import random
 
+    from kerneltune.prepack import pack_inputs, strip
+    from kerneltune.targets.host import missing_cpu_features
+    from kerneltune.task import build_func, classify_primfunc, run_func
+    from kerneltune.templates import apply, default_config, int8, int8_intrin, space_for
+
+    cpu, _, extra = mcpu.partition("+")
+    target = llvm_target() if mcpu == "native" else tvm.target.Target(
+        {"kind": "llvm", "mcpu": cpu, **({"mattr": [f"+{extra}"]} if extra else {})})
+    if missing_cpu_features(target):
+        pytest.skip(f"this CPU cannot run -mcpu={mcpu} code (lacks {missing_cpu_features(target)})")
     m, k, n = 8, 64, 48
     bb = relax.BlockBuilder()
     a = relax.Var("a", relax.TensorType([m, k], "uint8"))
@@ -175,13 +185,15 @@ def test_vnni_template_schedules_u8_s8_matmuls_and_equals_the_reference():
     mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)  # the weight: packed at build time
     name, func = next((gv.name_hint, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
     task = classify_primfunc(name, func)
-    target = llvm_target()
     assert task is not None and int8.applies(task, target)
-    assert not int8.applies(task, tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3"}))  # AVX2: generic
+    if instruction is not None:
+        assert int8_intrin.instruction_for(target) == getattr(int8_intrin, instruction)
+    # full-range operands: the 16-bit path must not saturate where vpmaddubsw would (255 x 127 x 2 > 32767)
     inputs = task.make_inputs(0)
+    if instruction == "MADD_256":
+        inputs[0] = np.full((m, k), 255, np.uint8)
+        inputs[1] = np.where(np.arange(k * n).reshape(k, n) % 3, 127, -128).astype(np.int8)
     want = task.reference(inputs)
-    import random
-
     space, rng = space_for(task, target), random.Random(1)
     for config in [default_config(task, target)] + [space.sample(rng) for _ in range(3)]:
         kernel, packings = strip(apply(task, config, target))

@@ -16,8 +16,8 @@ API used by the searchers, the measurer and the pipeline:
 
 Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets.registry` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
-(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; u8 x s8 matmuls by a weight on a
-CPU with AVX-512 VNNI -> :mod:`.int8`.  For CPU code use
+(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; u8 x s8 matmuls by a weight on an
+x86 CPU (VNNI, or exact 16-bit multiply-adds on AVX2) -> :mod:`.int8`.  For CPU code use
 :func:`kerneltune.targets.host.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _template(task: Task, t: tvm.target.Target):
 def space_for(task: Task, target) -> SearchSpace:
     t = _target(target)
     template = _template(task, t)
-    return template.space(task, t) if template is cpu_nchwc else template.space(task)
+    return template.space(task, t) if template in (cpu_nchwc, int8) else template.space(task)
 
 
 def schedule(task: Task, config, target) -> s_tir.Schedule:

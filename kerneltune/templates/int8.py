@@ -1,44 +1,42 @@
-"""CPU template for u8 x s8 -> s32 matmuls by a constant weight: the dot-product instruction as the inner loop.
+"""CPU template for u8 x s8 -> s32 matmuls by a constant weight: a dot-product instruction as the inner loop.
 
 Which tasks: a matmul (or batch-1 matmul: leading extent-1 axes) whose anchor accumulates
-``int32(A[.., k]) * int32(B[k, j])`` with A uint8 and B an int8 model weight, on a target with AVX-512 VNNI
-(:mod:`pipeline.int8` puts every quantized product of a model in this form).  Other int8 products, and every
-target without VNNI, take the generic template (:mod:`.cpu`), which LLVM vectorizes as widened int32
-multiply-adds: correct, about 3x slower than VNNI.
+``int32(A[.., k]) * int32(B[k, j])`` with A uint8 and B an int8 model weight (:mod:`pipeline.int8` puts every
+quantized product of a model in this form), on an x86 CPU: the instruction is the best the target has
+(:func:`~kerneltune.templates.int8_intrin.instruction_for`: AVX-512 VNNI's ``vpdpbusd``, 16 lanes x 4
+bytes; AVX-VNNI's, 8 x 4; exact 16-bit multiply-adds, 16 x 2 on AVX-512BW and 8 x 2 on AVX2).  Other int8
+products take the generic template (:mod:`.cpu`): widened int32 multiply-adds, correct, about 3x slower.
 
 Loop nest (rows = every spatial axis but the last, fused; ``j`` the columns; ``k`` the reduction)::
 
     parallel(rows_o, j_o)                 # output tiles over the cores
       j_1                                 # <- write-back (the dequantize / requantize epilogue) here
-        k_o                               # k-block: the B panel (kb x nv*16 bytes) stays in L1
-          k_i                             #   groups of 4
-            rows_r (unrolled)             # register tile: mr rows x nv vectors of 16 int32 accumulators
+        k_o                               # k-block: the B panel (kb x nv x lanes x depth bytes) in L1
+          k_i                             #   groups of ``depth``
+            rows_r (unrolled)             # register tile: mr rows x nv vectors of int32 accumulators
               j_v (unrolled)
-                [16 lanes x 4 deep]       # tensorized: one vpdpbusd (:mod:`.int8_intrin`)
+                [lanes x depth]           # tensorized: one instruction (:mod:`.int8_intrin`)
 
-B is pre-packed at build time as ``[N/16, K/4, 16, 4]`` (each instruction's 64 bytes contiguous), with the
-same layout-rewrite mechanism as the fp32 template's panels (:mod:`kerneltune.prepack`).  A is read in place:
-its 4 bytes of ``k`` are contiguous in a row.
+B is pre-packed at build time as ``[N/lanes, K/depth, lanes, depth]`` (each instruction's bytes contiguous),
+with the same layout-rewrite mechanism as the fp32 template's panels (:mod:`kerneltune.prepack`).  A is read
+in place: its ``depth`` bytes of ``k`` are contiguous in a row.
 
 Knobs: ``tile_rows`` (outer, register rows), ``tile_j`` (outer, write-back tile, vectors in the register
-tile; in units of 16 columns), ``tile_k`` (k-blocks, groups of 4 per block).  Defaults from the machine:
-the register tile fills :func:`~kerneltune.targets.host.vector_registers` minus the B vectors and the
-broadcast, and the k-block keeps the B panel in half of L1.
+tile; in units of ``lanes`` columns), ``tile_k`` (k-blocks, groups of ``depth`` per block).  Defaults from
+the machine: the register tile fills :func:`~kerneltune.targets.host.vector_registers` minus the B vectors
+and the broadcast, and the k-block keeps the B panel in an eighth of L1.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import s_tir, tirx
-from tvm.target import codegen
 
 from ..prepack import PREPROC
 from ..space import FactorKnob, SearchSpace
 from ..task import Task, _mac_operands, root_blocks
 from ..targets.host import vector_registers
-from . import int8_intrin
 from .common import InvalidConfig, check_config
-
-LANES, DEPTH = int8_intrin.LANES, int8_intrin.DEPTH
+from .int8_intrin import Instruction, instruction_for
 L1_BYTES = 32 * 1024  # the smallest L1d of the x86 CPUs with VNNI (Ice Lake client); half holds the B panel
 
 
@@ -48,7 +46,8 @@ def applies(task: Task, target: tvm.target.Target) -> bool:
         return False
     if task.dims.get("ta") or task.dims.get("tb"):
         return False
-    if target.kind.name != "llvm" or not codegen.target_has_features("avx512vnni", target):
+    ins = instruction_for(target)
+    if ins is None:
         return False
     operands = _operands(task)
     if operands is None:
@@ -56,7 +55,7 @@ def applies(task: Task, target: tvm.target.Target) -> bool:
     (a_name, a_dtype), (b_name, b_dtype) = operands
     k, n = task.dims["K"], task.dims["N"]
     return (a_dtype == "uint8" and b_dtype == "int8" and b_name in task.weights
-            and k % DEPTH == 0 and n % LANES == 0)
+            and k % ins.depth == 0 and n % ins.lanes == 0)
 
 
 def _operands(task: Task) -> tuple[tuple[str, str], tuple[str, str]] | None:
@@ -73,10 +72,19 @@ def _extents(task: Task) -> tuple[int, int, int]:
     return task.dims["M"], task.dims["N"], task.dims["K"]
 
 
-def space(task: Task) -> SearchSpace:
+def _instruction(target: tvm.target.Target) -> Instruction:
+    ins = instruction_for(target)
+    if ins is None:
+        raise InvalidConfig(f"no int8 dot-product instruction on {target}")
+    return ins
+
+
+def space(task: Task, target: tvm.target.Target) -> SearchSpace:
+    """Tiles in units of the target's instruction (its lanes along ``j``, its depth along ``k``)."""
     m, n, k = _extents(task)
-    return SearchSpace([FactorKnob("tile_rows", m, 2), FactorKnob("tile_j", n // LANES, 3),
-                        FactorKnob("tile_k", k // DEPTH, 2)])
+    ins = _instruction(target)
+    return SearchSpace([FactorKnob("tile_rows", m, 2), FactorKnob("tile_j", n // ins.lanes, 3),
+                        FactorKnob("tile_k", k // ins.depth, 2)])
 
 
 def default_config(task: Task, target: tvm.target.Target):
@@ -86,14 +94,15 @@ def default_config(task: Task, target: tvm.target.Target):
     panel (``kb x nv x 64`` bytes) in an eighth of L1, which measured best on an Intel Xeon (Sapphire Rapids,
     2 threads, 128 x 768 x 768: 64 deep 623 GOPS, 256 deep 417); the write-back tile is the register tile."""
     m, n, k = _extents(task)
-    groups, kgroups = n // LANES, k // DEPTH
+    ins = _instruction(target)
+    groups, kgroups = n // ins.lanes, k // ins.depth
     regs = vector_registers(target)
     tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m)
              if mr * nv + nv + 1 <= regs]
     _, nv, mr = max(tiles)
-    kb = max(d for d in _divisors(kgroups) if d * DEPTH * nv * LANES <= L1_BYTES // 8)
+    kb = max(d for d in _divisors(kgroups) if d * ins.depth * nv * ins.lanes <= L1_BYTES // 8)
     cfg = {"tile_rows": (m // mr, mr), "tile_j": (groups // nv, 1, nv), "tile_k": (kgroups // kb, kb)}
-    return tuple(cfg[kn.name] for kn in space(task).knobs)
+    return tuple(cfg[kn.name] for kn in space(task, target).knobs)
 
 
 def _divisors(n: int) -> list[int]:
@@ -101,7 +110,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
-    cfg = check_config(space(task), config)
+    ins = _instruction(target)
+    lanes, depth = ins.lanes, ins.depth
+    cfg = check_config(space(task, target), config)
     (rows_o, mr), (j_o, j_1, nv), (k_o, kb) = cfg["tile_rows"], cfg["tile_j"], cfg["tile_k"]
     sch = s_tir.Schedule(task.func)
     anchor = sch.get_sblock(task.anchor)
@@ -119,28 +130,28 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     else:
         writeback = sch.cache_write(anchor, 0, "local")
     packed = sch.cache_read(anchor, _b_index(sch, anchor, task), "global")
-    sch.transform_layout(packed, ("write", 0), lambda kk, j: (j // LANES, kk // DEPTH, j % LANES, kk % DEPTH))
+    sch.transform_layout(packed, ("write", 0), lambda kk, j: (j // lanes, kk // depth, j % lanes, kk % depth))
     sch.annotate(packed, PREPROC, True)
     loops = sch.get_loops(anchor)
     *row_loops, j, kk = loops
     rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
     r0, r1 = sch.split(rows, [rows_o, mr])
-    j0, j1, j2, j3 = sch.split(j, [j_o, j_1, nv, LANES])
-    k0, k1, k2 = sch.split(kk, [k_o, kb, DEPTH])
+    j0, j1, j2, j3 = sch.split(j, [j_o, j_1, nv, lanes])
+    k0, k1, k2 = sch.split(kk, [k_o, kb, depth])
     sch.reorder(r0, j0, j1, k0, k1, r1, j2, j3, k2)
     outer = sch.fuse(r0, j0)
     sch.parallel(outer)
     sch.reverse_compute_at(writeback, j1)
     wb_loops = sch.get_loops(writeback)
     inner = sch.get(wb_loops[-1]).extent
-    if int(inner) % LANES == 0:
-        lo, li = sch.split(wb_loops[-1], [None, LANES])
+    if int(inner) % lanes == 0:
+        lo, li = sch.split(wb_loops[-1], [None, lanes])
         sch.vectorize(li)
     sch.decompose_reduction(anchor, k0)
     sch.unroll(r1)
     sch.unroll(j2)
     try:
-        sch.tensorize(j3, int8_intrin.VNNI_512)
+        sch.tensorize(j3, ins.name)
     except RuntimeError as exc:  # TVM's InternalError / ScheduleError: a tile that breaks the 16 x 4 pattern
         raise InvalidConfig(f"int8 tile does not tensorize: {str(exc).splitlines()[0][:200]}") from None
     return sch

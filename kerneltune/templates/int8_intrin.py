@@ -1,47 +1,115 @@
 """The u8 x s8 -> s32 dot-product instructions as TVM tensor intrinsics, for the int8 template.
 
-One intrinsic computes 16 int32 lanes ``C[i] += sum_k A[k] * B[i, k]`` over 4 consecutive ``k``: the
-operation of AVX-512 VNNI's ``vpdpbusd`` (A's 4 bytes broadcast to every lane, B's 16 x 4 bytes one
-register; Intel's intrinsics guide, ``_mm512_dpbusd_epi32``).  TVM ships the same description with a
-``global`` accumulator (``tvm.s_tir.tensor_intrin.x86``); ours accumulate into a ``local`` buffer, the
-register tile the template keeps across the k loop, so that tensorize matches it.
+Each intrinsic computes ``lanes`` int32 results ``C[i] += sum_k A[k] * B[i, k]`` over ``depth``
+consecutive ``k``, A's ``depth`` bytes broadcast to every lane and B's ``lanes x depth`` bytes contiguous
+(the weight is packed so at build time).  Which one a target gets (:func:`instruction_for`), best first:
+
+* AVX-512 VNNI ``vpdpbusd`` (16 lanes x 4): one instruction (Intel's intrinsics guide, ``_mm512_dpbusd_epi32``);
+* AVX-VNNI ``vpdpbusd`` on 256-bit registers (8 x 4), where AVX-512 is absent (Alder Lake and later clients);
+* AVX-512BW / AVX2 without VNNI (16 x 2 / 8 x 2): B's bytes sign-extended to 16 bits (``vpmovsxbw``) and
+  ``vpmaddwd`` against A's two bytes zero-extended: exact.  The one-instruction alternative ``vpmaddubsw``
+  saturates its 16-bit pair sums (255 x 127 x 2 > 32767), which onnxruntime's documentation warns about
+  (its ``reduce_range`` option); we compute the exact product.
+
+TVM ships the VNNI description with a ``global`` accumulator (``tvm.s_tir.tensor_intrin.x86``); ours
+accumulate into a ``local`` buffer, the register tile the template keeps across the k loop, so that
+tensorize matches it.  LLVM 20's signatures take the byte operands as ``<N x i8>``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import tvm
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
-
-LANES, DEPTH = 16, 4  # int32 lanes of a 512-bit register; u8/s8 products summed into each lane
-VNNI_512 = "optimize_model_dot_16x4_vnni_local"
+from tvm.target import codegen
 
 
-@T.prim_func(s_tir=True)
-def _dot_desc(A: T.Buffer((4,), "uint8", offset_factor=1),
-              B: T.Buffer((16, 4), "int8", offset_factor=1),
-              C: T.Buffer((16,), "int32", offset_factor=1, scope="local")) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-        T.writes(C[0:16])
-        for i in T.serial(0, 16):
-            for k in T.serial(0, 4):
-                with T.sblock("update"):
-                    vi, vk = T.axis.remap("SR", [i, k])
-                    C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+@dataclass(frozen=True)
+class Instruction:
+    """One dot-product intrinsic: its registered name, int32 lanes, bytes of ``k`` per lane, and the CPU
+    features it needs (all of them)."""
+
+    name: str
+    lanes: int
+    depth: int
+    features: tuple[str, ...]
 
 
-@T.prim_func(s_tir=True)
-def _dot_vnni(A: T.Buffer((4,), "uint8", offset_factor=1),
-              B: T.Buffer((16, 4), "int8", offset_factor=1),
-              C: T.Buffer((16,), "int32", offset_factor=1, scope="local")) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-        T.writes(C[0:16])
-        # LLVM 20's signature: (<16 x i32> acc, <64 x i8> u8 operand, <64 x i8> s8 operand)
-        a = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-        C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
-            C.vload([0], dtype="int32x16"), T.reinterpret(T.broadcast(a, 16), dtype="int8x64"),
-            B.vload([0, 0], dtype="int8x64"), dtype="int32x16")
+def _desc(lanes: int, depth: int):
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((depth,), "uint8", offset_factor=1),
+             B: T.Buffer((lanes, depth), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:depth], B[0:lanes, 0:depth])
+            T.writes(C[0:lanes])
+            for i in T.serial(0, lanes):
+                for k in T.serial(0, depth):
+                    with T.sblock("update"):
+                        vi, vk = T.axis.remap("SR", [i, k])
+                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+    return desc
 
 
-TensorIntrin.register(VNNI_512, _dot_desc, _dot_vnni, override=True)
+def _vnni(lanes: int, intrinsic: str):
+    """``vpdpbusd``: ``lanes`` x 4 bytes."""
+    nbytes = lanes * 4
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((4,), "uint8", offset_factor=1),
+             B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            a = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
+            C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(intrinsic), C.vload([0], dtype=f"int32x{lanes}"),
+                T.reinterpret(T.broadcast(a, lanes), dtype=f"int8x{nbytes}"),
+                B.vload([0, 0], dtype=f"int8x{nbytes}"), dtype=f"int32x{lanes}")
+    return impl
+
+
+def _widened(lanes: int, intrinsic: str):
+    """``vpmovsxbw`` + ``vpmaddwd``: ``lanes`` x 2 bytes, exact."""
+    halves = lanes * 2
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((2,), "uint8", offset_factor=1),
+             B: T.Buffer((lanes, 2), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:2], B[0:lanes, 0:2])
+            T.writes(C[0:lanes])
+            a = T.reinterpret(T.cast(A.vload([0], "uint8x2"), "int16x2"), dtype="int32")
+            C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=f"int32x{lanes}") + T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(intrinsic),
+                T.cast(B.vload([0, 0], dtype=f"int8x{halves}"), f"int16x{halves}"),
+                T.reinterpret(T.broadcast(a, lanes), dtype=f"int16x{halves}"), dtype=f"int32x{lanes}")
+    return impl
+
+
+VNNI_512 = Instruction("optimize_model_dot_16x4_vnni", 16, 4, ("avx512vnni", "avx512bw"))
+AVX_VNNI = Instruction("optimize_model_dot_8x4_avxvnni", 8, 4, ("avxvnni",))
+MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, ("avx512bw",))
+MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, ("avx2",))
+INSTRUCTIONS = (VNNI_512, AVX_VNNI, MADD_512, MADD_256)  # best first
+
+TensorIntrin.register(VNNI_512.name, _desc(16, 4), _vnni(16, "llvm.x86.avx512.vpdpbusd.512"), override=True)
+TensorIntrin.register(AVX_VNNI.name, _desc(8, 4), _vnni(8, "llvm.x86.avx512.vpdpbusd.256"), override=True)
+TensorIntrin.register(MADD_512.name, _desc(16, 2), _widened(16, "llvm.x86.avx512.pmaddw.d.512"), override=True)
+TensorIntrin.register(MADD_256.name, _desc(8, 2), _widened(8, "llvm.x86.avx2.pmadd.wd"), override=True)
+
+# the deepest instruction's depth: convs pad their input channels to it, so every target's depth divides K
+MAX_DEPTH = max(i.depth for i in INSTRUCTIONS)
+
+
+def instruction_for(target: tvm.target.Target) -> Instruction | None:
+    """The best dot-product instruction ``target`` has (None: not an x86 CPU with AVX2 or better)."""
+    if target.kind.name != "llvm":
+        return None
+    for ins in INSTRUCTIONS:
+        if all(codegen.target_has_features(f, target) for f in ins.features):
+            return ins
+    return None
