@@ -31,8 +31,24 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 STATIC, DYNAMIC = "static_qdq_per_channel", "dynamic"
+# our builders (models.registry) and real exports (models.exported, torch's dynamo exporter; torchvision
+# and transformers models need those packages): the quantization recipe onnxruntime documents for each
 METHODS = {"resnet50": STATIC, "resnext50": STATIC, "inception-block": STATIC, "bert-base": DYNAMIC,
-           "bert-tiny": DYNAMIC, "mlp": DYNAMIC}
+           "bert-tiny": DYNAMIC, "mlp": DYNAMIC,
+           "tv:resnet": STATIC, "tv:mobilenet_v2": STATIC, "tv:resnext": STATIC, "tv:googlenet": STATIC,
+           "tv:bert": DYNAMIC}
+
+
+def load(name: str) -> tuple[onnx.ModelProto, dict]:
+    """The fp32 model and its --input-shape values (``tv:NAME``: the corpus export at full size)."""
+    if name.startswith("tv:"):
+        from models.exported import build_exported
+
+        exported = build_exported(name[3:], "full", "dynamo")
+        return exported.model, exported.input_shapes
+    from models.registry import build
+
+    return build(name), {}
 
 
 def cpu_description() -> dict:
@@ -89,13 +105,17 @@ def bench_model(name: str, mcpus: list[str], threads: int, runs: int, work: Path
     from graphopt.feeds import ort_session, random_inputs
     from graphopt.onnx_io import import_onnx
     from graphopt.timing import time_blocks
-    from models.registry import build
     from pipeline.api import optimize
 
     method = METHODS[name]
-    fp32 = work / f"{name}.onnx"
-    int8 = work / f"{name}_int8.onnx"
-    model = build(name)
+    stem = name.replace(":", "_")
+    fp32 = work / f"{stem}.onnx"
+    int8 = work / f"{stem}_int8.onnx"
+    model, shapes = load(name)
+    if shapes:
+        from graphopt.onnx_io import apply_input_shapes
+
+        apply_input_shapes(model, shapes)
     onnx.save(model, str(fp32))
     graph = import_onnx(model)
     samples = [random_inputs(graph, seed) for seed in range(4)]

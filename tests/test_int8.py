@@ -46,10 +46,12 @@ def _quantize(model: onnx.ModelProto, tmp_path, static: bool, samples=None, **op
 
 
 def conv_net(batch: int = 1) -> onnx.ModelProto:
-    """Conv (padded, bias) -> Relu -> Conv (stride 2) -> Relu + a residual-free head: GAP, Gemm."""
+    """Conv (padded, bias) -> Relu -> depthwise Conv -> Relu -> Conv (stride 2) -> Relu, then GAP, Gemm."""
     b = GraphBuilder("int8-conv", seed=3)
     x = b.input("x", (batch, 3, 12, 12))
     h = b.op("Relu", [b.op("Conv", [x, b.he("w1", (16, 3, 3, 3), 27), b.normal("b1", (16,), 0.1)], pads=[1] * 4)])
+    h = b.op("Relu", [b.op("Conv", [h, b.he("wd", (16, 1, 3, 3), 9), b.normal("bd", (16,), 0.1)], pads=[1] * 4,
+                           group=16)])
     h = b.op("Relu", [b.op("Conv", [h, b.he("w2", (32, 16, 3, 3), 144), b.normal("b2", (32,), 0.1)],
                            pads=[1] * 4, strides=[2, 2])])
     h = b.op("Flatten", [b.op("GlobalAveragePool", [h])])
@@ -97,9 +99,10 @@ def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_pa
     samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
     model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
     ops = _ops(import_model(model).mod)
-    # both convs (as matmuls of their patches) and the classifier multiply u8 activations by s8 weights
-    # into int32: no float product left
+    # both dense convs (as matmuls of their patches), the depthwise conv (an NHWC gather-multiply-add) and
+    # the classifier multiply u8 activations by s8 weights into int32: no float product left
     assert not [a for name, a in ops if name == "relax.nn.conv2d"]
+    assert sum(name == "relax.call_tir" for name, _ in ops) >= 2  # the patches gather and the depthwise
     assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")] * 3
     assert not any(name == "relax.dequantize" and a[0] == "int8" for name, a in ops)  # weights stay int8
     facts = _built_check(model, tmp_path)
