@@ -14,10 +14,11 @@ from typing import Callable, Mapping, Sequence
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.cost.runners import GraphRunner
+from graphopt.dims import DIM_HELP, shape_request
 from graphopt.errors import ArgumentParser, UserError, seed
 from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.library import add_rules_parser
-from graphopt.onnx_io import parse_input_shapes, save_model
+from graphopt.onnx_io import save_model
 from graphopt.roundtrip import roundtrip
 from graphopt.stage import E2E_MARGIN, E2E_RUNS, PATIENCE, TIME_LIMIT, GraphStageOptions, optimize_onnx
 from graphopt.limits import check_threads
@@ -38,7 +39,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="also write the result as JSON to this file")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
-                   help="fix a dynamic input's shape (repeatable)")
+                   help="fix a dynamic input's shape (repeatable; needed where a dimension has no name, else --dim)")
+    p.add_argument("--dim", action="append", metavar="NAME=N", help=DIM_HELP)
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) for the "
                                                         "output check; their shapes fix the input shapes")
 
@@ -49,7 +51,7 @@ def _checked_model(args: argparse.Namespace) -> ModelInput:
         check_output_file(args.json, "--json")
     if getattr(args, "output", None):
         check_output_file(args.output, "-o")
-    return check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)
+    return check_model(args.model, shape_request(args.input_shape, args.dim), args.inputs)
 
 
 def _add_roundtrip(sub: argparse._SubParsersAction) -> None:

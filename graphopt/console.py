@@ -47,20 +47,32 @@ def version() -> str:
         return "unknown"
 
 
+ENGINES = (("apache-tvm", "tvm"), ("onnxruntime", "onnxruntime"), ("onnx", "onnx"))  # distribution, label
+
+
+def engine_versions() -> dict[str, str | None]:
+    """The pinned engines' installed versions by label (None: not installed), read from the package metadata
+    so that nothing is imported: ``--version`` and report.json's ``versions`` give the same figures."""
+    found: dict[str, str | None] = {}
+    for dist, label in ENGINES:
+        try:
+            found[label] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[label] = None
+    return found
+
+
 def version_line(prog: str) -> str:
     """``--version``'s line: ours and the pinned engines' versions (what a bug report needs)."""
-    engines = []
-    for dist, label in (("apache-tvm", "tvm"), ("onnxruntime", "onnxruntime"), ("onnx", "onnx")):
-        try:
-            engines.append(f"{label} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            engines.append(f"{label} not installed")
+    engines = [f"{label} {v or 'not installed'}" for label, v in engine_versions().items()]
     return f"{prog} {version()} ({', '.join(engines)})"
 
 
 def add_common_options(parser: argparse.ArgumentParser, top_level: bool) -> None:
-    """--version, -v/--verbose and -q/--quiet.  A sub-command's parser takes them too (``graphopt optimize
-    M -v``), with defaults suppressed so that they do not reset what was given before the sub-command."""
+    """--version, -v/--verbose, -q/--quiet and --debug.  A sub-command's parser takes them too (``graphopt
+    optimize M -v``), with defaults suppressed so that they do not reset what was given before the
+    sub-command.  ``--debug`` is acted on by :func:`graphopt.errors.cli_entry`, which takes it off the command
+    line first; it is declared only so that every script's ``--help`` says it exists."""
     parser.add_argument("--version", action="version", version=version_line(parser.prog),
                         help="print the version (and the TVM, onnxruntime and onnx versions) and exit")
     default: Any = 0 if top_level else argparse.SUPPRESS
@@ -68,6 +80,9 @@ def add_common_options(parser: argparse.ArgumentParser, top_level: bool) -> None
                         help="more messages: -v what each stage decided, -vv debugging detail")
     parser.add_argument("-q", "--quiet", action="count", default=default,
                         help="errors only: no warnings, notes or progress bars")
+    # Read (and removed) by graphopt.errors.cli_entry before parsing; declared here so that --help lists it.
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error instead of its one line")
 
 
 class _Stderr(logging.Handler):

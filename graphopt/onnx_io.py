@@ -190,17 +190,57 @@ def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes) -> None:
                 shp.dim.add().dim_value = d
 
 
-def require_static_inputs(model: onnx.ModelProto) -> None:
-    """Every runtime input must have a fully known shape (the kernels and the tuning records are per shape)."""
-    init_names = {t.name for t in model.graph.initializer}
-    for inp in model.graph.input:
-        if inp.name in init_names:
+def require_static_inputs(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> None:
+    """Every runtime input must have a fully known shape (the kernels and the tuning records are per shape),
+    once ``dims`` (``--dim``: sizes of named dimensions) are applied.
+
+    One error for all of them, with every flag that fixes them: a user fixing one input per try took three
+    tries for a BERT's one ``sequence`` dimension (issue 41)."""
+    open_inputs = unresolved_inputs(model, dims or {})
+    if open_inputs:
+        raise UserError(unresolved_message(open_inputs))
+
+
+def runtime_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs a caller feeds (an initializer listed as an input is a weight)."""
+    weights = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in weights]
+
+
+def unresolved_inputs(model: onnx.ModelProto, dims: dict[str, int]) -> dict[str, list[int | str | None]]:
+    """{input name: its dims} for each runtime input some dimension of which is still open after ``dims``: a
+    known size is an int, a named (symbolic) dimension its name, an unnamed one None."""
+    found = {}
+    for inp in runtime_inputs(model):
+        tt = inp.type.tensor_type
+        if not tt.HasField("shape"):
+            found[inp.name] = [None]  # unknown rank
             continue
-        info = _tensor_info(inp)
-        if not info.is_static:
-            dims = ",".join(str(d) for d in (info.shape or ("?",)))
-            raise UserError(f"input {inp.name!r} has unknown dimensions [{dims}]: pass "
-                            f"--input-shape {inp.name}=D1,D2,... with the sizes to compile for")
+        shape = [d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, d.dim_param or None)
+                 for d in tt.shape.dim]
+        if not all(isinstance(d, int) for d in shape):
+            found[inp.name] = shape
+    return found
+
+
+def unresolved_message(open_inputs: dict[str, list[int | str | None]]) -> str:
+    """The one line naming every open input with its dims and the flags that fix them all: ``--dim NAME=N``
+    for a named dimension (it fixes that dimension in every input), ``--input-shape`` for an input with an
+    unnamed one (nothing else can name it)."""
+    names: list[str] = []
+    unnamed: list[str] = []
+    for name, shape in open_inputs.items():
+        if None in shape:
+            unnamed.append(f"--input-shape {name}=" + ",".join(
+                str(d) if isinstance(d, int) else f"D{axis + 1}" for axis, d in enumerate(shape)))
+        else:
+            names += [d for d in shape if isinstance(d, str) and d not in names]
+    listed = ", ".join(f"{name} [{', '.join('?' if d is None else str(d) for d in shape)}]"
+                       for name, shape in open_inputs.items())
+    kind = "unknown" if unnamed else "symbolic"
+    subject = "inputs have" if len(open_inputs) > 1 else "input has"
+    fixes = " ".join([f"--dim {n}=N" for n in names] + unnamed)
+    return f"{subject} {kind} dimensions: {listed}: fix them with {fixes}"
 
 
 def _constant_value(node: onnx.NodeProto) -> np.ndarray:
@@ -256,7 +296,8 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
     """Import an ONNX model into the graph IR.
 
     ``input_shapes`` fixes dynamic input dimensions; with ``require_static`` every graph input must end up
-    with a fully known shape, else a :class:`UserError` names the input and the ``--input-shape`` to pass.
+    with a fully known shape, else a :class:`UserError` names every open input and the ``--dim`` /
+    ``--input-shape`` flags to pass (:func:`require_static_inputs`).
     """
     model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else load_model(model_or_path)
     light = without_weight_data(model)  # a copy: the caller's proto is never changed

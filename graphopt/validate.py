@@ -11,8 +11,9 @@ internal error, a ``RecursionError`` or a wrong success.  In order, cheapest fir
 3. dtypes we support, opset and IR versions the pinned onnx / onnxruntime read; the scales, zero points and
    quantized types of quantized operators (:mod:`graphopt.quant_check`, before the dtypes, so that an int4 zero
    point is named with its node);
-4. ``--input-shape`` / ``--inputs`` against the model's inputs (each array's .npy header: the arrays are read
-   last, after the memory check), and every runtime input static after them;
+4. ``--input-shape`` / ``--dim`` / ``--inputs`` against the model's inputs (each array's .npy header: the arrays
+   are read last, after the memory check; ``--dim`` names a dimension the inputs have and agrees with the other
+   two, :mod:`graphopt.dims`), and every runtime input static after them (one error naming all that are not);
 5. ``onnx.checker`` full check (types and shapes included), see
    https://onnx.ai/onnx/api/checker.html;
 6. the memory the model needs, estimated from its inferred shapes, against this machine's memory (a
@@ -44,6 +45,7 @@ import numpy as np
 import onnx
 from onnx import helper, shape_inference, version_converter
 
+from graphopt.dims import check_agreement, check_dim_names, dims_of, resolve_dims
 from graphopt.errors import UserError
 from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
 from graphopt.onnx_io import (DEFAULT_DOMAINS, SUPPORTED_DTYPES, InputShapes, apply_input_shapes, ir_version_for,
@@ -73,7 +75,7 @@ class ModelInput:
 
     path: str
     proto: onnx.ModelProto  # as loaded (input shapes not applied: each stage applies ``input_shapes``)
-    input_shapes: InputShapes = field(default_factory=dict)  # --input-shape merged with the --inputs shapes
+    input_shapes: InputShapes = field(default_factory=dict)  # --input-shape, --dim and the --inputs shapes merged
     samples: dict[str, np.ndarray] | None = None  # from --inputs FILE.npz
     memory_bytes: int = 0  # the estimate :func:`check_memory` accepted
     upgrade: OpsetUpgrade | None = None  # set when ``proto`` is the model upgraded to an opset onnxruntime runs
@@ -96,7 +98,9 @@ class OpsetUpgrade:
 
 def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                 inputs_file: str | os.PathLike | None = None, memory_limit: int | None = None) -> ModelInput:
-    """Run every check (module docstring) on the model at ``path``; a UserError for the first that fails."""
+    """Run every check (module docstring) on the model at ``path``; a UserError for the first that fails.
+    ``input_shapes`` is ``--input-shape``'s shapes, a :class:`graphopt.dims.ShapeRequest` when ``--dim`` sizes
+    come with them (the returned ``input_shapes`` hold every input they fix)."""
     with contextlib.suppress(OSError):  # a missing file is load_model's to report
         if Path(path).stat().st_size > (memory_limit or memory_limit_bytes()):
             limit = memory_limit or memory_limit_bytes()
@@ -109,16 +113,22 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     check_quantization(proto)
     check_dtypes(proto.graph)
     headers = read_input_headers(inputs_file, model_inputs(proto)) if inputs_file else {}
+    dims = dims_of(input_shapes)  # --dim, carried by a ShapeRequest
     shapes = dict(input_shapes or {})
+    if dims:
+        check_dim_names(proto, dims)
+        check_agreement(proto, dims, shapes, "--input-shape")
+        check_agreement(proto, dims, {k: shape for k, (shape, _) in headers.items()}, "--inputs")
     for k, (shape, _) in headers.items():
         if k in shapes and tuple(shapes[k]) != shape:
             raise UserError(f"--input-shape {k}={','.join(map(str, shapes[k]))} contradicts --inputs, where "
                             f"{k!r} has shape {list(shape)}: drop one of them")
         shapes[k] = shape
+    shapes = resolve_dims(proto, dims, shapes)
     shaped = onnx.ModelProto.FromString(proto.SerializeToString()) if shapes else proto
     if shapes:
         apply_input_shapes(shaped, shapes)
-    require_static_inputs(shaped)
+    require_static_inputs(shaped, dims)
     check_nonempty_inputs(shaped)
     if shapes:
         check_onnx(proto, name)  # the model itself first, so that a failure below is the sizes' fault

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 
+from graphopt.dims import ShapeRequest, check_dims
 from graphopt.errors import UserError
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
@@ -42,6 +43,7 @@ ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
     "output": (_OPTIONAL_PATH, "a folder path, or None for a temporary folder"),
     "threads": (_OPTIONAL_INT, "a positive number of threads, or None for the cores this process may use"),
     "input_shapes": ((Mapping, type(None)), "a dict {input name: (d1, d2, ...)}"),
+    "dims": ((Mapping, type(None)), "a dict {dimension name: size}, e.g. {'sequence': 128}"),
     "inputs": ((str, os.PathLike, Mapping, type(None)), "an .npz path or a dict {input name: array}"),
     "skip_graph": ((bool,), "True or False"),
     "seed": (_INT, "a non-negative integer"),
@@ -75,6 +77,8 @@ def _valid_value(name: str, value: Any) -> bool:
         return value >= 0
     if name == "precision":
         return value in PRECISIONS
+    if name == "dims" and value is not None:  # the sizes themselves: check_dims, which words a range's refusal
+        return all(isinstance(k, str) for k in value)
     if name == "input_shapes" and value is not None:
         return all(isinstance(k, str) and not isinstance(v, (str, bytes)) and hasattr(v, "__iter__")
                    and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in v)
@@ -92,17 +96,20 @@ def load(directory: str | os.PathLike, threads: int | None = None, rpc: str | No
 @fork_safe  # in a forked child, on a thread with a TVM pool of its own
 def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", trials: int = 0,
              output: str | os.PathLike | None = None, *, threads: int | None = None,
-             input_shapes: Mapping[str, Any] | None = None, inputs: str | os.PathLike | Mapping[str, Any] | None = None,
+             input_shapes: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
+             inputs: str | os.PathLike | Mapping[str, Any] | None = None,
              skip_graph: bool = False, seed: int = 0, kernels: str | None = None, scheduler: str = "gradient",
              searcher: str = "opevo", records: str | os.PathLike | None = None, rpc: str | None = None,
              skip_tune: bool = False, progress: bool = False, precision: str = "fp32") -> Model:
     """Optimize and compile ``model`` (a path or an ``onnx.ModelProto``) for ``target`` as optimize-model
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
-    checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do.
+    checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do, and ``dims``
+    ({"sequence": 128}: ``--dim``) fixes a symbolic dimension by its name in every input that has it.
     ``precision="int8"`` quantizes the model with onnxruntime first, calibrated on ``inputs``
     (:mod:`pipeline.quantize`; the accuracy vs fp32 in report.json's ``precision``)."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
+    sizes = check_dims(dims or {}, lambda name, value: f"dims={{{name!r}: {value!r}}}")
     from pipeline.optimize_model import optimize_model  # deferred: loads TVM
 
     n = use_threads(int(threads) if threads is not None else None, "threads")
@@ -121,7 +128,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
         tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
                              skip_tune, progress)
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
-                                  input_shapes=shapes, inputs=str(inputs) if inputs is not None else None,
+                                  input_shapes=ShapeRequest(shapes, sizes),
+                                  inputs=str(inputs) if inputs is not None else None,
                                   precision=precision)
         optimize_model(str(model), str(out), ctx)
         built = Model(out, read_report(out), n)

@@ -27,10 +27,10 @@ import numpy as np
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
+from graphopt.dims import DIM_HELP, shape_request
 from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, display_path, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
-from graphopt.onnx_io import parse_input_shapes
 from graphopt.stage import TIME_LIMIT
 from graphopt.validate import check_model
 from kerneltune import cli as kerneltune_cli
@@ -42,9 +42,9 @@ from kerneltune.targets.threads import use_threads
 from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 from pipeline.model_mode import MODEL_MODE
 from pipeline.context import PRECISIONS, BuildContext, TuneOptions
-from pipeline.optimize_model import optimize_model
+from pipeline.optimize_model import OUTPUT_SUFFIX, default_output_dir, optimize_model
 from pipeline.quantize import PRECISION_HELP, accuracy_phrase
-from pipeline.report import slower_warning
+from pipeline.report import result_line, slower_warning
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for TVM and onnxruntime (default: the cores this process may use)")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
-                   help="fix a dynamic input's shape (repeatable)")
+                   help="fix a dynamic input's shape (repeatable; needed where a dimension has no name, else --dim)")
+    p.add_argument("--dim", action="append", metavar="NAME=N", help=DIM_HELP)
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
                                                         "every check and timing; their shapes fix the input shapes")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
@@ -88,8 +89,9 @@ def set_threads(threads: int | None) -> int:
 def optimize_model_main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
     _common(p)
-    p.add_argument("-o", "--output", required=True, metavar="DIR",
-                   help="output directory: optimized.onnx, model.so, report.json")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="output directory: optimized.onnx, model.so, report.json, report.md (default: the model's "
+                        f"name + {OUTPUT_SUFFIX} in the current folder, e.g. ./bert_tiny{OUTPUT_SUFFIX})")
     p.add_argument("--skip-graph", action="store_true", help="skip the graph substitution stage")
     p.add_argument("--time-limit", type=seconds, default=TIME_LIMIT, metavar="SECONDS",
                    help=f"bound on the whole graph stage: pricing, search, end-to-end timing (default {TIME_LIMIT:g})")
@@ -112,9 +114,10 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
-                              input_shapes=parse_input_shapes(args.input_shape), inputs=args.inputs,
+                              input_shapes=shape_request(args.input_shape, args.dim), inputs=args.inputs,
                               precision=args.precision)
-    res = optimize_model(args.model, args.output, ctx)
+    out = args.output if args.output is not None else default_output_dir(args.model)
+    res = optimize_model(args.model, out, ctx)
     comp = res.report["stages"]["compile"]
     check = f"{comp['checked']}: max abs err {comp['max_abs_err']:.3g}, max rel err {comp['max_rel_err']:.3g}"
     if comp.get("top1_agreement") is not None:
@@ -123,8 +126,6 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
         check += f"; kernels not run: {comp['not_run']}"
     if accuracy_phrase(res.report.get("precision")):
         check += f"; {accuracy_phrase(res.report['precision'])}"
-    print(f"wrote {display_path(res.out_dir)}/optimized.onnx, model.so, report.json "
-          f"({len(res.report['tasks'])} kernels; {check})")
     note = res.report["stages"].get("tune", {}).get("e2e", {}).get("note")
     if note:
         log.warning("note: %s", note)
@@ -138,6 +139,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     dynamic = res.report["dynamic_shapes"]
     if dynamic["reason"]:  # the input had symbolic sizes the optimized graph could not keep
         log.warning("note: %s", dynamic["reason"])
+    print(result_line(res.report, display_path(res.out_dir), check))  # last: what a user reads first
     return 0
 
 
@@ -178,7 +180,7 @@ def bench_model_main(argv: list[str] | None = None) -> int:
             raise UserError(f"--plot {args.plot!r}: name a .png, .pdf or .svg file")
     if args.work_dir:
         check_output_dir(args.work_dir, "--work-dir")
-    model = check_model(args.model, parse_input_shapes(args.input_shape), args.inputs)  # before TVM loads
+    model = check_model(args.model, shape_request(args.input_shape, args.dim), args.inputs)  # before TVM loads
     ctx = ctx.with_model(model.samples)
     from pipeline import benchmark  # deferred: loads TVM (seconds)
 

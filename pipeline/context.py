@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from graphopt.dims import Dims, dims_of
 from graphopt.errors import UserError
 from graphopt.onnx_io import InputShapes
 from graphopt.stage import TIME_LIMIT
@@ -88,7 +89,7 @@ class BuildContext:
     layout: str = "auto"  # --layout (pipeline.layout.modes)
     skip_graph: bool = False
     graph_time_limit: float = TIME_LIMIT  # --time-limit of the graph stage, seconds
-    input_shapes: InputShapes | None = None  # --input-shape
+    input_shapes: InputShapes | None = None  # --input-shape; a graphopt.dims.ShapeRequest carries --dim with it
     inputs: str | None = None  # --inputs FILE.npz
     precision: str = "fp32"  # --precision (PRECISIONS)
     samples: dict[str, Any] | None = None  # its arrays, as checked (graphopt.validate.check_model): every check
@@ -109,6 +110,11 @@ class BuildContext:
     def spec(self) -> TargetSpec:
         """The target as TVM builds it (loads TVM): made from :attr:`target` on first use, once per context."""
         return build_spec(self.target, self.threads)
+
+    @property
+    def dims(self) -> Dims:
+        """The ``--dim`` sizes asked for ({} when none): report.json records them."""
+        return dims_of(self.input_shapes)
 
     @property
     def stage_threads(self) -> int:

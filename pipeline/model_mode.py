@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from graphopt.dims import DIM_HELP, shape_request
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir
-from graphopt.onnx_io import parse_input_shapes
 from graphopt.limits import check_threads
 from graphopt.validate import check_model
 from kerneltune.cli import ModelMode
@@ -29,6 +29,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                                                        "inference, MFLOP per call, what each computes) and exit")
     g.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="with MODEL: fix a dynamic input's shape (repeatable)")
+    g.add_argument("--dim", action="append", metavar="NAME=N", help=f"with MODEL: {DIM_HELP}")
     g.add_argument("--layout", default="auto", choices=LAYOUTS, help=f"with MODEL: {LAYOUT_HELP}")
     g.add_argument("--export-metaschedule", metavar="DIR",
                    help="with MODEL and --records FILE (optimize-model's DIR/records.jsonl; the MODEL, --input-shape, "
@@ -60,7 +61,7 @@ def run_model(args: argparse.Namespace) -> int:
                             "(optimize-model's DIR/records.jsonl)")
         check_output_dir(export, "--export-metaschedule")
     request = check_name(args.target)
-    model = check_model(args.model, parse_input_shapes(args.input_shape))  # a model we would refuse is not listed
+    model = check_model(args.model, shape_request(args.input_shape, args.dim))  # a model we would refuse is not listed
     threads = check_threads(args.threads) or default_threads()
     set_num_threads(threads)  # before TVM's pool starts: the layout stage times kernels with it
     ctx = BuildContext.create(request, threads=threads, layout=args.layout)

@@ -31,9 +31,19 @@ from pipeline.artifact import deployment, tensor_specs
 from pipeline.context import BuildContext
 from pipeline.frontend import BRANCH_BLOCKERS
 from pipeline.quantize import FP32, checked_model
-from pipeline.report import report_markdown
+from pipeline.report import build_facts, report_markdown
 
 log = logging.getLogger(__name__)
+
+
+# An unnamed -o: a folder named after the model in the current folder (models/bert_tiny.onnx -> ./bert_tiny.optimized).
+OUTPUT_SUFFIX = ".optimized"
+
+
+def default_output_dir(model_path: str) -> Path:
+    """Where a build goes without ``-o``: ``MODEL.optimized`` in the current folder, so the headline command
+    needs no option beyond the target, and two models built in one folder do not overwrite each other."""
+    return Path(Path(model_path).stem + OUTPUT_SUFFIX)
 
 
 # Every file a build writes in DIR.  A new build drops an older one's, also those it does not write itself (a
@@ -170,10 +180,12 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                             [(t.index, t.name) for t in part.tasks if t.index not in tuned_ids])
                 files.update(records="records.jsonl", tuning_plot="tuning.png")
             report = {
+                **build_facts(),  # schema version, time, versions, CPU: pipeline/report_schema.json
                 "model": display_path(model_path), "target": spec.kind, "target_request": ctx.target.text,
                 "target_detail": str(spec.target),
                 "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
                 "inputs": display_path(ctx.inputs) if ctx.inputs else None,
+                "dims": ctx.dims,  # --dim: the symbolic dimensions fixed by name ({} when none)
                 "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
                                                          if i.name not in imported.graph.initializers],
                                                         specialized.values if specialized else None),

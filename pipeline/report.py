@@ -1,8 +1,34 @@
-"""report.md, the human-readable summary of an optimize-model build's report.json, and the one line the CLI
-prints when the shipped build is slower than onnxruntime.  Pure formatting of the report's dict: no TVM."""
+"""report.json's opening facts (schema version, creation time, versions, CPU), report.md, the human-readable
+summary of an optimize-model build's report.json, and the lines the CLI prints from it.  Apart from
+:func:`build_facts`, which reads the machine, pure formatting of the report's dict: no TVM.
+
+report.json's layout is published as a JSON Schema beside this module (``report_schema.json``); a change of
+what a field means, or its removal, raises :data:`SCHEMA_VERSION`."""
 from __future__ import annotations
 
+import platform
+from datetime import datetime, timezone
 from typing import Any
+
+import numpy as np
+
+from graphopt.console import engine_versions, version
+from kerneltune.targets.host import host_caches, host_model_name
+
+SCHEMA_VERSION = 1
+
+# How report.md and the CLI say a latency ratio, once, wherever one is shown.
+RATIO_MEANING = "x = our time / onnxruntime's, lower is better"
+
+
+def build_facts() -> dict[str, Any]:
+    """What a reader comparing two report.json files needs before any figure: the schema, when the build ran,
+    the tool's and its engines' versions and the CPU it was timed on (a latency means little without them)."""
+    return {"schema_version": SCHEMA_VERSION,
+            "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "versions": {"optimize_model": version(), **engine_versions(), "numpy": np.__version__,
+                         "python": platform.python_version()},
+            "cpu": {"model": host_model_name(), "caches": host_caches()}}
 
 
 def slower_warning(latency: dict[str, Any], tuned: bool, layout: str | None = None) -> str | None:
@@ -18,21 +44,20 @@ def slower_warning(latency: dict[str, Any], tuned: bool, layout: str | None = No
             f"{latency['onnxruntime_ms']} ms: slower than onnxruntime on this CPU; {hint}")
 
 
-# report.json facts that are times, by name: the unit report.md prints them in.
-_SECONDS_FACTS = ("cost_before", "cost_after")  # the graph stage's cost model prices in seconds
+def latency_phrase(latency: dict[str, Any]) -> str:
+    """The end-to-end latency in a few words, ours first and the ratio as a time ratio (lower is better), the
+    one convention of every output; or why it was not measured."""
+    if not latency.get("measured"):
+        return f"latency not measured ({latency.get('reason') or 'unknown reason'})"
+    ours, ort = latency["compiled_ms"], latency["onnxruntime_ms"]
+    ratio = f", {ours / ort:.2f}x ({RATIO_MEANING})" if ort else ""
+    return f"{_ms(ours)} per inference, onnxruntime {_ms(ort)}{ratio}"
 
 
-def _fact(key: str, value: Any) -> str:
-    """``key=value`` with the unit of a time: milliseconds for latencies, seconds for durations."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        words = key.split("_")
-        if "ms" in words:  # kernel_ms_after, e2e_ms_before, onnxruntime_ms
-            return f"{key}={_ms(value)}"
-        if key in _SECONDS_FACTS:
-            return f"{key}={_ms(value * 1e3)}"
-        if "s" in words or "seconds" in words:
-            return f"{key}={value:.2f} s"
-    return f"{key}={value}"
+def result_line(report: dict[str, Any], out_dir: str, check: str) -> str:
+    """optimize-model's last line: what was written, the check, the latency and where the summary is."""
+    return (f"wrote {out_dir}/optimized.onnx, model.so, report.json ({len(report['tasks'])} kernels; {check}); "
+            f"{latency_phrase(report['latency'])}; summary: {out_dir}/report.md")
 
 
 def _ms(value: float | None) -> str:
@@ -40,20 +65,176 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g} ms"
 
 
+def _flop(value: float) -> str:
+    """A FLOP count in the unit that leaves a readable number (a reshape's 0 and a matmul's 16.8 MFLOP)."""
+    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} FLOP"
+
+
+def _n(count: int, noun: str) -> str:
+    """``3 input sets``, ``1 output``."""
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """``{"LSTM": 2, "GRU": 1}`` as "2 LSTM, 1 GRU"; "none" when empty."""
+    return ", ".join(f"{n} {k}" for k, n in counts.items()) or "none"
+
+
+_SECONDS_FACTS = ("cost_before", "cost_after")  # the graph stage's cost model prices in seconds
+
+
+def _plain(key: str, value: Any) -> str | None:
+    """A fact no stage phrase covers, in words: the key's words, the value with its unit; None when empty."""
+    if value is None or value == {} or value == [] or value == "":
+        return None
+    words = key.replace("_", " ")
+    if isinstance(value, bool):
+        return f"{words}: {'yes' if value else 'no'}"
+    if isinstance(value, (int, float)) and "ms" in key.split("_"):
+        return f"{words.replace(' ms', '')}: {_ms(value)}"
+    if isinstance(value, (int, float)) and key in _SECONDS_FACTS:
+        return f"{words}: {_ms(value * 1e3)}"
+    if isinstance(value, (int, float)) and key.split("_")[-1] in ("s", "seconds"):
+        return f"{words.rsplit(' ', 1)[0]}: {value:.2f} s"
+    if isinstance(value, dict):
+        return f"{words}: " + ", ".join(f"{k} {v}" for k, v in value.items())
+    if isinstance(value, list):
+        return f"{words}: {len(value)}"
+    return f"{words}: {value}"
+
+
+def _graph(st: dict[str, Any]) -> list[str]:
+    if st.get("skipped"):
+        return [f"skipped (--skip-graph), {st['nodes']} nodes"]
+    facts = [f"{st['nodes_before']} -> {st['nodes_after']} nodes",
+             f"rewrites applied: {_counts(st.get('applied') or {})}",
+             f"priced {_ms(st['cost_before'] * 1e3)} -> {_ms(st['cost_after'] * 1e3)} (sum of measured kernels)"]
+    if st.get("e2e_ms_before") is not None:
+        facts.append(f"whole model {_ms(st['e2e_ms_before'])} -> {_ms(st.get('e2e_ms_after'))}")
+    facts.append(f"kept the {st['kept']} graph (end-to-end check {st['e2e_check']}"
+                 + (f": {st['e2e_decision']})" if st.get("e2e_decision") else ")"))
+    facts.append(f"search {st['stopped_by']}" + ("" if st.get("stop_reason") == "complete"
+                                                  else f", {st.get('stop_reason')}"))
+    return facts + [p for p in (_plain(k, st.get(k)) for k in ("pricing_failures", "estimated_prices",
+                                                               "frozen_weights")) if p and not p.endswith(": 0")]
+
+
+def _partition(st: dict[str, Any]) -> list[str]:
+    facts = [f"{_n(st['tasks'], 'fused kernel')}, {st['tunable']} with a tuning template",
+             f"{_flop(st['gflop'] * 1e9)} per inference"]
+    lay = st.get("layout") or {}
+    if lay.get("convs"):
+        kept = _counts(lay.get("kept_nchw") or {})
+        facts.append(f"conv layout {lay['mode']}: {lay['blocked']} of {lay['convs']} convs in NCHWc blocks, "
+                     f"{lay['transforms']} layout transforms left" + ("" if kept == "none" else f", NCHW kept: {kept}"))
+    elif lay:
+        facts.append("no convs (no layout stage)")
+    return facts
+
+
+def _tune(st: dict[str, Any]) -> list[str]:
+    if st.get("skipped"):
+        return [f"skipped ({st.get('reason')})"]
+    return [f"{st['trials']} trials ({st['measured_now']} measured in this run) by {st['searcher']}, "
+            f"spread by {st['scheduler']}",
+            f"tuned kernels {_ms(st['kernel_ms_before'])} -> {_ms(st['kernel_ms_after'])} per inference "
+            "(alone, times calls)", f"records in {st['records']}"]
+
+
+def _sanity(st: dict[str, Any]) -> list[str]:
+    if not st.get("checked"):
+        return ["not checked"]
+    return [f"{st['kernels']} template kernels held to {st['floor']:.0%} of this CPU's roofline "
+            f"({st['peak_gflops']:g} GFLOP/s peak, {st['bandwidth_gbs']:g} GB/s)",
+            f"{len(st.get('flagged') or [])} under it, {st['replaced']} replaced"]
+
+
+def _compile(st: dict[str, Any]) -> list[str]:
+    verdict = "matches" if st.get("ok") else "differs"
+    facts = [f"{st['checked']}: {verdict} on {_n(st['input_sets'], 'input set')}, {_n(st['outputs'], 'output')}",
+             f"max abs err {st['max_abs_err']:.3g}, max rel err {st['max_rel_err']:.3g} "
+             f"(tolerance {st['atol']:g} abs, {st['rtol']:g} rel)"]
+    if st.get("top1_agreement") is not None:
+        facts.append(f"top-1 agreement {st['top1_agreement']:.1%}")
+    if st.get("not_run"):
+        facts.append(f"kernels not run here: {st['not_run']}")
+    return facts
+
+
+def _latency(st: dict[str, Any]) -> list[str]:
+    return [f"ours {_ms(st['compiled_ms'])}, onnxruntime {_ms(st['onnxruntime_ms'])}"]
+
+
+def _dynamic(st: dict[str, Any]) -> list[str]:
+    return [f"optimized.onnx: {st['optimized_onnx']}", f"{st['restored_nodes']} shape nodes restored"]
+
+
+def _legalize(st: dict[str, Any]) -> list[str]:
+    return [f"lowered for TVM: {_counts(st.get('lowered') or {})}",
+            f"{st.get('shape_nodes_folded', 0)} shape nodes folded", f"{st['nodes']} nodes"]
+
+
+_STAGES = {"legalize": _legalize, "graph": _graph, "partition": _partition, "tune": _tune, "sanity": _sanity,
+           "compile": _compile, "latency": _latency, "dynamic_shapes": _dynamic}
+# per-item detail (tasks, kernels, Winograd's layer prices) stays in report.json
+_HIDDEN = ("time_s", "tasks", "schedules", "e2e", "flagged", "winograd")
+
+
+def stage_summary(name: str, st: dict[str, Any]) -> str:
+    """One stage's facts in words with units; a stage (or a fact) this module does not know, key by key."""
+    try:
+        facts = _STAGES[name](st)
+    except KeyError:  # a stage without a phrase, or a phrase whose facts this report lacks
+        facts = [p for p in (_plain(k, v) for k, v in st.items() if k not in _HIDDEN) if p]
+    return "; ".join(facts)
+
+
+def _kernel_times(report: dict[str, Any]) -> dict[int, float]:
+    """Each tuned kernel's time per call as shipped (the tuned config's if the tuned build shipped, else the
+    default's), measured alone by the tuner; kernels nobody timed are left out rather than guessed."""
+    tune = report["stages"].get("tune", {})
+    shipped_tuned = (tune.get("e2e") or {}).get("kept") == "tuned"
+    return {t["index"]: t["best_ms"] if shipped_tuned else t["default_ms"] for t in tune.get("tasks") or []
+            if (t["best_ms"] if shipped_tuned else t["default_ms"]) is not None}
+
+
+def _kernels(report: dict[str, Any]) -> list[str]:
+    times = _kernel_times(report)
+    head = "| idx | kind | calls | work per call | schedule |" + (" time per call |" if times else "") + " name |"
+    lines = ["## Kernels", "", "calls: times one inference runs the kernel; schedule: `template` (our tiling "
+             "template's default), `tuned` (a tuned config), `cpu-rule` (TVM's rules and ours)"
+             + ("; time per call: measured alone by the tuner, tuned kernels only" if times else "") + ".", "",
+             head, "|---" * head.count(" |") + "|"]
+    for t in report["tasks"]:
+        time = f" {_ms(times[t['index']]) if t['index'] in times else '-'} |" if times else ""
+        lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {_flop(t['flops'])} | {t['schedule']} |"
+                     f"{time} {t['name']} |")
+    return lines
+
+
+def _plots(report: dict[str, Any]) -> list[str]:
+    plot = (report.get("files") or {}).get("tuning_plot")
+    return ["## Plots", "", f"- tuning: best kernel time per task against trials: [{plot}]({plot})", ""] \
+        if plot else []
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """A human-readable summary of report.json: every time with its unit, the end-to-end latency first."""
     lines = [f"# optimize-model: {report['model']} on {report['target']}", ""]
     lat = report.get("latency") or {}
     if lat.get("measured"):
-        speedup = f"{lat['speedup']:.2f}x" if lat.get("speedup") else "-"
         threads = f"{lat['threads']} thread{'s' * (lat['threads'] != 1)}"
         lines += ["## End-to-end latency", "",
                   f"- compiled model (model.so): **{_ms(lat['compiled_ms'])}** per inference "
                   f"(best {_ms(lat['compiled_min_ms'])})",
                   f"- onnxruntime on the input model: {_ms(lat['onnxruntime_ms'])} "
                   f"(best {_ms(lat['onnxruntime_min_ms'])})",
-                  f"- speed-up over onnxruntime: {speedup} ({threads}; {lat['runs']} runs each, {lat['timer']}; "
-                  "`bench-model` for a longer comparison)", ""]
+                  f"- ours / onnxruntime: {lat['compiled_ms'] / lat['onnxruntime_ms']:.2f}x ({RATIO_MEANING}; "
+                  f"{threads}; {lat['runs']} runs each, median of alternating blocks; `bench-model` for a "
+                  "longer comparison)", ""]
     elif lat:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
     prec = report.get("precision") or {}
@@ -65,12 +246,10 @@ def report_markdown(report: dict[str, Any]) -> str:
                   f"int8 by onnxruntime {prec['onnxruntime_version']} ({prec['method']}: {prec['why']}); vs the fp32 "
                   f"model on {prec['measured_on']} inputs: max abs err {float(acc['max_abs_err']):.3g}{cos}{top1}.",
                   ""]
-    lines += ["## Stages", "", "| stage | time | facts |", "|---|---|---|"]
+    lines += _plots(report)
+    lines += ["## Stages", "", "| stage | time | what it did |", "|---|---|---|"]
     for name, st in report["stages"].items():
-        # per-item detail (tasks, kernels, Winograd's layer prices) stays in report.json
-        hidden = ("time_s", "tasks", "schedules", "e2e", "flagged", "winograd")
-        facts = ", ".join(_fact(k, v) for k, v in st.items() if k not in hidden)
-        lines.append(f"| {name} | {st['time_s']:.2f} s | {facts} |")
+        lines.append(f"| {name} | {st['time_s']:.2f} s | {stage_summary(name, st)} |")
     tune = report["stages"].get("tune", {})
     if tune.get("e2e"):
         e2e = tune["e2e"]
@@ -78,7 +257,7 @@ def report_markdown(report: dict[str, Any]) -> str:
               if e2e.get("tuned_ms") is not None else "")
         lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
     if tune.get("tasks"):
-        lines += ["", "## Tuned tasks", "", "| idx | task | weight | trials | default | best |",
+        lines += ["", "## Tuned tasks", "", "| idx | task | calls | trials | default | best |",
                   "|---|---|---|---|---|---|"]
         for t in tune["tasks"]:
             lines.append(f"| {t['index']} | {t['name']} | {t['weight']} | {t['trials']} | {_ms(t['default_ms'])} "
@@ -91,8 +270,5 @@ def report_markdown(report: dict[str, Any]) -> str:
         for k in flagged:
             lines.append(f"| {k['index']} | {k['name']} | {k['gflops']:.1f} | {k['roofline_gflops']:.1f} | "
                          f"{_ms(k['default_ms'])} | {_ms(k['replacement_ms']) if k['replaced'] else 'kept'} |")
-    lines += ["", "## Kernels", "", "| idx | kind | weight | GFLOP | schedule | name |", "|---|---|---|---|---|---|"]
-    for t in report["tasks"]:
-        lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {t['flops'] / 1e9:.4f} | {t['schedule']} "
-                     f"| {t['name']} |")
+    lines += [""] + _kernels(report)
     return "\n".join(lines) + "\n"

@@ -91,6 +91,12 @@ def unary_of_log(op: str, **attrs) -> onnx.ModelProto:
     return model(nodes, [vi("x", [4, 8])], [vi("y", out)], inits)
 
 
+def named_dims_add() -> onnx.ModelProto:
+    """``x + m``, both [batch, seq]: two inputs sharing two named symbolic dimensions (``--dim``, issue 41)."""
+    return model([h.make_node("Add", ["x", "m"], ["y"])], [vi("x", ["batch", "seq"]), vi("m", ["batch", "seq"])],
+                 [vi("y", ["batch", "seq"])])
+
+
 def lstm(seq="S") -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     w, r, b = (rng.standard_normal(s).astype(np.float32) * 0.3 for s in ([1, 16, 4], [1, 16, 4], [1, 32]))
@@ -377,7 +383,7 @@ def _shapes() -> list[Case]:
     dyn = _file(dynamic_relu)
     return [
         Case("dynamic-without-shape/optimize-model", "input shape", "optimize-model", _opt(dynamic_relu),
-             words=("unknown dimensions", "--input-shape x=")),
+             words=("symbolic dimensions", "x [N, 8]", "--dim N=N")),
         Case("shape-negative/optimize-model", "input shape", "optimize-model", _opt(dynamic_relu, "--input-shape", "x=-1,8"),
              words=("not positive",)),
         Case("shape-2^63/bench-model", "input shape", "bench-model", lambda d: dyn(d) + ["--input-shape", f"x={2**63},8"],
@@ -404,6 +410,25 @@ def _shapes() -> list[Case]:
              _rt(opset9_weights_as_inputs, "--input-shape", "w=3,5"), words=("weight",)),
         Case("lstm-1e5-steps/optimize-model", "input shape", "optimize-model",
              _opt(lstm, "--input-shape", "x=100000,1,4"), words=("time steps",), before_tvm=False),
+        Case("dims-all-unresolved/optimize-model", "input shape", "optimize-model", _opt(named_dims_add),
+             words=("inputs have symbolic dimensions: x [batch, seq], m [batch, seq]", "--dim batch=N --dim seq=N")),
+        Case("dim-range/optimize-model", "input shape", "optimize-model", _opt(named_dims_add, "--dim", "seq=2:512"),
+             words=("ranges are not supported yet", "seq=N")),
+        Case("dim-unknown-name/bench-model", "input shape", "bench-model", _file(named_dims_add, "--dim", "sequence=8"),
+             words=("'sequence'", "batch, seq")),
+        Case("dim-zero/graphopt", "input shape", "graphopt", _rt(named_dims_add, "--dim", "batch=1,seq=0"),
+             words=("--dim seq=0", "not positive")),
+        Case("dim-not-integer/tune-kernels", "input shape", "tune-kernels", _list(named_dims_add, "--dim", "seq=1.5"),
+             words=("whole number",)),
+        Case("dim-disagrees-with-shape/optimize-model", "input shape", "optimize-model",
+             _opt(named_dims_add, "--dim", "batch=1", "--dim", "seq=8", "--input-shape", "m=1,9"),
+             words=("--input-shape m=1,9", "seq=9", "--dim seq=8")),
+        Case("dim-partly-resolved/graphopt", "input shape", "graphopt", _rt(named_dims_add, "--dim", "batch=2"),
+             words=("x [2, seq], m [2, seq]", "--dim seq=N")),
+        Case("dims-fix-every-input/graphopt", "input shape", "graphopt",
+             _rt(named_dims_add, "--dim", "batch=2", "--dim", "seq=3"), expect="ok"),
+        Case("dims-fix-every-input/optimize-model", "input shape", "optimize-model",
+             _opt(named_dims_add, "--dim", "batch=2,seq=3"), expect="ok", before_tvm=False),
         Case("op-shape-huge/tune-kernels", "input shape", "tune-kernels",
              lambda d: ["--op", "matmul", "--shape", "99999999999,8,8", "--trials", "1"], words=("memory",)),
         Case("op-conv-kernel-too-big/tune-kernels", "input shape", "tune-kernels",
@@ -454,7 +479,6 @@ def _options() -> list[Case]:
              words=("--seed",)),
         Case("no-subcommand/graphopt", "option", "graphopt", lambda d: [], words=("command",)),
         Case("missing-o/graphopt", "option", "graphopt", lambda d: ["optimize", tiny], words=("-o",)),
-        Case("missing-o/optimize-model", "option", "optimize-model", lambda d: [tiny], words=("-o",)),
         Case("alpha-nan/graphopt", "option", "graphopt",
              lambda d: ["optimize", tiny, "-o", str(d / "o.onnx"), "--alpha", "nan"], words=("--alpha",)),
         Case("time-limit-0/graphopt", "option", "graphopt",
@@ -472,6 +496,12 @@ def _a_file(d: Path) -> str:
     return str(d / "a-file")
 
 
+def _default_out_taken(d: Path, model: str) -> list[str]:
+    """No -o, and a file where the default folder (MODEL.optimized in the current folder, ``d``) would go."""
+    (d / (Path(model).stem + ".optimized")).write_text("x")
+    return [model]
+
+
 def _outputs() -> list[Case]:
     tiny = str(BERT_TINY)
     ro = "mkdir -p {d}/ro && mount -t tmpfs -o size=1m,ro tmpfs {d}/ro"
@@ -479,6 +509,8 @@ def _outputs() -> list[Case]:
     return [
         Case("o-is-a-file/optimize-model", "output path", "optimize-model", lambda d: [tiny, "-o", _a_file(d)],
              words=("is a file",)),
+        Case("default-o-is-a-file/optimize-model", "output path", "optimize-model",
+             lambda d: _default_out_taken(d, tiny), words=("bert_tiny.optimized", "is a file")),
         Case("o-under-proc/optimize-model", "output path", "optimize-model", lambda d: [tiny, "-o", "/proc/self/out"],
              words=("/proc",)),
         Case("o-read-only/optimize-model", "output path", "optimize-model", lambda d: [tiny, "-o", str(d / "ro" / "out")],
@@ -812,11 +844,21 @@ def _close(ref: list[np.ndarray], got: list[np.ndarray]) -> str:
     return ""
 
 
-def _inputs_for(model_path: str, args: list[str], seed: int = 7) -> dict[str, np.ndarray]:
-    from graphopt.feeds import sample_feeds
-    from graphopt.onnx_io import import_onnx, parse_input_shapes
+def _shapes_of(model_path: str, args: list[str]) -> dict[str, tuple[int, ...]]:
+    """The input shapes ``args``' ``--input-shape`` and ``--dim`` options give the model at ``model_path``."""
+    from graphopt.dims import parse_dims, resolve_dims
+    from graphopt.onnx_io import parse_input_shapes
 
     shapes = parse_input_shapes([args[i + 1] for i, a in enumerate(args) if a == "--input-shape"])
+    return resolve_dims(onnx.load(model_path), parse_dims([args[i + 1] for i, a in enumerate(args) if a == "--dim"]),
+                        shapes)
+
+
+def _inputs_for(model_path: str, args: list[str], seed: int = 7) -> dict[str, np.ndarray]:
+    from graphopt.feeds import sample_feeds
+    from graphopt.onnx_io import import_onnx
+
+    shapes = _shapes_of(model_path, args)
     samples = None
     if "--inputs" in args:
         with np.load(args[args.index("--inputs") + 1]) as z:
@@ -892,9 +934,9 @@ def _verify_graphopt(args: list[str], stdout: str) -> str:
     ref = _ort(source, feeds)
     if args[0] == "optimize":
         return _close(ref, _ort(args[args.index("-o") + 1], feeds))
-    from graphopt.onnx_io import export_onnx, import_onnx, parse_input_shapes
+    from graphopt.onnx_io import export_onnx, import_onnx
 
-    shapes = parse_input_shapes([args[i + 1] for i, a in enumerate(args) if a == "--input-shape"])
+    shapes = _shapes_of(source, args)
     return _close(ref, _ort(export_onnx(import_onnx(source, shapes)), feeds))
 
 

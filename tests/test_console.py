@@ -22,6 +22,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt import console
+from graphopt.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -59,6 +60,21 @@ def test_every_console_script_prints_the_pyproject_version(capsys):
     with pytest.raises(SystemExit):  # a sub-command takes it too
         entry("graphopt")(["rules", "show", "--version"])
     assert capsys.readouterr().out.startswith(f"graphopt rules show {wanted}")
+
+
+def test_every_console_script_lists_debug_in_its_help(capsys):
+    """cli_entry takes --debug off the command line before parsing; --help must still say it exists (issue 43),
+    and the option still works wherever it stands."""
+    for script in SCRIPTS:
+        with pytest.raises(SystemExit) as stop:
+            entry(script)(["--help"])
+        assert stop.value.code == 0
+        assert "--debug" in capsys.readouterr().out, script
+    with pytest.raises(SystemExit):
+        entry("graphopt")(["optimize", "--help"])
+    assert "--debug" in capsys.readouterr().out
+    with pytest.raises(UserError):  # re-raised, not reduced to one line: --debug still reaches cli_entry
+        entry("run-model")(["--debug", "--repeat", "0", "nowhere"])
 
 
 def _closed_pipe_run(args: list[str]) -> subprocess.CompletedProcess:

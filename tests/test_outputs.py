@@ -115,6 +115,8 @@ def test_report_md_gives_units_and_the_end_to_end_latency(built):
     # Every time-valued fact carries its unit: no bare number after a *_ms*= or a cost (seconds).
     number = r"[-\d.e+]+(?![-\d.e+])"  # a whole number: no backing off to a prefix of it
     assert not re.search(rf"\b(\w+_)?(ms|cost)(_\w+)?={number}(?! ms)", md)
+    assert not re.search(r"\w=|\bNone\b|\{'", md), md  # words, not key=value dumps or Python reprs
+    assert f"ours / onnxruntime: {lat['compiled_ms'] / lat['onnxruntime_ms']:.2f}x (x = our time" in md
 
 
 def test_a_build_slower_than_onnxruntime_says_so_in_one_line(built):
@@ -134,26 +136,55 @@ def test_a_build_slower_than_onnxruntime_says_so_in_one_line(built):
     assert slower_warning({"measured": False}, tuned=True) is None
 
 
-def test_report_md_converts_the_graph_stage_costs_and_tuned_tasks():
+def test_report_md_says_each_stage_in_words_with_units_and_links_the_plot():
+    """report.md is read by a person: no key=value dumps or Python reprs (issue 43), every time with its unit,
+    the tuned kernels' time per call in the kernel table (the only per-kernel times report.json holds), the
+    tuning plot linked."""
     from pipeline.report import report_markdown
 
     report = {"model": "m.onnx", "target": "llvm", "latency": {"measured": False, "reason": "cross target"},
-              "stages": {"graph": {"time_s": 12.3456, "cost_before": 0.0123, "cost_after": 0.0101,
-                                   "e2e_ms_before": 13.0, "e2e_ms_after": None},
-                         "tune": {"time_s": 60.0, "kernel_ms_before": 9.5, "kernel_ms_after": 7.25,
+              "stages": {"graph": {"time_s": 12.3456, "skipped": False, "nodes_before": 40, "nodes_after": 37,
+                                   "cost_before": 0.0123, "cost_after": 0.0101, "applied": {"fuse_add_relu": 3},
+                                   "stopped_by": "converged", "kept": "optimized", "e2e_ms_before": 13.0,
+                                   "e2e_ms_after": None, "e2e_check": "measured", "e2e_decision": "",
+                                   "stop_reason": "complete", "pricing_failures": {}, "estimated_prices": 0,
+                                   "frozen_weights": 0, "winograd": {}},
+                         "partition": {"time_s": 0.5, "tasks": 2, "tunable": 1, "gflop": 2.0,
+                                       "layout": {"mode": "nchw", "convs": 0, "blocked": 0, "transforms": 0,
+                                                  "merged_groups": 0, "kept_nchw": {}}},
+                         "tune": {"time_s": 60.0, "trials": 8, "measured_now": 8, "scheduler": "gradient",
+                                  "searcher": "opevo", "records": "out/records.jsonl", "kernel_ms_before": 9.5,
+                                  "kernel_ms_after": 7.25,
                                   "tasks": [{"index": 0, "name": "mm", "weight": 12, "trials": 8,
                                              "default_ms": 0.5, "best_ms": 0.25}],
                                   "e2e": {"kept": "tuned", "status": "measured", "default_ms": 13.0,
-                                          "tuned_ms": 11.0}}},
-              "tasks": [{"index": 0, "kind": "matmul", "weight": 12, "flops": 1e9, "schedule": "tuned",
-                         "name": "mm"}]}
+                                          "tuned_ms": 11.0}},
+                         "compile": {"time_s": 1.0, "ok": True, "max_abs_err": 1e-6, "max_rel_err": 2e-6,
+                                     "atol": 1e-4, "rtol": 1e-4, "top1_agreement": None, "outputs": 1,
+                                     "input_sets": 3, "quantization": None, "checked": "compiled model vs onnxruntime"},
+                         "mystery": {"time_s": 0.1, "thing_ms": 2.5, "flag": True, "gone": None}},
+              "tasks": [{"index": 0, "kind": "matmul", "weight": 12, "flops": 1e9, "schedule": "tuned", "name": "mm"},
+                        {"index": 1, "kind": "other", "weight": 1, "flops": 0.0, "schedule": "cpu-rule",
+                         "name": "reshape"}],
+              "files": {"tuning_plot": "tuning.png"}}
     md = report_markdown(report)
     assert "Not measured: cross target." in md
-    assert "| graph | 12.35 s | cost_before=12.3 ms, cost_after=10.1 ms, e2e_ms_before=13 ms, e2e_ms_after=None |" in md
-    assert not re.search(r"(ms|cost)\w*=[\d.]+(?![\d.])(?! ms)", md)  # the check the built report gets
-    assert "kernel_ms_before=9.5 ms, kernel_ms_after=7.25 ms" in md
+    assert ("| graph | 12.35 s | 40 -> 37 nodes; rewrites applied: 3 fuse_add_relu; priced 12.3 ms -> 10.1 ms "
+            "(sum of measured kernels); whole model 13 ms -> -; kept the optimized graph (end-to-end check measured); "
+            "search converged |") in md
+    assert "| partition | 0.50 s | 2 fused kernels, 1 with a tuning template; 2 GFLOP per inference; no convs" in md
+    assert "tuned kernels 9.5 ms -> 7.25 ms per inference" in md
+    assert "matches on 3 input sets, 1 output; max abs err 1e-06" in md
+    assert "| mystery | 0.10 s | thing: 2.5 ms; flag: yes |" in md  # a stage without a phrase, key by key
     assert "| 0 | mm | 12 | 8 | 0.5 ms | 0.25 ms |" in md
     assert "default build 13 ms, tuned build 11 ms" in md
+    assert "| 0 | matmul | 12 | 1 GFLOP | tuned | 0.25 ms | mm |" in md  # the shipped (tuned) config's time
+    assert "| 1 | other | 1 | 0 FLOP | cpu-rule | - | reshape |" in md  # not timed: not guessed
+    assert "[tuning.png](tuning.png)" in md
+    assert not re.search(r"\w=|\bNone\b|\bTrue\b|\{'", md), md  # no key=value, no Python repr
+    untuned = {**report, "stages": {"tune": {"time_s": 0.0, "skipped": True, "reason": "--trials 0"}}, "files": {}}
+    md = report_markdown(untuned)
+    assert "| tune | 0.00 s | skipped (--trials 0) |" in md and "time per call" not in md and "tuning.png" not in md
 
 
 def test_tuning_plot_names_every_task_and_marks_the_untuned():

@@ -214,7 +214,8 @@ def test_dynamic_batch_needs_and_accepts_input_shapes(exporter, tmp_path, capsys
     proto = _dynamic_batch(exporter)
     dims = [d.dim_param for d in proto.graph.input[0].type.tensor_type.shape.dim]
     assert dims[0] and dims[1] == ""  # batch is symbolic, sequence fixed
-    with pytest.raises(UserError, match=r"input 'input_ids' has unknown dimensions.*--input-shape input_ids="):
+    with pytest.raises(UserError, match=r"inputs have symbolic dimensions: input_ids \[(\w+), \d+\], "
+                                        r"attention_mask \[\1, \d+\]: fix them with --dim \1=N$"):
         import_onnx(proto)
     shapes = {"input_ids": (3, SEQ), "attention_mask": (3, SEQ)}
     result = _assert_lossless(proto, shapes)
@@ -225,7 +226,7 @@ def test_dynamic_batch_needs_and_accepts_input_shapes(exporter, tmp_path, capsys
     onnx.save(proto, str(path))
     assert graphopt_main(["roundtrip", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "input_ids" in err and "--input-shape" in err
+    assert err.count("\n") == 1 and "input_ids" in err and "attention_mask" in err and "--dim" in err
     out = tmp_path / "r.json"
     assert graphopt_main(["roundtrip", str(path), "--input-shape", f"input_ids=3,{SEQ}",
                           "--input-shape", f"attention_mask=3,{SEQ}", "--json", str(out)]) == 0
