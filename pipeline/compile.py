@@ -42,6 +42,7 @@ from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline import cpu_pool
 from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback, RowReduction
 from pipeline.partition import FusedTask, Partition
+from pipeline.int8 import SCHEDULED_BY
 from pipeline.relax_import import ImportedModel
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,9 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
     for task in part.tasks:
         current = mod[task.names[0]]
         if "tirx.is_scheduled" in current.attrs and bool(current.attrs["tirx.is_scheduled"]):
-            how[task.name] = "metaschedule"  # scheduled before we got here (MetaSchedule's database)
+            # scheduled before we got here: by a pass that wrote the kernel (pipeline.int8's gathers name
+            # themselves), else MetaSchedule's database
+            how[task.name] = str(current.attrs.get(SCHEDULED_BY, "metaschedule"))
             continue
         func, source, note = None, "none", ""
         key = getattr(task.task, "key", None)

@@ -19,7 +19,10 @@ int8 weights are still int8), into what onnxruntime's own kernels compute (its Q
 
 Everything after the product is elementwise, so Relax's fusion puts it into the product's kernel as its
 epilogue; the ``dequantize`` of the next layer's input disappears, so u8 activations stay u8 between
-layers.  Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
+layers.  Convs run in NHWC, as onnxruntime's do: a dense conv is a matmul of its u8 patches (im2col) by the
+weight, a depthwise conv a vector of channels per output pixel; their results stay NHWC through residual
+adds, pools and the spatial mean (each seen as an NCHW view of the flat result), so no layout copy sits
+between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in vector lanes first.  Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
 scale, a non-constant weight) keep the importer's form, which is correct, only slower.
 
 Reference: ONNX operators QuantizeLinear, DequantizeLinear, MatMulInteger, QLinearConv
@@ -38,6 +41,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from kerneltune.templates.int8_intrin import MAX_DEPTH
 
 INT8_TYPES = ("uint8", "int8")
+# the attribute of a kernel this pass scheduled itself: its name in report.json's schedules (pipeline.compile)
+SCHEDULED_BY = "optimize_model.scheduled_by"
 # elementwise ops :meth:`_IntegerCompute.on_flat` computes on a conv's NHWC result
 ELEMENTWISE = ("relax.quantize", "relax.dequantize", "relax.add", "relax.maximum", "relax.clip")
 
@@ -147,12 +152,12 @@ class _IntegerCompute(PyExprMutator):
             out = self.integer_bias(call)
         elif name == "relax.quantize":
             out = self.requantize(call)
-        if out is None and name in ELEMENTWISE:
-            out = self.on_flat(call)
         elif name in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.mean"):
             out = self.pool_nhwc(call)
         elif name in ("relax.max", "relax.min"):
             out = self.two_stage_extreme(call)
+        if out is None and name in ELEMENTWISE:  # not a product's epilogue: still kept on a conv's NHWC result
+            out = self.on_flat(call)
         return call if out is None else out
 
     def two_stage_extreme(self, call: relax.Call) -> relax.Expr | None:
@@ -534,7 +539,14 @@ def _scheduled_depthwise(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     if lanes:
         _, inner = sch.split(ch, [None, lanes])
         sch.vectorize(inner)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+    return _own_schedule(sch.mod["main"], "int8 depthwise")
+
+
+def _own_schedule(func: tvm.tirx.PrimFunc, name: str) -> tvm.tirx.PrimFunc:
+    """A kernel this pass scheduled itself: left alone by the compile's schedule sources, named ``name`` in
+    report.json, and opaque to fusion (``op_pattern`` 8)."""
+    return (func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+            .with_attr(SCHEDULED_BY, name))
 
 
 def _scheduled_patches(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
@@ -549,7 +561,7 @@ def _scheduled_patches(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     b, y, w, r, s, c = sch.get_loops(sch.get_sblock("patches"))
     sch.parallel(sch.fuse(b, y))
     sch.vectorize(sch.fuse(s, c))
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+    return _own_schedule(sch.mod["main"], "int8 gather")
 
 
 def integer_compute(mod: tvm.IRModule) -> tvm.IRModule:
