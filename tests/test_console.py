@@ -217,7 +217,10 @@ def _conv_and_gather_model(path: Path) -> Path:
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])], [w, rows], path)
 
 
-@pytest.mark.parametrize("make", [_if_model, _dotted_names_model, _conv_and_gather_model],
+# One model keeps the check in CI (each run is a whole graph stage on a fresh cost cache, ~30 s for the
+# bigger two); the other two run with -m slow.
+@pytest.mark.parametrize("make", [_if_model, pytest.param(_dotted_names_model, marks=pytest.mark.slow),
+                                  pytest.param(_conv_and_gather_model, marks=pytest.mark.slow)],
                          ids=["if", "dotted-names", "conv-gather"])
 def test_tvm_importer_output_stays_off_stderr_of_a_successful_run(make, tmp_path):
     """The graph stage (a fresh cost cache: each operator imported alone) and the build, both quiet."""
