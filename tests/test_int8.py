@@ -157,7 +157,7 @@ def test_quantized_tolerance_takes_one_step_and_refuses_a_zero_point_error(tmp_p
 
 
 @pytest.mark.parametrize("mcpu, instruction", [("native", None), ("sapphirerapids", "VNNI_512"),
-                                               ("x86-64-v3+avxvnni", "AVX_VNNI"), ("skylake-avx512", "MADD_512"),
+                                               ("x86-64-v3+avxvnni", "VNNI_256"), ("skylake-avx512", "MADD_512"),
                                                ("x86-64-v3", "MADD_256")])
 def test_int8_template_schedules_u8_s8_matmuls_with_each_instruction_exactly(mcpu, instruction):
     """Every instruction family (VNNI 512 / 256, exact 16-bit multiply-adds on AVX-512BW / AVX2) computes the
@@ -191,6 +191,8 @@ def test_int8_template_schedules_u8_s8_matmuls_with_each_instruction_exactly(mcp
     assert task is not None and int8.applies(task, target)
     if instruction is not None:
         assert int8_intrin.instruction_for(target) == getattr(int8_intrin, instruction)
+    if instruction == "VNNI_512":  # 24 columns (MobileNet-v2's): the 8-lane VL form, not the generic path
+        assert int8_intrin.instruction_for(target, 24) == int8_intrin.VNNI_256
     # full-range operands: the 16-bit path must not saturate where vpmaddubsw would (255 x 127 x 2 > 32767)
     inputs = task.make_inputs(0)
     if instruction == "MADD_256":

@@ -46,7 +46,7 @@ def applies(task: Task, target: tvm.target.Target) -> bool:
         return False
     if task.dims.get("ta") or task.dims.get("tb"):
         return False
-    ins = instruction_for(target)
+    ins = instruction_for(target, task.dims["N"])
     if ins is None:
         return False
     operands = _operands(task)
@@ -72,8 +72,8 @@ def _extents(task: Task) -> tuple[int, int, int]:
     return task.dims["M"], task.dims["N"], task.dims["K"]
 
 
-def _instruction(target: tvm.target.Target) -> Instruction:
-    ins = instruction_for(target)
+def _instruction(task: Task, target: tvm.target.Target) -> Instruction:
+    ins = instruction_for(target, task.dims["N"])
     if ins is None:
         raise InvalidConfig(f"no int8 dot-product instruction on {target}")
     return ins
@@ -82,7 +82,7 @@ def _instruction(target: tvm.target.Target) -> Instruction:
 def space(task: Task, target: tvm.target.Target) -> SearchSpace:
     """Tiles in units of the target's instruction (its lanes along ``j``, its depth along ``k``)."""
     m, n, k = _extents(task)
-    ins = _instruction(target)
+    ins = _instruction(task, target)
     return SearchSpace([FactorKnob("tile_rows", m, 2), FactorKnob("tile_j", n // ins.lanes, 3),
                         FactorKnob("tile_k", k // ins.depth, 2)])
 
@@ -94,7 +94,7 @@ def default_config(task: Task, target: tvm.target.Target):
     panel (``kb x nv x 64`` bytes) in an eighth of L1, which measured best on an Intel Xeon (Sapphire Rapids,
     2 threads, 128 x 768 x 768: 64 deep 623 GOPS, 256 deep 417); the write-back tile is the register tile."""
     m, n, k = _extents(task)
-    ins = _instruction(target)
+    ins = _instruction(task, target)
     groups, kgroups = n // ins.lanes, k // ins.depth
     regs = vector_registers(target)
     if ins.depth == 4:
@@ -116,7 +116,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
-    ins = _instruction(target)
+    ins = _instruction(task, target)
     lanes, depth = ins.lanes, ins.depth
     cfg = check_config(space(task, target), config)
     (rows_o, mr), (j_o, j_1, nv), (k_o, kb) = cfg["tile_rows"], cfg["tile_j"], cfg["tile_k"]

@@ -5,7 +5,8 @@ consecutive ``k``, A's ``depth`` bytes broadcast to every lane and B's ``lanes x
 (the weight is packed so at build time).  Which one a target gets (:func:`instruction_for`), best first:
 
 * AVX-512 VNNI ``vpdpbusd`` (16 lanes x 4): one instruction (Intel's intrinsics guide, ``_mm512_dpbusd_epi32``);
-* AVX-VNNI ``vpdpbusd`` on 256-bit registers (8 x 4), where AVX-512 is absent (Alder Lake and later clients);
+* ``vpdpbusd`` on 256-bit registers (8 x 4): AVX-VNNI (Alder Lake and later clients), or AVX-512 VNNI's
+  VL form, for products whose columns are a multiple of 8 but not 16 (MobileNet-v2's 24 channels);
 * AVX-512BW / AVX2 without VNNI (16 x 2 / 8 x 2): B's bytes sign-extended to 16 bits (``vpmovsxbw``) and
   ``vpmaddwd`` against A's two bytes zero-extended: exact.  The one-instruction alternative ``vpmaddubsw``
   saturates its 16-bit pair sums (255 x 127 x 2 > 32767), which onnxruntime's documentation warns about
@@ -28,12 +29,15 @@ from tvm.target import codegen
 @dataclass(frozen=True)
 class Instruction:
     """One dot-product intrinsic: its registered name, int32 lanes, bytes of ``k`` per lane, and the CPU
-    features it needs (all of them)."""
+    features it needs (all of one of the alternatives)."""
 
     name: str
     lanes: int
     depth: int
-    features: tuple[str, ...]
+    requires: tuple[tuple[str, ...], ...]
+
+    def available(self, target: tvm.target.Target) -> bool:
+        return any(all(codegen.target_has_features(f, target) for f in alt) for alt in self.requires)
 
 
 def _desc(lanes: int, depth: int):
@@ -90,14 +94,14 @@ def _widened(lanes: int, intrinsic: str):
     return impl
 
 
-VNNI_512 = Instruction("optimize_model_dot_16x4_vnni", 16, 4, ("avx512vnni", "avx512bw"))
-AVX_VNNI = Instruction("optimize_model_dot_8x4_avxvnni", 8, 4, ("avxvnni",))
-MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, ("avx512bw",))
-MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, ("avx2",))
-INSTRUCTIONS = (VNNI_512, AVX_VNNI, MADD_512, MADD_256)  # best first
+VNNI_512 = Instruction("optimize_model_dot_16x4_vnni", 16, 4, (("avx512vnni", "avx512bw"),))
+VNNI_256 = Instruction("optimize_model_dot_8x4_vnni256", 8, 4, (("avxvnni",), ("avx512vnni", "avx512vl")))
+MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, (("avx512bw",),))
+MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, (("avx2",),))
+INSTRUCTIONS = (VNNI_512, VNNI_256, MADD_512, MADD_256)  # best first
 
 TensorIntrin.register(VNNI_512.name, _desc(16, 4), _vnni(16, "llvm.x86.avx512.vpdpbusd.512"), override=True)
-TensorIntrin.register(AVX_VNNI.name, _desc(8, 4), _vnni(8, "llvm.x86.avx512.vpdpbusd.256"), override=True)
+TensorIntrin.register(VNNI_256.name, _desc(8, 4), _vnni(8, "llvm.x86.avx512.vpdpbusd.256"), override=True)
 TensorIntrin.register(MADD_512.name, _desc(16, 2), _widened(16, "llvm.x86.avx512.pmaddw.d.512"), override=True)
 TensorIntrin.register(MADD_256.name, _desc(8, 2), _widened(8, "llvm.x86.avx2.pmadd.wd"), override=True)
 
@@ -105,11 +109,12 @@ TensorIntrin.register(MADD_256.name, _desc(8, 2), _widened(8, "llvm.x86.avx2.pma
 MAX_DEPTH = max(i.depth for i in INSTRUCTIONS)
 
 
-def instruction_for(target: tvm.target.Target) -> Instruction | None:
-    """The best dot-product instruction ``target`` has (None: not an x86 CPU with AVX2 or better)."""
+def instruction_for(target: tvm.target.Target, columns: int | None = None) -> Instruction | None:
+    """The best dot-product instruction ``target`` has whose lanes divide ``columns`` (any, when None);
+    None: not an x86 CPU with AVX2 or better, or no width divides the columns."""
     if target.kind.name != "llvm":
         return None
     for ins in INSTRUCTIONS:
-        if all(codegen.target_has_features(f, target) for f in ins.features):
+        if ins.available(target) and (columns is None or columns % ins.lanes == 0):
             return ins
     return None
