@@ -55,6 +55,7 @@ ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
     "skip_tune": ((bool,), "True or False"),
     "progress": ((bool,), "True or False"),
     "precision": ((str,), f"one of {', '.join(PRECISIONS)}"),
+    "calibration": (_OPTIONAL_PATH, "an .npz path of stacked sample sets, or None"),
 }
 
 
@@ -100,14 +101,16 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
              inputs: str | os.PathLike | Mapping[str, Any] | None = None,
              skip_graph: bool = False, seed: int = 0, kernels: str | None = None, scheduler: str = "gradient",
              searcher: str = "opevo", records: str | os.PathLike | None = None, rpc: str | None = None,
-             skip_tune: bool = False, progress: bool = False, precision: str = "fp32") -> Model:
+             skip_tune: bool = False, progress: bool = False, precision: str = "fp32",
+             calibration: str | os.PathLike | None = None) -> Model:
     """Optimize and compile ``model`` (a path or an ``onnx.ModelProto``) for ``target`` as optimize-model
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
     checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do, and ``dims``
     ({"sequence": 128}: ``--dim``) fixes a symbolic dimension by its name in every input that has it.
-    ``precision="int8"`` quantizes the model with onnxruntime first, calibrated on ``inputs``
-    (:mod:`pipeline.quantize`; the accuracy vs fp32 in report.json's ``precision``)."""
+    ``precision="int8"`` quantizes the model with onnxruntime first, calibrated on ``calibration`` (an .npz
+    of sample sets stacked on a first axis) or ``inputs`` (:mod:`pipeline.quantize`; the accuracy vs fp32 in
+    report.json's ``precision``)."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
     sizes = check_dims(dims or {}, lambda name, value: f"dims={{{name!r}: {value!r}}}")
     from pipeline.optimize_model import optimize_model  # deferred: loads TVM
@@ -130,7 +133,7 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
                                   input_shapes=ShapeRequest(shapes, sizes),
                                   inputs=str(inputs) if inputs is not None else None,
-                                  precision=precision)
+                                  precision=precision, calibration=str(calibration) if calibration else None)
         optimize_model(str(model), str(out), ctx)
         built = Model(out, read_report(out), n)
     except BaseException:

@@ -96,6 +96,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=seconds, default=TIME_LIMIT, metavar="SECONDS",
                    help=f"bound on the whole graph stage: pricing, search, end-to-end timing (default {TIME_LIMIT:g})")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help=PRECISION_HELP)
+    p.add_argument("--calibration", metavar="FILE.npz",
+                   help="with --precision int8: N sample sets stacked on a new first axis (each array "
+                        "[N, *input shape]), to calibrate on and measure the accuracy vs fp32 on")
     t = p.add_argument_group("kernel tuning")
     t.add_argument("--trials", type=int, default=0, help="measurements over all tasks (default 0: no tuning)")
     t.add_argument("--kernels", metavar="SEL", help="tasks to tune: indices (0,3), op kinds (matmul) or name "
@@ -115,7 +118,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
                               input_shapes=shape_request(args.input_shape, args.dim), inputs=args.inputs,
-                              precision=args.precision)
+                              precision=args.precision, calibration=args.calibration)
     out = args.output if args.output is not None else default_output_dir(args.model)
     res = optimize_model(args.model, out, ctx)
     comp = res.report["stages"]["compile"]

@@ -92,6 +92,7 @@ class BuildContext:
     input_shapes: InputShapes | None = None  # --input-shape; a graphopt.dims.ShapeRequest carries --dim with it
     inputs: str | None = None  # --inputs FILE.npz
     precision: str = "fp32"  # --precision (PRECISIONS)
+    calibration: str | None = None  # --calibration FILE.npz: stacked sample sets for --precision int8
     samples: dict[str, Any] | None = None  # its arrays, as checked (graphopt.validate.check_model): every check
     records: RecordLog | None = None  # the tuning records, opened once for the run
 
@@ -104,6 +105,9 @@ class BuildContext:
         ctx.tuning.validate()
         if ctx.precision not in PRECISIONS:  # argparse's choices refuse it first on the command line
             raise UserError(f"--precision {ctx.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if ctx.calibration is not None and ctx.precision != "int8":
+            raise UserError(f"--calibration {ctx.calibration!r} is the int8 calibration set: add --precision int8, "
+                            "or drop --calibration")
         return ctx
 
     @cached_property

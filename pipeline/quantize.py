@@ -244,8 +244,8 @@ class Precision:
 
     method: str
     why: str
-    calibration: str | None  # "samples" | "random"; None: dynamic quantization calibrates nothing
-    measured_on: str  # the inputs of the accuracy figures: "samples" | "random"
+    calibration: str | None  # "calibration" | "samples" | "random"; None: dynamic quantization calibrates nothing
+    measured_on: str  # the inputs of the accuracy figures: "calibration" (--calibration) | "samples" | "random"
     pre_processed: str  # what onnxruntime's quant_pre_process did (or why it was skipped)
     quantized_ops: dict[str, int]
     accuracy: Accuracy
@@ -377,6 +377,39 @@ def quantize(src: Path, dst: Path, method: str, reader: FeedReader | None, large
         quantize_dynamic(src, dst, weight_type=QuantType.QInt8, use_external_data_format=large)
 
 
+def calibration_sets(path: str, graph: Graph) -> list[dict[str, np.ndarray]]:
+    """``--calibration FILE.npz``: N sample sets stacked on a new first axis (an array ``[N, *shape]`` per
+    runtime input), split into N feeds.  onnxruntime's calibration reads a set at a time, as does its
+    accuracy run; a user calibrates on a few hundred images, which ``--inputs`` (one set, the check's)
+    cannot hold for a batch-1 model.  Every array is checked before any quantizing: a name the model does
+    not have, a set of another shape or dtype, or counts that differ, is one line."""
+    inputs = {i.name: i for i in graph.inputs if i.name not in graph.initializers}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise UserError(f"--calibration {path!r} cannot be read ({_first_line(exc)}): pass an .npz written by "
+                        "numpy.savez(FILE, input_name=array_of_N_sets, ...)") from None
+    unknown = sorted(set(arrays) - set(inputs))
+    if unknown or not arrays:
+        raise UserError(f"--calibration {path!r} holds {', '.join(unknown) or 'no arrays'}: name the model's "
+                        f"inputs ({', '.join(inputs)})")
+    counts = set()
+    for name, a in arrays.items():
+        want = tuple(int(d) for d in inputs[name].shape)
+        if a.shape[1:] != want or np.dtype(a.dtype) != np.dtype(inputs[name].dtype) or a.shape[0] < 1:
+            raise UserError(f"--calibration {path!r}: {name} is {a.dtype}{list(a.shape)}; give N sets of "
+                            f"{inputs[name].dtype}{list(want)} stacked on a first axis: [N, {', '.join(map(str, want))}]")
+        counts.add(a.shape[0])
+    if len(counts) > 1:
+        raise UserError(f"--calibration {path!r}: the arrays hold {sorted(counts)} sets; give every input the "
+                        "same number of sets")
+    missing = [n for n in inputs if n not in arrays]
+    if missing:
+        raise UserError(f"--calibration {path!r} gives no {', '.join(missing)}: stack a set of each input")
+    return [{k: a[i] for k, a in arrays.items()} for i in range(counts.pop())]
+
+
 def checked_model(model_path: str, ctx: BuildContext) -> tuple[ModelInput, Precision | None]:
     """The model every stage works on, checked (:func:`graphopt.validate.check_model`): the input at fp32;
     with ``ctx.precision`` int8, onnxruntime's int8 model of it (checked too, in a temporary folder that is
@@ -395,8 +428,11 @@ def checked_model(model_path: str, ctx: BuildContext) -> tuple[ModelInput, Preci
     graph = import_onnx(fp32.proto, fp32.input_shapes)
     choice = choose_method(graph)
     log.info("--precision int8: %s", choice.why)
-    sets = feed_sets(graph, ctx.seed, fp32.samples)
-    measured_on = "samples" if fp32.samples else "random"
+    if ctx.calibration is not None:
+        sets, measured_on = calibration_sets(ctx.calibration, graph), "calibration"
+    else:
+        sets = feed_sets(graph, ctx.seed, fp32.samples)
+        measured_on = "samples" if fp32.samples else "random"
     if measured_on == "random":
         log.warning("warning: --precision int8 without --inputs: %s on %d seeded random input sets, so the int8 "
                     "accuracy vs fp32 is not measured on real data; pass --inputs FILE.npz with real samples",

@@ -209,3 +209,21 @@ def test_optimize_model_int8_builds_reports_and_prints_the_accuracy(tmp_path, ca
     shipped = onnx.load(str(out / "optimized.onnx"))
     assert any(n.op_type == "DequantizeLinear" for n in shipped.graph.node)  # the quantized model was compiled
     assert "## Precision" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ --calibration
+
+def test_calibration_sets_split_stacked_samples_and_refuse_what_does_not_fit(tmp_path):
+    graph = import_onnx(conv_net())
+    sets = np.random.default_rng(3).uniform(0, 1, (5, BATCH, 3, 16, 16)).astype(np.float32)
+    np.savez(tmp_path / "cal.npz", x=sets)
+    got = quantize.calibration_sets(str(tmp_path / "cal.npz"), graph)
+    assert len(got) == 5 and all(np.array_equal(g["x"], sets[i]) for i, g in enumerate(got))
+    np.savez(tmp_path / "flat.npz", x=sets[0])  # one set, not stacked: the shape names the fix
+    with pytest.raises(UserError, match=r"give N sets of float32\[4, 3, 16, 16\] stacked on a first axis"):
+        quantize.calibration_sets(str(tmp_path / "flat.npz"), graph)
+    np.savez(tmp_path / "other.npz", images=sets)
+    with pytest.raises(UserError, match="holds images: name the model's inputs \\(x\\)"):
+        quantize.calibration_sets(str(tmp_path / "other.npz"), graph)
+    with pytest.raises(UserError, match="add --precision int8, or drop --calibration"):
+        BuildContext.create("llvm", calibration=str(tmp_path / "cal.npz"))
