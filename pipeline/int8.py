@@ -353,7 +353,9 @@ class _IntegerCompute(PyExprMutator):
         if transposed:
             weight = np.ascontiguousarray(weight.T)
         n = weight.shape[1]
-        weight, wz = self.signed_weight(weight, np.broadcast_to(w.zp.ravel(), (n,)) if w.zp.size > 1 else w.zp.ravel()[:1])
+        if w.scale.size not in (1, n) or w.zp.size not in (1, n):
+            return None
+        weight, wz = self.signed_weight(weight, w.zp.ravel())
         acc = self.integer_product(x.q, relax.const(int(x.zp.ravel()[0]), "int32"), weight, wz.ravel())
         scale = (np.float32(x.scale.ravel()[0]) * np.broadcast_to(w.scale.ravel(), (n,))).astype(np.float32)
         return self.scaled(acc, scale)
