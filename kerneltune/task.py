@@ -159,7 +159,7 @@ def _strip_cast(e):
     return e
 
 
-def _mac_operands(block):
+def mac_operands(block):
     """(X, Y) loads if ``block`` computes ``C[idx] = C[idx] + X * Y`` (casts allowed), else None."""
     store = block.body
     if not isinstance(store, tirx.BufferStore) or block.init is None:
@@ -235,7 +235,7 @@ def classify_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
     if len(reductions) != 1:
         return None
     anchor = reductions[0]
-    ops = _mac_operands(anchor)
+    ops = mac_operands(anchor)
     if ops is None or not all(isinstance(iv.dom.extent, tirx.IntImm) for iv in anchor.iter_vars):
         return None
     ivs = [(iv.var.name, _int(iv.dom.extent), iv.iter_type == tirx.IterVar.CommReduce) for iv in anchor.iter_vars]

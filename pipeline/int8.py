@@ -22,7 +22,9 @@ epilogue; the ``dequantize`` of the next layer's input disappears, so u8 activat
 layers.  Convs run in NHWC, as onnxruntime's do: a dense conv is a matmul of its u8 patches (im2col) by the
 weight, a depthwise conv a vector of channels per output pixel; their results stay NHWC through residual
 adds, pools and the spatial mean (each seen as an NCHW view of the flat result), so no layout copy sits
-between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in vector lanes first.  Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
+between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in vector lanes first.
+
+Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
 scale, a non-constant weight) keep the importer's form, which is correct, only slower.
 
 Reference: ONNX operators QuantizeLinear, DequantizeLinear, MatMulInteger, QLinearConv
@@ -126,7 +128,10 @@ class _IntegerCompute(PyExprMutator):
         if _dtype(q) == "uint8":
             return q, zp
         shifted = self.emit(relax.op.add(relax.op.astype(q, "int32"), relax.const(128, "int32")))
-        shifted_zp = zp + 128 if isinstance(zp, (int, np.ndarray, np.generic)) else self.emit(relax.op.add(zp, relax.const(128, "int32")))
+        if isinstance(zp, (int, np.ndarray, np.generic)):
+            shifted_zp = zp + 128
+        else:  # a zero point computed at run time
+            shifted_zp = self.emit(relax.op.add(zp, relax.const(128, "int32")))
         return self.emit(relax.op.astype(shifted, "uint8")), shifted_zp
 
     @staticmethod
@@ -217,15 +222,15 @@ class _IntegerCompute(PyExprMutator):
                 return None  # another NCHW tensor
             else:
                 args.append(arg)  # a scalar or a per-channel vector (quantize's scale along axis 1)
-        if shape is None or (call.attrs is not None and hasattr(call.attrs, "axis") and int(call.attrs.axis) not in (1, -3)):
+        per_axis = call.attrs is not None and hasattr(call.attrs, "axis")
+        if shape is None or (per_axis and int(call.attrs.axis) not in (1, -3)):
             return None
-        attrs = call.attrs
-        if attrs is not None and hasattr(attrs, "axis"):
+        if per_axis:  # quantize / dequantize: their channel axis 1 is the flat result's axis 1
             op = relax.op.quantize if _op_name(call) == "relax.quantize" else relax.op.dequantize
-            flat = op(*args, axis=1, out_dtype=str(attrs.out_dtype))
+            flat = op(*args, axis=1, out_dtype=str(call.attrs.out_dtype))
         else:
             flat = relax.Call(call.op, args, call.attrs)
-        return self.nchw(self.emit(flat), shape[:3] + (shape[3],))
+        return self.nchw(self.emit(flat), shape)
 
     def quantized_conv(self, call: relax.Call) -> relax.Expr | None:
         """``conv2d(dequantize(x), dequantize(W))`` -> the integer product times ``xs ws``.  A dense conv

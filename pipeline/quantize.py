@@ -398,8 +398,9 @@ def calibration_sets(path: str, graph: Graph) -> list[dict[str, np.ndarray]]:
     for name, a in arrays.items():
         want = tuple(int(d) for d in inputs[name].shape)
         if a.shape[1:] != want or np.dtype(a.dtype) != np.dtype(inputs[name].dtype) or a.shape[0] < 1:
+            stacked = ", ".join(map(str, want))
             raise UserError(f"--calibration {path!r}: {name} is {a.dtype}{list(a.shape)}; give N sets of "
-                            f"{inputs[name].dtype}{list(want)} stacked on a first axis: [N, {', '.join(map(str, want))}]")
+                            f"{inputs[name].dtype}{list(want)} stacked on a first axis: [N, {stacked}]")
         counts.add(a.shape[0])
     if len(counts) > 1:
         raise UserError(f"--calibration {path!r}: the arrays hold {sorted(counts)} sets; give every input the "

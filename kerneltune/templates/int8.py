@@ -33,11 +33,14 @@ from tvm import s_tir, tirx
 
 from ..prepack import PREPROC
 from ..space import FactorKnob, SearchSpace
-from ..task import Task, _mac_operands, root_blocks
+from ..task import Task, mac_operands, root_blocks
 from ..targets.host import vector_registers
 from .common import InvalidConfig, check_config
 from .int8_intrin import Instruction, instruction_for
-L1_BYTES = 32 * 1024  # the smallest L1d of the x86 CPUs with VNNI (Ice Lake client); half holds the B panel
+
+# The smallest L1d of the x86 CPUs with VNNI (Ice Lake client): a target's space must not depend on the
+# machine that compiles it; the default k-block keeps the B panel in an eighth of it (default_config)
+L1_BYTES = 32 * 1024
 
 
 def applies(task: Task, target: tvm.target.Target) -> bool:
@@ -61,7 +64,7 @@ def applies(task: Task, target: tvm.target.Target) -> bool:
 def _operands(task: Task) -> tuple[tuple[str, str], tuple[str, str]] | None:
     """(name, dtype) of the anchor's A and B loads (through their int32 casts)."""
     block = next((b for b in root_blocks(task.func) if b.name_hint == task.anchor), None)
-    ops = _mac_operands(block) if block is not None else None
+    ops = mac_operands(block) if block is not None else None
     if ops is None:
         return None
     (a, b) = ops  # TOPI's matmul multiplies int32(A) * int32(B), in that order
