@@ -30,7 +30,7 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-STATIC, DYNAMIC = "static_qdq_per_channel", "dynamic"
+from pipeline.quantize import DYNAMIC, STATIC, FeedReader, quantize  # noqa: E402 - the tool's own recipe
 # our builders (models.registry) and real exports (models.exported, torch's dynamo exporter; torchvision
 # and transformers models need those packages): the quantization recipe onnxruntime documents for each
 METHODS = {"resnet50": STATIC, "resnext50": STATIC, "inception-block": STATIC, "bert-base": DYNAMIC,
@@ -68,44 +68,13 @@ def cpu_description() -> dict:
     return info
 
 
-def quantize(fp32_path: Path, out: Path, method: str, samples: list[dict]) -> None:
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
-
-    if method == DYNAMIC:
-        quantize_dynamic(str(fp32_path), str(out), weight_type=QuantType.QInt8)
-        return
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.sets = iter(samples)
-
-        def get_next(self):
-            return next(self.sets, None)
-
-    quantize_static(str(fp32_path), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
-
-
-def openvino(path: Path, threads: int, feeds: dict):
-    try:
-        import openvino as ov
-    except ImportError:
-        return None
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(str(path)), "CPU",
-                                  {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-                                   "INFERENCE_NUM_THREADS": threads})
-    request = compiled.create_infer_request()
-    names = [p.get_any_name() for p in compiled.inputs]
-    return lambda: request.infer({n: feeds[n] for n in names})
-
-
 def bench_model(name: str, mcpus: list[str], threads: int, runs: int, work: Path) -> dict:
-    from graphopt.feeds import ort_session, random_inputs
+    from graphopt.feeds import ort_session, random_inputs, run_ort_sets
     from graphopt.onnx_io import import_onnx
+    from graphopt.quant_tolerance import model_tolerance
     from graphopt.timing import time_blocks
     from pipeline.api import optimize
+    from pipeline.benchmark import openvino_runner
 
     method = METHODS[name]
     stem = name.replace(":", "_")
@@ -119,16 +88,19 @@ def bench_model(name: str, mcpus: list[str], threads: int, runs: int, work: Path
     onnx.save(model, str(fp32))
     graph = import_onnx(model)
     samples = [random_inputs(graph, seed) for seed in range(4)]
-    quantize(fp32, int8, method, samples)
+    quantize(fp32, int8, method, FeedReader(samples) if method == STATIC else None, large=False)
     feeds = random_inputs(graph, 10)
     runners, built = {}, {}
     for label, path in (("onnxruntime fp32", fp32), ("onnxruntime int8", int8)):
         sess = ort_session(str(path), threads)
         names = {i.name for i in sess.get_inputs()}
         runners[label] = (lambda s, f: (lambda: s.run(None, f)))(sess, {k: v for k, v in feeds.items() if k in names})
-    ov_run = openvino(int8, threads, feeds)
-    if ov_run is not None:
-        runners["OpenVINO int8"] = ov_run
+    int8_model = onnx.load(str(int8))
+    reference = run_ort_sets(int8_model, [feeds], threads)
+    tolerance = model_tolerance(int8_model, [feeds], reference, threads)
+    peer = openvino_runner(int8_model, threads, [feeds], reference, feeds, tolerance.tolerances if tolerance else None)
+    if peer is not None:  # installed, and its outputs match onnxruntime's (bench-model's rule)
+        runners["OpenVINO int8"] = peer[0]
     for mcpu in mcpus:
         target = "llvm" if mcpu == "native" else f"llvm -mcpu={mcpu}"
         for precision, path in (("int8", int8), ("fp32", fp32)):

@@ -108,14 +108,13 @@ class _IntegerCompute(PyExprMutator):
         e = self.value(flat)
         if _op_name(e) != "relax.dequantize" or _dtype(e.args[0]) not in INT8_TYPES:
             return None
-        if nhwc is not None:  # computed on a conv's flat result (on_flat): the quantized tensor as NCHW again
-            scale, zp = self.const(e.args[1]), self.const(e.args[2])
-            if scale is None or zp is None or scale.dtype != np.float32 or scale.size != 1:
-                return None
-            return _Dequantized(self.emit(self.nchw(e.args[0], nhwc)), scale, zp.astype(np.int32), 1)
         scale, zp = self.const(e.args[1]), self.const(e.args[2])
         if scale is None or zp is None or scale.dtype != np.float32:
             return None
+        if nhwc is not None:  # computed on a conv's flat result (on_flat): the quantized tensor as NCHW again
+            if scale.size != 1:
+                return None
+            return _Dequantized(self.emit(self.nchw(e.args[0], nhwc)), scale, zp.astype(np.int32), 1)
         return _Dequantized(e.args[0], scale, zp.astype(np.int32), int(e.attrs.axis))
 
     def emit(self, expr: relax.Expr) -> relax.Var:

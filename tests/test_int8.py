@@ -24,24 +24,13 @@ from models.builder import GraphBuilder  # noqa: E402
 from pipeline.relax_import import import_model  # noqa: E402
 
 
-def _quantize(model: onnx.ModelProto, tmp_path, static: bool, samples=None, **options) -> onnx.ModelProto:
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
+def _quantize(model: onnx.ModelProto, tmp_path, static: bool, samples=None) -> onnx.ModelProto:
+    """``model`` quantized as --precision int8 quantizes (onnxruntime's tools, pipeline.quantize's recipe)."""
+    from pipeline.quantize import DYNAMIC, STATIC, FeedReader, quantize
 
     src, dst = tmp_path / "fp32.onnx", tmp_path / "int8.onnx"
     onnx.save(model, str(src))
-    if static:
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self.sets = iter(samples)
-
-            def get_next(self):
-                return next(self.sets, None)
-
-        quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, **options)
-    else:
-        quantize_dynamic(str(src), str(dst), weight_type=options.pop("weight_type", QuantType.QInt8), **options)
+    quantize(src, dst, STATIC if static else DYNAMIC, FeedReader(samples) if static else None, large=False)
     return onnx.load(str(dst))
 
 

@@ -236,10 +236,10 @@ def test_onnxruntime_quantized_models_lower_and_match(method, tmp_path, llvm, ca
     model (within one step of the last requantization; the dynamic model's float epilogue to 1e-5)."""
     import logging
 
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     from graphopt.quant_check import check_quantization
+    from pipeline.quantize import FeedReader
 
     src, dst = tmp_path / "fp32.onnx", tmp_path / "int8.onnx"
     onnx.save(small_cnn(), str(src))
@@ -248,14 +248,7 @@ def test_onnxruntime_quantized_models_lower_and_match(method, tmp_path, llvm, ca
     if method == "dynamic":
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["Conv", "MatMul"])
     else:
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self.samples = iter(feeds)
-
-            def get_next(self):
-                return next(self.samples, None)
-
-        quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QOperator, per_channel=True,
+        quantize_static(str(src), str(dst), FeedReader(feeds), quant_format=QuantFormat.QOperator, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     model = onnx.load(str(dst))
     ops = {n.op_type for n in model.graph.node}

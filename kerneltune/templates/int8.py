@@ -35,7 +35,7 @@ from ..prepack import PREPROC
 from ..space import FactorKnob, SearchSpace
 from ..task import Task, mac_operands, root_blocks
 from ..targets.host import vector_registers
-from .common import InvalidConfig, check_config
+from .common import InvalidConfig, check_config, prepare
 from .int8_intrin import Instruction, instruction_for
 
 # The smallest L1d of the x86 CPUs with VNNI (Ice Lake client): a target's space must not depend on the
@@ -123,21 +123,10 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     lanes, depth = ins.lanes, ins.depth
     cfg = check_config(space(task, target), config)
     (rows_o, mr), (j_o, j_1, nv), (k_o, kb) = cfg["tile_rows"], cfg["tile_j"], cfg["tile_k"]
-    sch = s_tir.Schedule(task.func)
-    anchor = sch.get_sblock(task.anchor)
-    root = sch.get_sblock(task.func.body.block.name_hint)
-    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
-    pos = names.index(task.anchor)
-    for name in names[:pos]:  # producers (a zero-point cast): inlined into the anchor
-        sch.compute_inline(sch.get_sblock(name))
-    epilogue = names[pos + 1:]
-    for name in epilogue[:-1]:
-        sch.compute_inline(sch.get_sblock(name))
-    if epilogue:
-        writeback = sch.get_sblock(epilogue[-1])
-        sch.set_scope(anchor, 0, "local")
-    else:
-        writeback = sch.cache_write(anchor, 0, "local")
+    p = prepare(task, inline_producers=True)  # producers (a zero-point cast) inlined into the anchor
+    if p.producers_left:
+        raise InvalidConfig(f"{task.name}: a producer of the int8 product cannot be inlined")
+    sch, anchor, writeback = p.sch, p.anchor, p.writeback
     packed = sch.cache_read(anchor, _b_index(sch, anchor, task), "global")
     sch.transform_layout(packed, ("write", 0), lambda kk, j: (j // lanes, kk // depth, j % lanes, kk % depth))
     sch.annotate(packed, PREPROC, True)
