@@ -7,8 +7,9 @@ inputs is one size: a BERT's ``input_ids``, ``attention_mask`` and ``token_type_
 dims become per-input shapes (:func:`resolve_dims`), so every stage after :func:`graphopt.validate.check_model`
 sees the same ``input_shapes`` it always did.
 
-``--dim NAME=LO:HI`` (keep the dimension symbolic over a range) is parsed but refused: a build compiles one
-size until symbolic compilation exists.  No TVM here.
+``--dim NAME=LO:HI`` keeps the dimension symbolic over a range (optimize-model only: one build serving every
+size in it, :mod:`pipeline.symbolic`); every stage that works on one size sees the range's representative
+size (:func:`representative`) in its place.  No TVM here.
 """
 from __future__ import annotations
 
@@ -21,24 +22,44 @@ from graphopt.errors import UserError
 from graphopt.onnx_io import MAX_DIM, InputShapes, parse_input_shapes, runtime_inputs
 
 Dims = dict[str, int]  # --dim, as checked: a size per dimension name
+Ranges = dict[str, tuple[int, int]]  # --dim NAME=LO:HI, as checked: the sizes one build serves
 DIM_EXAMPLE = "--dim sequence=128"
 DIM_HELP = ("fix the symbolic dimension NAME (as the model's inputs name it) to N in every input, e.g. "
-            "--dim batch=1 --dim sequence=128 or --dim batch=1,sequence=128 (repeatable; LO:HI ranges are not "
-            "supported yet)")
+            "--dim batch=1 --dim sequence=128 or --dim batch=1,sequence=128 (repeatable)")
+RANGE_HELP = (DIM_HELP[:-1] + "; NAME=LO:HI keeps it symbolic: one build serves every size from LO to HI, "
+              "e.g. --dim batch=1 --dim sequence=2:512)")
+
+# The size a range is priced, tuned and first checked at: BERT's usual serving length, moved into the range when
+# the range does not hold it.
+REPRESENTATIVE = 128
+
+
+def representative(low: int, high: int) -> int:
+    """The size the stages that work on one size use for a dimension served over ``low..high``."""
+    return min(max(REPRESENTATIVE, low), high)
 
 
 class ShapeRequest(dict):
     """What the command line asks of the input shapes: the ``--input-shape`` shapes by input name (the dict
-    itself, an :data:`~graphopt.onnx_io.InputShapes`) and :attr:`dims`, the ``--dim`` sizes by dimension
-    name.  One value, so that whatever hands ``--input-shape`` on to :func:`graphopt.validate.check_model`
-    (the build context's ``input_shapes``) hands ``--dim`` on with it."""
+    itself, an :data:`~graphopt.onnx_io.InputShapes`), :attr:`dims`, the ``--dim`` sizes by dimension name,
+    and :attr:`ranges`, the ``--dim NAME=LO:HI`` ranges.  One value, so that whatever hands ``--input-shape``
+    on to :func:`graphopt.validate.check_model` (the build context's ``input_shapes``) hands ``--dim`` on with
+    it."""
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]] | None = None, dims: Mapping[str, int] | None = None):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]] | None = None, dims: Mapping[str, int] | None = None,
+                 ranges: Mapping[str, tuple[int, int]] | None = None):
         super().__init__(shapes or {})
         self.dims: Dims = dict(dims or {})
+        self.ranges: Ranges = dict(ranges or {})
 
-    def __reduce__(self):  # a dict subclass with an attribute: pickled whole (a forked or spawned worker)
-        return ShapeRequest, (dict(self), self.dims)
+    def __reduce__(self):  # a dict subclass with attributes: pickled whole (a forked or spawned worker)
+        return ShapeRequest, (dict(self), self.dims, self.ranges)
+
+    @property
+    def sizes(self) -> Dims:
+        """Every named dimension's size for the stages that work on one size: the fixed ones, and each range's
+        representative size."""
+        return self.dims | {name: representative(lo, hi) for name, (lo, hi) in self.ranges.items()}
 
 
 def dims_of(shapes: Mapping[str, Any] | None) -> Dims:
@@ -46,16 +67,27 @@ def dims_of(shapes: Mapping[str, Any] | None) -> Dims:
     return dict(getattr(shapes, "dims", None) or {})
 
 
+def ranges_of(shapes: Mapping[str, Any] | None) -> Ranges:
+    """The ``--dim NAME=LO:HI`` ranges an ``input_shapes`` value carries (none for a plain dict)."""
+    return dict(getattr(shapes, "ranges", None) or {})
+
+
 # ---- parsing -------------------------------------------------------------------------------------------------
 
-def shape_request(input_shapes: list[str] | None, dims: list[str] | None) -> ShapeRequest:
-    """A command line's ``--input-shape`` and ``--dim`` options, parsed and checked (before the model is read)."""
-    return ShapeRequest(parse_input_shapes(input_shapes), parse_dims(dims))
+def shape_request(input_shapes: list[str] | None, dims: list[str] | None, ranges: bool = False) -> ShapeRequest:
+    """A command line's ``--input-shape`` and ``--dim`` options, parsed and checked (before the model is read);
+    ``ranges``: whether the command builds for a range (optimize-model), else a range is refused."""
+    fixed, spans = parse_dims(dims)
+    if spans and not ranges:
+        name, (lo, hi) = next(iter(spans.items()))
+        raise UserError(f"--dim {name}={lo}:{hi}: a range is for optimize-model (one build serving every size in "
+                        f"it); this command runs one size: give --dim {name}=N, e.g. --dim {name}={hi}")
+    return ShapeRequest(parse_input_shapes(input_shapes), fixed, spans)
 
 
-def parse_dims(specs: list[str] | None) -> Dims:
-    """``--dim NAME=N`` options (repeatable; ``--dim batch=1,sequence=128`` gives several at once), checked
-    (:func:`check_dims`): a one-line UserError for any the build cannot take."""
+def parse_dims(specs: list[str] | None) -> tuple[Dims, Ranges]:
+    """``--dim NAME=N`` and ``NAME=LO:HI`` options (repeatable; ``--dim batch=1,sequence=128`` gives several at
+    once), checked (:func:`check_dims`): a one-line UserError for any the build cannot take."""
     values: dict[str, int | tuple[int, int]] = {}
     for spec in specs or []:
         for piece in spec.split(","):
@@ -88,27 +120,32 @@ def _text(value: int | tuple[int, int]) -> str:
     return f"{value[0]}:{value[1]}" if isinstance(value, tuple) else str(value)
 
 
-def check_dims(values: Mapping[str, Any], spell: Callable[[str, Any], str]) -> Dims:
-    """``values`` ({name: size, or a (low, high) range}) as a build takes them, or a one-line UserError that
-    ``spell(name, value)`` words as the caller's option (``--dim sequence=0``, ``dims={'sequence': 0}``).
-
-    A range is read, then refused: it would keep the dimension symbolic, and a build compiles one size until
-    symbolic compilation is built (issue 41)."""
+def check_dims(values: Mapping[str, Any], spell: Callable[[str, Any], str]) -> tuple[Dims, Ranges]:
+    """``values`` ({name: size, or a (low, high) range}) as a build takes them: the fixed sizes and the ranges
+    (a range of one size is that size), or a one-line UserError that ``spell(name, value)`` words as the
+    caller's option (``--dim sequence=0``, ``dims={'sequence': 0}``)."""
     dims: Dims = {}
+    ranges: Ranges = {}
     for name, value in values.items():
         if isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value):
-            low, high = value
+            low, high = (int(v) for v in value)
             if not 1 <= low <= high:
                 raise UserError(f"{spell(name, value)}: a range is LO:HI with 1 <= LO <= HI")
-            raise UserError(f"{spell(name, value)}: ranges are not supported yet (a build is compiled for one size): "
-                            f"fix the dimension with {name}=N, e.g. {spell(name, high)}")
+            if high > MAX_DIM:
+                raise UserError(f"{spell(name, value)}: the range's top is too large; give the largest size to "
+                                f"serve, e.g. {spell(name, (low, 512))}")
+            if low == high:
+                dims[name] = low
+            else:
+                ranges[name] = (low, high)
+            continue
         if not _is_int(value):
             raise UserError(f"{spell(name, value)}: the size must be a whole number N, e.g. {spell(name, 128)}")
         if not 1 <= value <= MAX_DIM:
             raise UserError(f"{spell(name, value)}: the size is {'not positive' if value < 1 else 'too large'}; "
                             f"give the size to compile for, e.g. {spell(name, 128)}")
         dims[name] = int(value)
-    return dims
+    return dims, ranges
 
 
 def _is_int(value: Any) -> bool:
@@ -153,6 +190,25 @@ def check_agreement(model: onnx.ModelProto, dims: Dims, shapes: InputShapes, fla
                     f"{inp.name} of shape {list(given)}"
                 raise UserError(f"{flag} {shown} sets {d.dim_param}={size} (axis {axis}), but --dim "
                                 f"{d.dim_param}={dims[d.dim_param]}: make them agree, or drop one")
+
+
+def within_ranges(model: onnx.ModelProto, ranges: Ranges, shapes: InputShapes, flag: str) -> Dims:
+    """The size of each ranged dimension that the shapes ``flag`` gives set (the one-size stages then work at
+    it), else that dimension's :func:`representative` size; a size outside its range is a one-line UserError."""
+    sizes = {name: representative(lo, hi) for name, (lo, hi) in ranges.items()}
+    for inp in runtime_inputs(model):
+        given = shapes.get(inp.name)
+        model_dims = inp.type.tensor_type.shape.dim
+        if given is None or len(given) != len(model_dims):
+            continue
+        for axis, (d, size) in enumerate(zip(model_dims, given)):
+            if d.dim_param in ranges and not d.HasField("dim_value"):
+                lo, hi = ranges[d.dim_param]
+                if not lo <= size <= hi:
+                    raise UserError(f"{flag} gives {inp.name} {d.dim_param}={size} (axis {axis}), outside --dim "
+                                    f"{d.dim_param}={lo}:{hi}: widen the range or change the size")
+                sizes[d.dim_param] = int(size)
+    return sizes
 
 
 def resolve_dims(model: onnx.ModelProto, dims: Dims, shapes: InputShapes) -> InputShapes:

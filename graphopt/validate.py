@@ -45,7 +45,7 @@ import numpy as np
 import onnx
 from onnx import helper, shape_inference, version_converter
 
-from graphopt.dims import check_agreement, check_dim_names, dims_of, resolve_dims
+from graphopt.dims import check_agreement, check_dim_names, dims_of, ranges_of, resolve_dims, within_ranges
 from graphopt.errors import UserError
 from graphopt.limits import TensorSize, check_memory, format_bytes, memory_limit_bytes
 from graphopt.onnx_io import (DEFAULT_DOMAINS, SUPPORTED_DTYPES, InputShapes, apply_input_shapes, ir_version_for,
@@ -79,6 +79,7 @@ class ModelInput:
     samples: dict[str, np.ndarray] | None = None  # from --inputs FILE.npz
     memory_bytes: int = 0  # the estimate :func:`check_memory` accepted
     upgrade: OpsetUpgrade | None = None  # set when ``proto`` is the model upgraded to an opset onnxruntime runs
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # --dim NAME=LO:HI: the sizes a build serves
 
 
 @dataclass(frozen=True)
@@ -113,12 +114,15 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     check_quantization(proto)
     check_dtypes(proto.graph)
     headers = read_input_headers(inputs_file, model_inputs(proto)) if inputs_file else {}
-    dims = dims_of(input_shapes)  # --dim, carried by a ShapeRequest
+    dims, ranges = dims_of(input_shapes), ranges_of(input_shapes)  # --dim, carried by a ShapeRequest
     shapes = dict(input_shapes or {})
-    if dims:
-        check_dim_names(proto, dims)
+    if dims or ranges:
+        check_dim_names(proto, dims | {k: f"{lo}:{hi}" for k, (lo, hi) in ranges.items()})
         check_agreement(proto, dims, shapes, "--input-shape")
         check_agreement(proto, dims, {k: shape for k, (shape, _) in headers.items()}, "--inputs")
+        # a range's size in the one-size stages: the size --input-shape or --inputs gives it, else representative()
+        dims = dims | within_ranges(proto, ranges, shapes, "--input-shape") \
+            | within_ranges(proto, ranges, {k: shape for k, (shape, _) in headers.items()}, "--inputs")
     for k, (shape, _) in headers.items():
         if k in shapes and tuple(shapes[k]) != shape:
             raise UserError(f"--input-shape {k}={','.join(map(str, shapes[k]))} contradicts --inputs, where "
@@ -137,7 +141,7 @@ def check_model(path: str | os.PathLike, input_shapes: InputShapes | None = None
     memory = check_memory(tensor_sizes(inferred), memory_limit)
     proto, upgrade = check_onnxruntime(proto, path)
     samples = load_inputs(inputs_file, headers) if inputs_file else None  # last: the memory check passed them
-    return ModelInput(str(path), proto, shapes, samples, memory, upgrade)
+    return ModelInput(str(path), proto, shapes, samples, memory, upgrade, ranges)
 
 
 def check_nonempty_inputs(model: onnx.ModelProto) -> None:

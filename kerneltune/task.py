@@ -146,6 +146,14 @@ def _int(x) -> int:
     return int(x.value) if hasattr(x, "value") else int(x)
 
 
+def symbolic_axes(task: Task) -> set[str]:
+    """Roles of the anchor's iterators whose extent in ``task.func`` is symbolic: the task was made from the
+    kernel's instance at a representative length and is applied to the kernel itself (:mod:`pipeline.symbolic`),
+    whose extents follow the length."""
+    block = next(b for b in root_blocks(task.func) if b.name_hint == task.anchor)
+    return {a.role for a, iv in zip(task.axes, block.iter_vars) if not isinstance(iv.dom.extent, tirx.IntImm)}
+
+
 def root_blocks(func: tirx.PrimFunc) -> list:
     """The root block's children (LegalizeOps/FuseTIR output is flat), in program order."""
     sch = s_tir.Schedule(func)

@@ -97,7 +97,8 @@ def load(directory: str | os.PathLike, threads: int | None = None, rpc: str | No
 @fork_safe  # in a forked child, on a thread with a TVM pool of its own
 def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", trials: int = 0,
              output: str | os.PathLike | None = None, *, threads: int | None = None,
-             input_shapes: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
+             input_shapes: Mapping[str, Any] | None = None,
+             dims: Mapping[str, int | tuple[int, int]] | None = None,
              inputs: str | os.PathLike | Mapping[str, Any] | None = None,
              skip_graph: bool = False, seed: int = 0, kernels: str | None = None, scheduler: str = "gradient",
              searcher: str = "opevo", records: str | os.PathLike | None = None, rpc: str | None = None,
@@ -107,12 +108,13 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
     checks; their shapes fix the compiled shapes, as ``input_shapes`` ({name: (d1, d2, ...)}) do, and ``dims``
-    ({"sequence": 128}: ``--dim``) fixes a symbolic dimension by its name in every input that has it.
+    ({"sequence": 128}: ``--dim``) fixes a symbolic dimension by its name in every input that has it; a range
+    ({"sequence": (2, 512)}) keeps it symbolic, and the build serves every size in it (:mod:`pipeline.symbolic`).
     ``precision="int8"`` quantizes the model with onnxruntime first, calibrated on ``calibration`` (an .npz
     of sample sets stacked on a first axis) or ``inputs`` (:mod:`pipeline.quantize`; the accuracy vs fp32 in
     report.json's ``precision``)."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
-    sizes = check_dims(dims or {}, lambda name, value: f"dims={{{name!r}: {value!r}}}")
+    sizes, ranges = check_dims(dims or {}, lambda name, value: f"dims={{{name!r}: {value!r}}}")
     from pipeline.optimize_model import optimize_model  # deferred: loads TVM
 
     n = use_threads(int(threads) if threads is not None else None, "threads")
@@ -131,7 +133,7 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
         tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
                              skip_tune, progress)
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
-                                  input_shapes=ShapeRequest(shapes, sizes),
+                                  input_shapes=ShapeRequest(shapes, sizes, ranges),
                                   inputs=str(inputs) if inputs is not None else None,
                                   precision=precision, calibration=str(calibration) if calibration else None)
         optimize_model(str(model), str(out), ctx)

@@ -61,24 +61,58 @@ class TensorSpec:
     dtype: str
     shape: tuple[int | None, ...] | None
     value: Any = None
+    # a build serving a range (pipeline.symbolic): axis -> (dimension name, lowest, highest size); ``shape``
+    # holds the representative size on that axis (the random inputs' size)
+    ranges: Mapping[int, tuple[str, int, int]] | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "TensorSpec":
         shape = d.get("shape")
-        return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape), d.get("value"))
+        ranges = {int(r["axis"]): (str(r["dim"]), int(r["min"]), int(r["max"])) for r in d.get("ranges") or []}
+        return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape), d.get("value"),
+                   ranges or None)
 
     def to_json(self) -> dict[str, Any]:
         out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape) if self.shape is not None else None}
+        if self.ranges:
+            out["ranges"] = [{"axis": a, "dim": n, "min": lo, "max": hi} for a, (n, lo, hi) in self.ranges.items()]
         return out if self.value is None else out | {"value": self.value}
 
+    @property
+    def accepted_shape(self) -> tuple[int | None, ...] | None:
+        """The shape a feed must have: ``shape`` with a ranged axis free (None)."""
+        if self.shape is None:
+            return None
+        return tuple(None if a in (self.ranges or {}) else d for a, d in enumerate(self.shape))
 
-def tensor_specs(infos: Sequence[Any], values: Mapping[str, np.ndarray] | None = None) -> list[TensorSpec]:
+    def shape_error(self, shape: tuple[int, ...]) -> str | None:
+        """What is wrong with a feed of ``shape`` for this input (one line), or None."""
+        want = self.accepted_shape
+        if want is None:
+            return None
+        if len(shape) != len(want) or any(d is not None and d != v for d, v in zip(want, shape)):
+            shown = [f"{n}={lo}..{hi}" if a in (self.ranges or {}) else d
+                     for a, (d, (n, lo, hi)) in enumerate(zip(self.shape, [(self.ranges or {}).get(a, ("", 0, 0))
+                                                                         for a in range(len(self.shape))]))]
+            return (f"input {self.name!r} has shape {list(shape)}, model.so is compiled for "
+                    f"{'[' + ', '.join(map(str, shown)) + ']'}; rebuild with --input-shape {self.name}="
+                    f"{','.join(map(str, shape))} for other sizes")
+        for axis, (dim, lo, hi) in (self.ranges or {}).items():
+            if not lo <= shape[axis] <= hi:
+                return (f"input {self.name!r} has {dim}={shape[axis]} (axis {axis}), outside the sizes {lo}..{hi} "
+                        f"model.so serves: rebuild with --dim {dim}=LO:HI covering {shape[axis]}")
+        return None
+
+
+def tensor_specs(infos: Sequence[Any], values: Mapping[str, np.ndarray] | None = None,
+                 ranges: Mapping[str, Mapping[int, tuple[str, int, int]]] | None = None) -> list[TensorSpec]:
     """graphopt IR ``TensorInfo`` s -> specs (symbolic dims become None); ``values``: the inputs the build is
-    specialized on."""
-    values = values or {}
+    specialized on; ``ranges``: the served axes of each input (:func:`pipeline.symbolic.input_ranges`)."""
+    values, ranges = values or {}, ranges or {}
     return [TensorSpec(t.name, t.dtype, None if t.shape is None else tuple(d if isinstance(d, int) else None
                                                                              for d in t.shape),
-                       np.asarray(values[t.name]).tolist() if t.name in values else None) for t in infos]
+                       np.asarray(values[t.name]).tolist() if t.name in values else None,
+                       dict(ranges[t.name]) if t.name in ranges else None) for t in infos]
 
 
 def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
@@ -94,7 +128,8 @@ def deployment(spec: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tensor
         "inputs": [t.to_json() for t in inputs],
         "outputs": [t.to_json() for t in outputs],
         "shapes_note": "model.so is compiled for these input shapes only (rebuild with --input-shape for "
-                       "others); optimized.onnx keeps the input model's symbolic dimensions where it can "
+                       "others), but for an input's ranges: any size from min to max on that axis; "
+                       "optimized.onnx keeps the input model's symbolic dimensions where it can "
                        "(report.json's dynamic_shapes says which, and how that was checked)",
         "files": {p.name: file_digest(p) for p in shipped},
     }
@@ -262,11 +297,9 @@ class Model:
         args = []
         for t in self.inputs:
             value = _cast(t, np.asarray(feeds[t.name]))
-            if t.shape is not None and (value.ndim != len(t.shape) or any(
-                    d is not None and d != v for d, v in zip(t.shape, value.shape))):
-                raise UserError(f"input {t.name!r} has shape {list(value.shape)}, model.so is compiled for "
-                                f"{list(t.shape)}; rebuild with --input-shape {t.name}="
-                                f"{','.join(map(str, value.shape))} for other sizes")
+            problem = t.shape_error(value.shape)
+            if problem:
+                raise UserError(problem)
             if t.value is not None and not np.array_equal(value, np.asarray(t.value, dtype=t.dtype)):
                 raise self._specialized_error(t, value)
             # order="C", not np.ascontiguousarray: that makes a rank-0 (scalar) input 1-d, which the VM refuses
@@ -349,22 +382,37 @@ class Model:
                             "reference need; copy it along with model.so")
         return path
 
-    def _graph(self):
-        """optimized.onnx in the graph IR, at the compiled input shapes."""
+    @property
+    def served(self) -> dict[str, tuple[int, int]]:
+        """The symbolic dimensions this build serves and their ranges ({} for a build of fixed sizes)."""
+        return {n: (lo, hi) for t in self.inputs for n, lo, hi in (t.ranges or {}).values()}
+
+    def _graph(self, sizes: Mapping[str, int] | None = None):
+        """optimized.onnx in the graph IR, at the compiled input shapes (a served dimension at ``sizes``)."""
         from graphopt.onnx_io import import_onnx, load_model
 
         path = self._graph_path()
-        shapes = {t.name: tuple(t.shape) for t in self.inputs if t.shape is not None and None not in t.shape}
+        sizes = dict(sizes or {})
+        for name, size in sizes.items():
+            if name not in self.served:
+                raise UserError(f"--dim {name}={size}: {self.directory} serves no symbolic dimension {name!r} "
+                                f"({'it serves ' + ', '.join(self.served) if self.served else 'its sizes are fixed'})")
+            lo, hi = self.served[name]
+            if not lo <= size <= hi:
+                raise UserError(f"--dim {name}={size}: outside the sizes {lo}..{hi} {self.directory} serves: rebuild "
+                                f"with --dim {name}=LO:HI covering {size}")
+        shapes = {t.name: tuple(sizes.get((t.ranges or {}).get(a, ("",))[0], d) for a, d in enumerate(t.shape))
+                  for t in self.inputs if t.shape is not None and None not in t.shape}
         return load_model(path), import_onnx(load_model(path), shapes, require_static=True)
 
-    def random_feeds(self, seed: int = 0) -> dict[str, np.ndarray]:
-        """Seeded inputs of the compiled shapes, integer inputs within the ranges the model indexes with (the
-        same draw as optimize-model's checks, :func:`graphopt.feeds.random_inputs`); an input the build is
-        specialized on takes its value."""
+    def random_feeds(self, seed: int = 0, sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """Seeded inputs of the compiled shapes (a served dimension at ``sizes``, else its representative size),
+        integer inputs within the ranges the model indexes with (the same draw as optimize-model's checks,
+        :func:`graphopt.feeds.random_inputs`); an input the build is specialized on takes its value."""
         from graphopt.feeds import random_inputs
 
         fixed = {t.name: np.asarray(t.value, dtype=t.dtype) for t in self.inputs if t.value is not None}
-        return random_inputs(self._graph()[1], seed) | fixed  # a specialized input takes its one value
+        return random_inputs(self._graph(sizes)[1], seed) | fixed  # a specialized input takes its one value
 
     def read_inputs(self, path: str | os.PathLike, seed: int = 0) -> dict[str, np.ndarray]:
         """``run-model --inputs FILE.npz``: checked against the signature by optimize-model's rules
@@ -372,7 +420,7 @@ class Model:
         those inputs drawn as :meth:`random_feeds` draws them."""
         from graphopt.validate import InputSpec, read_inputs
 
-        samples = read_inputs(path, {t.name: InputSpec(t.dtype, t.shape) for t in self.inputs},
+        samples = read_inputs(path, {t.name: InputSpec(t.dtype, t.accepted_shape) for t in self.inputs},
                               fixed=[t.name for t in self.inputs if t.value is not None])
         if len(samples) == len(self.inputs):
             return samples

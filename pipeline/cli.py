@@ -27,7 +27,7 @@ import numpy as np
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.dims import DIM_HELP, shape_request
+from graphopt.dims import DIM_HELP, RANGE_HELP, shape_request
 from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, display_path, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
@@ -65,14 +65,17 @@ def console_script(main: Callable[[list[str] | None], int]) -> Callable[[list[st
     return wrapper
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, ranges: bool = False) -> None:
+    """The model options every model command takes; ``ranges``: ``--dim NAME=LO:HI`` is taken (optimize-model:
+    one build serving a range of sizes)."""
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for TVM and onnxruntime (default: the cores this process may use)")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="fix a dynamic input's shape (repeatable; needed where a dimension has no name, else --dim)")
-    p.add_argument("--dim", action="append", metavar="NAME=N", help=DIM_HELP)
+    p.add_argument("--dim", action="append", metavar="NAME=N|LO:HI" if ranges else "NAME=N",
+                   help=RANGE_HELP if ranges else DIM_HELP)
     p.add_argument("--inputs", metavar="FILE.npz", help="sample inputs (numpy.savez(FILE, name=array, ...)) used for "
                                                         "every check and timing; their shapes fix the input shapes")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random check inputs")
@@ -88,7 +91,7 @@ def set_threads(threads: int | None) -> int:
 @cli_entry
 def optimize_model_main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
-    _common(p)
+    _common(p, ranges=True)
     p.add_argument("-o", "--output", metavar="DIR",
                    help="output directory: optimized.onnx, model.so, report.json, report.md (default: the model's "
                         f"name + {OUTPUT_SUFFIX} in the current folder, e.g. ./bert_tiny{OUTPUT_SUFFIX})")
@@ -117,7 +120,7 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
-                              input_shapes=shape_request(args.input_shape, args.dim), inputs=args.inputs,
+                              input_shapes=shape_request(args.input_shape, args.dim, ranges=True), inputs=args.inputs,
                               precision=args.precision, calibration=args.calibration)
     out = args.output if args.output is not None else default_output_dir(args.model)
     res = optimize_model(args.model, out, ctx)
@@ -231,7 +234,13 @@ def run_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write p50_ms, p90_ms, p99_ms, mean_ms, min_ms, runs, threads "
                                                   "(and the check) to FILE")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    p.add_argument("--dim", action="append", metavar="NAME=N",
+                   help="a build serving a range of sizes (optimize-model --dim NAME=LO:HI): draw the random inputs "
+                        "with NAME=N (default: the size it was checked and timed at)")
     args = p.parse_args(argv)
+    sizes = shape_request(None, args.dim).dims  # a range here is refused in one line
+    if sizes and args.inputs:
+        raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
     if args.repeat < 1:
         raise UserError(f"--repeat {args.repeat}: give at least 1 run")
     for option, path in (("--json", args.json), ("--outputs", args.outputs)):
@@ -245,7 +254,7 @@ def run_model_main(argv: list[str] | None = None) -> int:
     from pipeline.artifact import Model, read_report  # deferred with TVM: --help and the checks above stay fast
 
     model = Model(args.dir, read_report(args.dir), args.threads if args.rpc else threads, args.rpc)
-    feeds = model.read_inputs(args.inputs, args.seed) if args.inputs else model.random_feeds(args.seed)
+    feeds = model.read_inputs(args.inputs, args.seed) if args.inputs else model.random_feeds(args.seed, sizes)
     outputs = model.run(feeds)
     stats = model.latency(feeds, args.repeat)
     result = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc, **dataclasses.asdict(stats)}

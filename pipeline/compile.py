@@ -19,7 +19,7 @@ import os
 import struct
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -125,8 +125,10 @@ def _apply_rules(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rules: list
 
 
 def _template_schedule(task: FusedTask, config: Any | None, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """The template's schedule of ``config`` (None: its default), chosen on the task; a kernel with a symbolic
+    extent is scheduled itself with the config of its instance (:mod:`pipeline.symbolic`)."""
     cfg = config if config is not None else templates.default_config(task.task, target)
-    return templates.apply(task.task, cfg, target)
+    return templates.apply(replace(task.task, func=task.func) if task.symbolic else task.task, cfg, target)
 
 
 def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = None,

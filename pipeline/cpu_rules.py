@@ -14,6 +14,8 @@ inlined only while its expression is cheap; otherwise it stays a loop nest of it
 """
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.ir.expr import Expr, TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -120,14 +122,14 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int) 
         return
     inner = loops[-1]
     extent = get_extent(sch, inner)
-    total = 1
-    for lp in loops:
-        e = get_extent(sch, lp)
-        if not isinstance(e, int):
-            return
-        total *= e
+    extents = [get_extent(sch, lp) for lp in loops]
+    # a symbolic extent (a build serving a range of lengths, pipeline.symbolic) is taken as large: the kernel
+    # runs parallel at every length; a symbolic innermost loop stays scalar (a vector loop needs its lanes)
+    total = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS for e in extents)
     outer_loops = list(loops[:-1])
-    if not (extent % lanes == 0 or extent <= lanes):
+    if not isinstance(extent, int):
+        outer_loops.append(inner)
+    elif not (extent % lanes == 0 or extent <= lanes) and all(isinstance(e, int) for e in extents):
         # A row no vector width divides (ShuffleNet's 28-wide maps) would run scalar, index arithmetic per
         # element: the trailing loops are fused until they are a whole number of vectors.  Flattened, the
         # fused index addresses the same contiguous run the loops did.
@@ -137,7 +139,9 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int) 
             if fused % lanes == 0:
                 inner, outer_loops, extent = sch.fuse(*loops[k:]), list(loops[:k]), fused
                 break
-    if extent >= 2 * lanes and extent % lanes == 0:
+    if not isinstance(extent, int):
+        pass
+    elif extent >= 2 * lanes and extent % lanes == 0:
         io, ii = sch.split(inner, factors=[None, lanes])
         sch.vectorize(ii)
         outer_loops.append(io)
@@ -221,13 +225,12 @@ class RowReduction(CPUScheduleRule):
         n = len(kinds[-1])
         if n < 2 or kinds[-1] != "S" * n:
             return None
+        # the rows' extents, as text: a symbolic one (a build serving a range, pipeline.symbolic) compares too
         rows = [get_extent(sch, lp) for lp in sch.get_loops(infos[-1].block_rv)[:n - 1]]
-        if not all(isinstance(e, int) for e in rows):
-            return None
         for info, kind in zip(infos, kinds):  # every block: the same rows, then one spatial or reduced column
             if kind not in ("S" * n, "S" * (n - 1) + "R", "S" * (n - 1)):
                 return None
-            if [get_extent(sch, lp) for lp in sch.get_loops(info.block_rv)[:n - 1]] != rows:
+            if [str(get_extent(sch, lp)) for lp in sch.get_loops(info.block_rv)[:n - 1]] != [str(e) for e in rows]:
                 return None
         lanes = max(vector_bits(target) // _out_bits(sch, infos[-1].block_rv), 1)
         partial = []
@@ -241,9 +244,7 @@ class RowReduction(CPUScheduleRule):
         out = infos[-1].block_rv
         loops = sch.get_loops(out)
         row = sch.fuse(*loops[:n - 1]) if n > 2 else loops[0]
-        elements = 1
-        for extent in rows + [get_extent(sch, loops[-1])]:
-            elements *= extent if isinstance(extent, int) else 0
+        elements = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS for e in rows + [get_extent(sch, loops[-1])])
         if int(target.attrs.get("num-cores", 1)) > 1 and elements >= MIN_PARALLEL_ELEMS:
             sch.parallel(row)
         root = sch.get_sblock(sch.mod["main"].body.block.name_hint)

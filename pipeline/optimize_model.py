@@ -19,7 +19,7 @@ import onnx
 
 from graphopt import rlimits
 from graphopt.compare import Comparison, compare_runs
-from graphopt.dynamic import dynamic_model
+from graphopt.dynamic import OPTIMIZED, dynamic_model
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import (check_output_dir, check_output_file, display_path, lock_output_dir, write_bytes_atomic,
@@ -93,6 +93,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         from pipeline import stages
         from pipeline.compile import check_outputs
         from pipeline.partition import select_tasks
+        from pipeline.symbolic import Served, input_ranges
         from pipeline.tuning import pick_build, plot_tuning, tune_model, tuning_run
 
         original = model.proto
@@ -105,9 +106,16 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         log = stages.StageLog()
         staged = stages.graph_stage(ctx, source, model.input_shapes, log)
         optimized = staged.model
-
-        lowered = stages.lower(optimized, spec, ctx.layout,
-                               built_values=specialized.values if specialized else None)
+        served = Served.of(original, model.input_shapes, model.ranges)  # --dim NAME=LO:HI (pipeline.symbolic)
+        dynamic = None
+        if served is None:
+            lowered = stages.lower(optimized, spec, ctx.layout,
+                                   built_values=specialized.values if specialized else None)
+        else:  # compiled from optimized.onnx with its symbolic sizes restored and checked, else the input model
+            shipped, dynamic, dynamic_s = _dynamic(original, staged, ctx)
+            compiled_from = shipped if dynamic.form == OPTIMIZED else source
+            lowered = stages.lower(compiled_from, spec, None, model.input_shapes,
+                                   built_values=specialized.values if specialized else None, served=served)
         imported, part = lowered.imported, lowered.part
         log.add("partition", lowered.import_s + lowered.partition_s, tasks=len(part.tasks),
                 tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
@@ -152,6 +160,8 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
             if not check.ok:
                 raise UserError(f"the optimized graph differs from the input model in onnxruntime: {check.reason()}; "
                                 "nothing was written - rerun with --skip-graph")
+        if served is not None and spec.can_run:
+            facts["served"] = check_served(compiled, original, model.input_shapes, served, ctx.seed)
         log.add("compile", compiled.build_s, **facts)
         t0 = time.perf_counter()
         pool = int(ctx.threads or spec.target.attrs.get("num-cores", 0) or 1)
@@ -160,10 +170,9 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         if latency["measured"]:
             log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
                     onnxruntime_ms=latency["onnxruntime_ms"])
-        t0 = time.perf_counter()
-        shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, ctx.seed, ctx.samples)
-        log.add("dynamic_shapes", time.perf_counter() - t0, optimized_onnx=dynamic.form,
-                restored_nodes=dynamic.restored_nodes)
+        if dynamic is None:
+            shipped, dynamic, dynamic_s = _dynamic(original, staged, ctx)
+        log.add("dynamic_shapes", dynamic_s, optimized_onnx=dynamic.form, restored_nodes=dynamic.restored_nodes)
 
         with folder.replace(BUILD_FILES) as new:  # DIR's contents change in one step, once all is written
             files = {"optimized": "optimized.onnx", "library": "model.so", "report_md": "report.md"}
@@ -188,8 +197,10 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                 "dims": ctx.dims,  # --dim: the symbolic dimensions fixed by name ({} when none)
                 "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
                                                          if i.name not in imported.graph.initializers],
-                                                        specialized.values if specialized else None),
+                                                        specialized.values if specialized else None,
+                                                        input_ranges(original, served) if served else None),
                                      tensor_specs(imported.graph.outputs), new),
+                "served": served.to_json() | {"checked": facts.get("served")} if served else None,
                 "specialized": specialized.to_json() if specialized else None,
                 "opset_upgrade": model.upgrade.to_json() if model.upgrade else None,  # compiled at a newer opset
                 "precision": precision.to_json() if precision else FP32,
@@ -202,6 +213,40 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
             write_text_atomic(new / "report.md", report_markdown(report))
             write_text_atomic(new / "report.json", json.dumps(report, indent=2) + "\n")
         return OptimizeResult(out, report)
+
+
+def _dynamic(original: onnx.ModelProto, staged: Any, ctx: BuildContext):
+    """optimized.onnx with the input's symbolic sizes (:func:`graphopt.dynamic.dynamic_model`), its report and
+    the seconds it took."""
+    t0 = time.perf_counter()
+    shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, ctx.seed, ctx.samples)
+    return shipped, dynamic, time.perf_counter() - t0
+
+
+def check_served(compiled: Any, original: onnx.ModelProto, shapes: dict, served: Any, seed: int) -> list[dict]:
+    """The build of a range checked against onnxruntime at the range's other sizes
+    (:meth:`pipeline.symbolic.Served.check_sizes`; the representative size is the main check's), each on
+    seeded random inputs: a one-line UserError at the first size where it differs or onnxruntime fails."""
+    from graphopt.onnx_io import import_onnx
+    from pipeline.compile import check_outputs
+
+    out = []
+    for sizes in served.check_sizes():
+        at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        try:
+            graph = import_onnx(original, served.shapes_at(original, shapes, sizes), require_static=True)
+            check = check_outputs(compiled, graph, original, seed)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's or the VM's failure at that size, in one line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise UserError(f"the model does not run at {at} ({type(exc).__name__}: {first}); nothing was written - "
+                            "narrow the --dim range to sizes the model takes") from None
+        if not check.ok:
+            raise UserError(f"the compiled model differs from onnxruntime at {at}: {check.reason()}; nothing was "
+                            "written - build for fixed sizes (--dim NAME=N) and report it")
+        out.append({"sizes": sizes, "max_abs_err": check.max_abs_err, "ok": True})
+    return out
 
 
 def _has_records(path: Path) -> bool:

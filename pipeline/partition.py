@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import tvm
 import tvm_ffi
@@ -28,6 +28,7 @@ from kerneltune.opkinds import VARIANTS, base_kind
 from pipeline.fast_sigmoid import FastSigmoid
 from pipeline.fold import FoldConstants
 from pipeline.lane_softmax import LaneSoftmax
+from pipeline.symbolic import specialize
 
 KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
 
@@ -60,6 +61,7 @@ class FusedTask:
     func: tvm.tirx.PrimFunc
     names: list[str] = field(default_factory=list)  # every global name merged into this task
     task: Any = None  # kerneltune Task when a template covers the kernel, else None
+    symbolic: bool = False  # ``func`` has a symbolic extent; ``task`` is its instance at the representative size
 
     def summary(self) -> dict:
         return {"index": self.index, "name": self.name, "kind": self.kind, "weight": self.weight,
@@ -87,19 +89,27 @@ def fuse(mod: tvm.IRModule) -> tvm.IRModule:
         return seq(mod)
 
 
-def _shape(ty) -> tuple[int, ...]:
+def _shape(ty, at: Mapping[str, int]) -> tuple[int, ...]:
+    """A tensor's shape, a symbolic size read as its representative size ``at`` (a build serving a range)."""
     shape = getattr(ty, "shape", None)
     if shape is None:
         return ()
+    values = getattr(shape, "values", shape)
+    analyzer = tvm.sym.Analyzer()
+    for d in values:
+        for v in tvm.tirx.analysis.undefined_vars(d):
+            if v.name in at:
+                analyzer.bind(v, tvm.tirx.IntImm(str(v.ty.dtype), at[v.name]))
     try:
-        return tuple(int(d) for d in shape)
-    except TypeError:  # a symbolic dimension: imports are static, so this is a bug upstream
+        return tuple(int(analyzer.simplify(d)) for d in values)
+    except TypeError:  # a symbolic size no range names: imports are static otherwise, so this is a bug upstream
         raise UserError(f"a fused kernel has a non-static shape {shape}; pass --input-shape for every "
                         "dynamic input") from None
 
 
-def call_sites(mod: tvm.IRModule):
-    """(global var, argument shapes + output shape, dtype) of every call_tir in ``main``, in order."""
+def call_sites(mod: tvm.IRModule, at: Mapping[str, int] | None = None):
+    """(global var, argument shapes + output shape, dtype) of every call_tir in ``main``, in order (symbolic
+    sizes at ``at``)."""
     call_tir = tvm.ir.Op.get("relax.call_tir")
     main = mod["main"]
     for block in main.body.blocks:
@@ -108,7 +118,7 @@ def call_sites(mod: tvm.IRModule):
             if isinstance(call, relax.Call) and call.op.same_as(call_tir):
                 gv = call.args[0]
                 args = list(call.args[1].fields)
-                shapes = [_shape(a.ty) for a in args] + [_shape(call.ty)]
+                shapes = [_shape(a.ty, at or {}) for a in args] + [_shape(call.ty, at or {})]
                 yield gv, shapes, getattr(call.ty, "dtype", "")
 
 
@@ -121,11 +131,13 @@ def _flops(func: tvm.tirx.PrimFunc) -> float:
         return 0.0
 
 
-def list_tasks(fused: tvm.IRModule) -> list[FusedTask]:
-    """Distinct fused kernels with weights; structurally equal PrimFuncs are merged into one task."""
+def list_tasks(fused: tvm.IRModule, at: Mapping[str, int] | None = None) -> list[FusedTask]:
+    """Distinct fused kernels with weights; structurally equal PrimFuncs are merged into one task.  ``at``:
+    the representative sizes of a build serving a range (:mod:`pipeline.symbolic`): a kernel with a symbolic
+    extent is tuned and priced as its instance at them (its ``task``), and built symbolic (its ``func``)."""
     by_hash: dict[int, FusedTask] = {}
     tasks: list[FusedTask] = []
-    for gv, shapes, dtype in call_sites(fused):
+    for gv, shapes, dtype in call_sites(fused, at):
         func = fused[gv]
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
@@ -136,19 +148,22 @@ def list_tasks(fused: tvm.IRModule) -> list[FusedTask]:
             if gv.name_hint not in task.names:
                 task.names.append(gv.name_hint)
             continue
-        kt = templates.task_for(gv.name_hint, func)
+        instance = specialize(func, at) if at else func
+        symbolic = not instance.same_as(func)
+        kt = templates.task_for(gv.name_hint, instance)
         kind = getattr(kt, "kind", None) or "other"
-        flops = float(getattr(kt, "flops", 0) or 0) or _flops(func)
-        task = FusedTask(len(tasks), gv.name_hint, kind, shapes, str(dtype), 1, flops, func, [gv.name_hint], kt)
+        flops = float(getattr(kt, "flops", 0) or 0) or _flops(instance)
+        task = FusedTask(len(tasks), gv.name_hint, kind, shapes, str(dtype), 1, flops, func, [gv.name_hint], kt,
+                         symbolic)
         by_hash[key] = task
         tasks.append(task)
     return tasks
 
 
-def partition(mod: tvm.IRModule) -> Partition:
-    """Fuse ``mod`` and list its tasks."""
+def partition(mod: tvm.IRModule, at: Mapping[str, int] | None = None) -> Partition:
+    """Fuse ``mod`` and list its tasks (``at``: :func:`list_tasks`)."""
     fused = fuse(mod)
-    return Partition(fused, list_tasks(fused))
+    return Partition(fused, list_tasks(fused, at))
 
 
 def select_tasks(tasks: list[FusedTask], selector: str | None) -> list[FusedTask]:

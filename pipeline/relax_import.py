@@ -43,6 +43,7 @@ from pipeline.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
 from pipeline.int8 import integer_compute
 from pipeline.sink_slices import MIN_KEPT, sink_padding_slices
+from pipeline.symbolic import Served, bound, symbolic_model
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,13 @@ class ImportedModel:
         return [i.name for i in self.graph.inputs if i.name not in self.graph.initializers]
 
 
-def to_relax(model: onnx.ModelProto, graph: Graph) -> tvm.IRModule:
-    """Convert with the input shapes the graph IR fixed; unsupported operators become a UserError."""
+def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False) -> tvm.IRModule:
+    """Convert with the input shapes the graph IR fixed (``symbolic``: with the shapes ``model`` declares, its
+    named dimensions kept as TIR variables); unsupported operators become a UserError."""
     from tvm.relax.frontend.onnx import from_onnx
 
-    shapes = {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
-              if i.name not in graph.initializers}
+    shapes = None if symbolic else {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
+                                    if i.name not in graph.initializers}
     dtypes = {i.name: i.dtype for i in graph.inputs if i.name not in graph.initializers}
     unresolved = _unresolved_read(model.graph, set())
     if unresolved:
@@ -288,11 +290,22 @@ def import_rewrites(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def import_model(source: str | os.PathLike | onnx.ModelProto,
-                 input_shapes: InputShapes | None = None) -> ImportedModel:
-    """Load, validate and convert an ONNX model (path or proto) with static input shapes."""
+                 input_shapes: InputShapes | None = None, served: Served | None = None) -> ImportedModel:
+    """Load, validate and convert an ONNX model (path or proto) with static input shapes; with ``served``, the
+    dimensions it names stay symbolic in the Relax module (bounded by their ranges: :mod:`pipeline.symbolic`)
+    and the graph IR is the model at the representative sizes (``input_shapes``)."""
     model = source if isinstance(source, onnx.ModelProto) else load_model(source)
     graph = import_onnx(model, input_shapes, require_static=True)
     legal = legalize_for_tvm(graph)
+    if served is not None:
+        if legal.lowered:
+            raise UserError(f"{', '.join(sorted(set(legal.lowered)))} cannot keep a symbolic size in TVM (they are "
+                            f"unrolled at one size): build for one size, e.g. --dim "
+                            f"{next(iter(served.ranges))}={next(iter(served.at.values()))}")
+        symbolic = symbolic_model(model, input_shapes or {}, served)
+        fixed = onnx.ModelProto.FromString(model.SerializeToString())
+        apply_input_shapes(fixed, input_shapes or {})
+        return ImportedModel(fixed, graph, bound(to_relax(symbolic, graph, symbolic=True), served), symbolic)
     if input_shapes:
         # from_onnx reads shapes from shape_dict, but keep the proto consistent for onnxruntime as well.
         model = onnx.ModelProto.FromString(model.SerializeToString())

@@ -40,6 +40,7 @@ from pipeline.kernel_price import KernelPricer
 from pipeline.layout.search import partition_model
 from pipeline.partition import Partition, partition
 from pipeline.relax_import import ImportedModel, import_model
+from pipeline.symbolic import Served
 from pipeline.value_guard import add_value_guards
 
 log = logging.getLogger(__name__)
@@ -115,16 +116,22 @@ class Lowered:
 
 
 def lower(model: onnx.ModelProto | str, spec: TargetSpec, layout: str | None,
-          input_shapes: InputShapes | None = None, built_values: Mapping[str, np.ndarray] | None = None) -> Lowered:
+          input_shapes: InputShapes | None = None, built_values: Mapping[str, np.ndarray] | None = None,
+          served: Served | None = None) -> Lowered:
     """Relax import, the layout stage (``layout``: a ``--layout`` choice; None: none, the module as imported)
     and the partition into fused tasks.  ``built_values``: the inputs a specialized build takes one value of,
-    asserted by the compiled code itself (:mod:`pipeline.value_guard`)."""
+    asserted by the compiled code itself (:mod:`pipeline.value_guard`).  ``served``: the dimensions kept
+    symbolic over their ranges (:mod:`pipeline.symbolic`); the layout stage, whose blocked convs are per
+    size, is not run then."""
     t0 = time.perf_counter()
-    imported = import_model(model, input_shapes)
+    imported = import_model(model, input_shapes, served)
     if built_values:
         imported.mod = add_value_guards(imported.mod, built_values)
     t1 = time.perf_counter()
-    part = partition(imported.mod) if layout is None else partition_model(imported.mod, spec, layout)
+    if served is not None:
+        part = partition(imported.mod, served.at)
+    else:
+        part = partition(imported.mod) if layout is None else partition_model(imported.mod, spec, layout)
     return Lowered(imported, part, t1 - t0, time.perf_counter() - t1)
 
 

@@ -1,4 +1,5 @@
-"""``--dim NAME=N``: a symbolic dimension fixed once, by its name, in every input (issue 41, the static part).
+"""``--dim NAME=N``: a symbolic dimension fixed once, by its name, in every input (issue 41); ``--dim NAME=LO:HI``
+parsed and checked here (the builds that serve a range: tests/test_served.py).
 
 A BERT exported with symbolic ``batch`` and ``sequence`` needed one ``--input-shape`` per input and one try per
 input to find that out.  Checked here on a tiny model with three inputs sharing ``batch``/``sequence``: the
@@ -54,18 +55,27 @@ def _one_line_error(capsys) -> str:
 # ---- parsing --------------------------------------------------------------------------------------------------
 
 def test_parse_repeated_and_comma_forms():
-    assert parse_dims(["batch=1", "sequence=128"]) == {"batch": 1, "sequence": 128}
-    assert parse_dims(["batch=1,sequence=128"]) == {"batch": 1, "sequence": 128}
-    assert parse_dims(["batch=1", "batch=1"]) == {"batch": 1}  # said twice, the same: no conflict
-    assert parse_dims(None) == {}
+    assert parse_dims(["batch=1", "sequence=128"]) == ({"batch": 1, "sequence": 128}, {})
+    assert parse_dims(["batch=1,sequence=128"]) == ({"batch": 1, "sequence": 128}, {})
+    assert parse_dims(["batch=1", "batch=1"]) == ({"batch": 1}, {})  # said twice, the same: no conflict
+    assert parse_dims(None) == ({}, {})
     request = shape_request(["x=1,2"], ["batch=2"])
     assert dict(request) == {"x": (1, 2)} and request.dims == {"batch": 2}
 
 
+def test_ranges_are_parsed_and_one_size_ranges_are_sizes():
+    assert parse_dims(["batch=1,sequence=2:512"]) == ({"batch": 1}, {"sequence": (2, 512)})
+    assert parse_dims(["sequence=8:8"]) == ({"sequence": 8}, {})
+    request = shape_request(None, ["batch=1", "sequence=2:512"], ranges=True)
+    assert request.ranges == {"sequence": (2, 512)} and request.sizes == {"batch": 1, "sequence": 128}
+    assert shape_request(None, ["sequence=2:64"], ranges=True).sizes == {"sequence": 64}  # 128 moved into it
+    with pytest.raises(UserError, match=r"--dim sequence=2:512: a range is for optimize-model.*--dim sequence=512"):
+        shape_request(None, ["sequence=2:512"])
+
+
 @pytest.mark.parametrize("spec, words", [
-    ("sequence=2:512", r"--dim sequence=2:512: ranges are not supported yet.*fix the dimension with sequence=N, "
-                       r"e\.g\. --dim sequence=512"),
     ("sequence=512:2", "1 <= LO <= HI"),
+    (f"sequence=2:{2**63}", "too large"),
     ("sequence=0", "--dim sequence=0: the size is not positive"),
     ("sequence=-3", "not positive"),
     (f"sequence={2**63}", "too large"),
@@ -88,9 +98,10 @@ def test_two_sizes_for_one_name():
 
 def test_api_values_are_checked_the_same_way():
     spell = lambda n, v: f"dims={{{n!r}: {v!r}}}"  # noqa: E731
-    assert check_dims({"sequence": np.int64(8)}, spell) == {"sequence": 8}
-    with pytest.raises(UserError, match=r"dims=\{'sequence': \(2, 512\)\}: ranges are not supported yet"):
-        check_dims({"sequence": (2, 512)}, spell)
+    assert check_dims({"sequence": np.int64(8)}, spell) == ({"sequence": 8}, {})
+    assert check_dims({"sequence": (2, np.int64(512))}, spell) == ({}, {"sequence": (2, 512)})
+    with pytest.raises(UserError, match=r"dims=\{'sequence': \(0, 512\)\}: a range is LO:HI"):
+        check_dims({"sequence": (0, 512)}, spell)
     with pytest.raises(UserError, match="whole number"):
         check_dims({"sequence": True}, spell)
 
@@ -172,8 +183,12 @@ def test_refusals_on_every_command(main, extra, path, tmp_path, capsys):
                                                                            for a in extra]]
         return main(argv + list(flags))
 
-    assert run("--dim", "sequence=2:512") == 2
-    assert "ranges are not supported yet" in _one_line_error(capsys)
+    if main is not optimize_model_main:  # optimize-model builds for a range: tests/test_served.py
+        assert run("--dim", "sequence=2:512") == 2
+        assert "a range is for optimize-model" in _one_line_error(capsys)
+    assert run("--dim", "batch=1", "--dim", "sequence=2:512", "--input-shape", "ids=1,600") == 2
+    assert ("outside --dim sequence=2:512" if main is optimize_model_main else "a range is for optimize-model") \
+        in _one_line_error(capsys)
     assert run("--dim", "seq=4") == 2
     assert "batch, sequence" in _one_line_error(capsys)
     assert run("--dim", "sequence=0") == 2
@@ -196,14 +211,6 @@ def test_help_names_dim(capsys):
         with pytest.raises(SystemExit):
             main(["--help"])
         assert "--dim NAME=N" in capsys.readouterr().out
-
-
-def test_api_refuses_a_range_before_any_work(path, tmp_path):
-    import pipeline
-
-    with pytest.raises(UserError, match="ranges are not supported yet"):
-        pipeline.optimize(str(path), output=tmp_path / "o", dims={"sequence": (2, 512)})
-    assert not (tmp_path / "o").exists()
 
 
 # ---- one build, end to end -------------------------------------------------------------------------------------

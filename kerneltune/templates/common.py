@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tvm
 from tvm import s_tir
 
 from ..space import DiscreteKnob, FactorKnob, Knob, SearchSpace
@@ -94,13 +95,19 @@ def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None
 
 
 def split_axes(sch: s_tir.Schedule, anchor, task: Task, factors: list[tuple[int, ...]]) -> list[list]:
-    """Split each anchor loop by its factors; returns per-axis lists of loops (outermost first)."""
+    """Split each anchor loop by its factors; returns per-axis lists of loops (outermost first).
+
+    A loop whose extent is symbolic (a kernel of a build that serves a range of lengths, scheduled with the
+    tiles of its instance at a representative length: :mod:`pipeline.symbolic`) keeps the inner factors and
+    lets the outermost count follow the extent, ``ceil(n / tile)``: the last tile is masked, never padded."""
     loops = sch.get_loops(anchor)
     if len(loops) != len(task.axes):
         raise InvalidConfig(f"anchor {task.anchor} has {len(loops)} loops, expected {len(task.axes)}")
     out = []
     for loop, f in zip(loops, factors):
-        out.append(list(sch.split(loop, list(f))) if len(f) > 1 else [loop])
+        fixed = isinstance(sch.get(loop).extent, tvm.tirx.IntImm)
+        f = list(f) if fixed or None in f else [None, *f[1:]]
+        out.append(list(sch.split(loop, f)) if len(f) > 1 else [loop])
     return out
 
 

@@ -1,0 +1,133 @@
+"""One build serving every length (``--dim batch=1 --dim sequence=LO:HI``) against onnxruntime, OpenVINO and
+our build of each length alone, in one run per length.
+
+For each model (torch's dynamo export of a transformers model, symbolic ``batch`` and ``sequence``,
+``models.exported``):
+
+* **served**: one untuned build, ``dims={"batch": 1, "sequence": (LO, HI)}`` (:mod:`pipeline.symbolic`), built
+  once and run at every length;
+* **static**: an untuned build of each length alone (``dims={"batch": 1, "sequence": L}``), the same options;
+* onnxruntime and OpenVINO (f32 hint, latency mode, same threads; when installed) on the same file, which
+  serves any length.
+
+Each length's engines are timed in one :func:`graphopt.timing.time_blocks` call (alternating blocks), so the
+ratios come from one run; the served build's outputs are checked against onnxruntime at every length first.
+Build times are recorded.  Writes JSON and a PNG (latency over length); the CPU and its caches are recorded.
+Run it alone: two cores shared with anything else move the medians.
+
+    python bench/dynamic.py --models bert --lengths 8,77,128,384 --out bench/results/dynamic
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from int8 import cpu_description  # noqa: E402 - this folder's CPU description (lscpu)
+
+
+def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: int, runs: int, graph: bool,
+                work: Path) -> dict:
+    from graphopt.compare import compare_outputs
+    from graphopt.feeds import ort_session, random_inputs, run_ort
+    from graphopt.onnx_io import import_onnx
+    from graphopt.timing import time_blocks
+    from models.exported import build_exported
+    from pipeline.api import optimize
+    from pipeline.benchmark import openvino_runner
+
+    exported = build_exported(name, "full", "dynamo")
+    path = work / f"{name}.onnx"
+    onnx.save(exported.model, str(path), save_as_external_data=exported.model.ByteSize() > 2**31)
+    model = onnx.load(str(path))
+    t0 = time.perf_counter()
+    served = optimize(str(path), threads=threads, skip_graph=not graph, dims={"batch": 1, "sequence": span})
+    row = {"model": name, "range": list(span), "served_build_s": round(time.perf_counter() - t0, 1),
+           "representative": served.report["served"]["representative"], "lengths": {}}
+    sess = ort_session(str(path), threads)
+    for length in lengths:
+        shapes = {i.name: tuple(1 if d.dim_param == "batch" else length if d.dim_param == "sequence" else d.dim_value
+                                for d in i.type.tensor_type.shape.dim) for i in model.graph.input}
+        feeds = random_inputs(import_onnx(model, shapes), length)
+        reference = run_ort(model, feeds, threads)
+        check = compare_outputs(reference, list(served.run(feeds).values()))
+        t0 = time.perf_counter()
+        static = optimize(str(path), threads=threads, skip_graph=not graph, dims={"batch": 1, "sequence": length})
+        static_s = time.perf_counter() - t0
+        runners = {"served": served.runner(feeds), "static": static.runner(feeds),
+                   "onnxruntime": (lambda f: (lambda: sess.run(None, f)))(feeds)}
+        peer = openvino_runner(model, threads, [feeds], [reference], feeds)
+        if peer is not None:
+            runners["OpenVINO"] = peer[0]
+        times = time_blocks(runners, runs)
+        ms = {k: round(t.median_ms, 4) for k, t in times.items()}
+        row["lengths"][length] = {
+            "ms": ms, "min_ms": {k: round(t.min_ms, 4) for k, t in times.items()},
+            "served / onnxruntime": round(ms["served"] / ms["onnxruntime"], 3),
+            "served / static": round(ms["served"] / ms["static"], 3),
+            "static_build_s": round(static_s, 1), "check": {"ok": check.ok, "max_abs_err": check.max_abs_err}}
+        print(name, length, json.dumps(row["lengths"][length]), flush=True)
+        del static
+    return row
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        lengths = sorted(row["lengths"], key=int)
+        engines = list(row["lengths"][lengths[0]]["ms"])
+        for engine in engines:
+            ax.plot([int(n) for n in lengths], [row["lengths"][n]["ms"].get(engine) for n in lengths], marker="o",
+                    label=engine + (f" (one build, {row['range'][0]}..{row['range'][1]})" if engine == "served" else ""))
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("ms per inference (median, lower is better)")
+        ax.set_title(row["model"])
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="bert", help="comma-separated corpus names (models.exported), e.g. bert,gpt2")
+    p.add_argument("--lengths", default="8,77,128,384", help="comma-separated lengths, none named at build time")
+    p.add_argument("--range", default="2:512", help="LO:HI the served build is built for")
+    p.add_argument("--graph", action="store_true", help="run the graph stage in every build (default: skipped)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--out", default="bench/results/dynamic", help="writes OUT.json and OUT.png")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    lo, hi = (int(v) for v in args.range.split(":"))
+    cpu = cpu_description()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            rows.append(bench_model(name, [int(n) for n in args.lengths.split(",")], (lo, hi), args.threads,
+                                    args.runs, args.graph, Path(tmp)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "runs": args.runs,
+                                                    "graph_stage": args.graph, "rows": rows}, indent=2) + "\n")
+    plot(rows, out.with_suffix(".png"), f"{cpu.get('Model name', '?')} (L2 {cpu.get('L2 cache', '?')}), "
+                                        f"{args.threads} threads, untuned")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""One build that serves a range of lengths: ``--dim NAME=LO:HI`` keeps the dimension NAME symbolic through the
+compile (issue 41), so one model.so runs every size in the range.
+
+The stages that measure or check (the graph stage, the kernels' default tiles, tuning, the sanity floor, the
+check against onnxruntime) work on *one* size: the range's representative size
+(:func:`graphopt.dims.representative`, or the size ``--input-shape``/``--inputs`` give), as every other build
+does; the layout stage (blocked convs, per size) is not run.  What ships is different in two places:
+
+* **The Relax module is imported with NAME symbolic** (TVM's ONNX importer reads ``dim_param`` as a TIR
+  variable): from optimized.onnx with the input's symbolic dimensions restored and checked
+  (:func:`graphopt.dynamic.dynamic_model`), else the input model.  Its main function asserts LO <= NAME <= HI
+  itself (:func:`bound`: whatever loads model.so, a size outside the range is one message, not a read past a
+  buffer) and carries Relax's ``tir_var_upper_bound``, so the VM's memory plan is made once for HI, not
+  allocated per call (Relax's StaticPlanBlockMemory).
+* **Each kernel with a symbolic extent** is given the template and config of its instance at the
+  representative size (:func:`specialize`; the task that tuning measures is that instance), applied to the
+  symbolic kernel: the loop that follows the length counts whole tiles and the operand is padded by at most
+  one tile (:func:`kerneltune.templates.cpu._symbolic_tiles`), never to HI.  Kernels no template covers get
+  the CPU rules, which schedule symbolic extents too.
+
+The compiled model is checked against onnxruntime at the representative size and at the range's ends and an
+odd size inside it (:meth:`Served.check_sizes`); report.json's ``served`` says which.
+
+Relax's symbolic shapes: https://tvm.apache.org/docs/deep_dive/relax/learning.html (shape annotations and
+symbolic variables); ``tir_var_upper_bound``: ``relax.transform.StaticPlanBlockMemory``'s documentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import onnx
+import tvm
+from tvm import relax, tirx
+
+from graphopt.dims import representative
+from graphopt.onnx_io import InputShapes, runtime_inputs
+
+@dataclass(frozen=True)
+class Served:
+    """The symbolic dimensions of a build: the range each serves and the size the one-size stages use."""
+
+    ranges: dict[str, tuple[int, int]]  # dimension name -> (lowest, highest) size served
+    at: dict[str, int]  # dimension name -> the representative size (graphopt.dims.representative, or the size
+    #                     --input-shape / --inputs gave it)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, shapes: InputShapes, ranges: Mapping[str, tuple[int, int]]) -> Served | None:
+        """What a build of ``model`` at ``shapes`` (the checked input shapes: each range at its one size) serves;
+        None without ranges."""
+        if not ranges:
+            return None
+        at = {name: representative(lo, hi) for name, (lo, hi) in ranges.items()}
+        for inp in runtime_inputs(model):
+            for d, size in zip(inp.type.tensor_type.shape.dim, shapes.get(inp.name, ())):
+                if d.dim_param in ranges and not d.HasField("dim_value"):
+                    at[d.dim_param] = int(size)
+        return cls(dict(ranges), at)
+
+    def check_sizes(self) -> list[dict[str, int]]:
+        """The sizes the build is checked at besides the representative one: each range's ends and an odd size
+        between them (a length no tile divides), every dimension moved together."""
+        picks: list[dict[str, int]] = []
+        for pick in (lambda lo, hi: lo, lambda lo, hi: hi, lambda lo, hi: (lo + hi) // 2 | 1):
+            sizes = {name: min(max(pick(lo, hi), lo), hi) for name, (lo, hi) in self.ranges.items()}
+            if sizes != self.at and sizes not in picks:
+                picks.append(sizes)
+        return picks
+
+    def shapes_at(self, model: onnx.ModelProto, shapes: InputShapes, sizes: Mapping[str, int]) -> InputShapes:
+        """``shapes`` (every input at the representative sizes) with the served dimensions at ``sizes``."""
+        out = dict(shapes)
+        for inp in runtime_inputs(model):
+            if inp.name not in out:
+                continue
+            dims = inp.type.tensor_type.shape.dim
+            out[inp.name] = tuple(sizes.get(d.dim_param, s) if d.dim_param in self.ranges and not d.HasField("dim_value")
+                                  else s for d, s in zip(dims, out[inp.name]))
+        return out
+
+    def to_json(self) -> dict:
+        return {"ranges": {k: list(v) for k, v in self.ranges.items()}, "representative": dict(self.at)}
+
+
+def symbolic_model(model: onnx.ModelProto, shapes: InputShapes, served: Served) -> onnx.ModelProto:
+    """A copy of ``model`` whose runtime inputs have the sizes of ``shapes`` (the build's, at the representative
+    size) on every axis but those named by a served dimension, which stay symbolic under that name."""
+    out = onnx.ModelProto.FromString(model.SerializeToString())
+    for inp in runtime_inputs(out):
+        fixed = shapes.get(inp.name)
+        dims = inp.type.tensor_type.shape.dim
+        if fixed is None or len(fixed) != len(dims):
+            continue
+        for d, size in zip(dims, fixed):
+            if d.dim_param in served.ranges and not d.HasField("dim_value"):
+                continue
+            d.Clear()
+            d.dim_value = int(size)
+    return out
+
+
+def input_ranges(model: onnx.ModelProto, served: Served) -> dict[str, dict[int, tuple[str, int, int]]]:
+    """Each runtime input's served axes (axis -> (dimension name, lowest, highest)): the deploy signature's
+    ``ranges``."""
+    out: dict[str, dict[int, tuple[str, int, int]]] = {}
+    for inp in runtime_inputs(model):
+        for axis, d in enumerate(inp.type.tensor_type.shape.dim):
+            if d.dim_param in served.ranges and not d.HasField("dim_value"):
+                out.setdefault(inp.name, {})[axis] = (d.dim_param, *served.ranges[d.dim_param])
+    return out
+
+
+# What model.so says for a size outside its range (the VM raises it as an AssertionError, naming nothing else).
+MESSAGE = "{name} is {{}}, outside the sizes {low}..{high} this model.so serves: rebuild with --dim {name}=LO:HI covering it"
+
+
+def bound(mod: tvm.IRModule, served: Served) -> tvm.IRModule:
+    """``mod`` whose main asserts each served dimension is within its range before any kernel runs, and
+    declares the ranges' upper ends for the memory plan (``tir_var_upper_bound``)."""
+    main = mod["main"]
+    sizes = {v.name: v for p in main.params for v in _shape_vars_of(p.ty)}
+    bindings = []
+    for name, (low, high) in served.ranges.items():
+        var = sizes.get(name)
+        if var is None:  # the importer dropped every input with it: nothing depends on its size
+            continue
+        inside = relax.prim_value(tirx.all(var >= low, var <= high))
+        check = relax.op.assert_op(inside, [relax.prim_value(var)], MESSAGE.format(name=name, low=low, high=high))
+        bindings.append(relax.VarBinding(relax.Var(f"{name}_in_range", check.ty), check))
+    body = main.body
+    attrs = dict(main.attrs) if main.attrs is not None else {}
+    upper = {name: high for name, (_, high) in served.ranges.items() if name in sizes}
+    attrs["tir_var_upper_bound"] = upper
+    attrs["tir_non_negative_var"] = list(upper)
+    out = mod.clone()
+    out["main"] = relax.Function(main.params, relax.SeqExpr([relax.BindingBlock(bindings), *body.blocks], body.body),
+                                 main.ret_ty, is_pure=False, attrs=tvm.ir.make_node("ir.DictAttrs", **attrs),
+                                 span=main.span)  # impure: the assert must not be removed as dead code
+    return relax.transform.Normalize()(out)
+
+
+def _shape_vars_of(info) -> list[tirx.Var]:
+    shape = getattr(info, "shape", None)
+    values = getattr(shape, "values", None) or []
+    return [d for d in values if isinstance(d, tirx.Var)]
+
+
+def shape_vars(func: tirx.PrimFunc) -> dict[str, tirx.Var]:
+    """The symbolic sizes in ``func``'s parameter shapes, by name."""
+    out: dict[str, tirx.Var] = {}
+    for p in func.params:
+        for d in getattr(p, "shape", None) or []:
+            for v in tirx.analysis.undefined_vars(d):
+                out[v.name] = v
+    return out
+
+
+def specialize(func: tirx.PrimFunc, values: Mapping[str, int]) -> tirx.PrimFunc:
+    """``func`` with the symbolic sizes named in ``values`` bound to them: the kernel's instance at the
+    representative size, which the templates, the default tiles and tuning work on."""
+    bind = {v: tvm.tirx.IntImm(str(v.ty.dtype), int(values[n])) for n, v in shape_vars(func).items() if n in values}
+    if not bind:
+        return func
+    analyzer = tvm.sym.Analyzer()
+    for v, c in bind.items():
+        analyzer.bind(v, c)
+    params = {}
+    for p in func.params:
+        shape = getattr(p, "shape", None)
+        if shape is None:
+            continue
+        new = [analyzer.simplify(d) for d in shape]
+        if any(not n.same_as(d) for n, d in zip(new, shape)):
+            params[p] = tvm.tirx.decl_buffer(new, str(p.dtype), p.name)
+    return func.specialize(params)

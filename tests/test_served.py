@@ -1,0 +1,143 @@
+"""Builds that serve a range of sizes (``--dim NAME=LO:HI``, :mod:`pipeline.symbolic`): one model.so, every
+size in the range, equal to onnxruntime at sizes nobody named at build time; outside the range one line, from
+the loader and from model.so itself.
+
+The model is a one-head attention block with an MLP and a layer norm, ``sequence`` symbolic: its kernels have
+a symbolic row extent (the projections), a symbolic vector axis (the scores ``Q K^T``) and a symbolic reduction
+(``scores V``), so each way a template meets a symbolic extent runs here at sizes no tile divides.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import te
+
+from graphopt.errors import UserError
+from graphopt.feeds import run_ort
+from kerneltune import templates
+from kerneltune.targets.parse import parse_target
+from pipeline.cli import run_model_main
+from pipeline.symbolic import Served, specialize
+
+HIDDEN = 32
+
+
+def _attention_model(seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.2)  # noqa: E731
+    inits = []
+    for name, shape in (("wq", (HIDDEN, HIDDEN)), ("wk", (HIDDEN, HIDDEN)), ("wv", (HIDDEN, HIDDEN)),
+                        ("w1", (HIDDEN, 2 * HIDDEN)), ("w2", (2 * HIDDEN, HIDDEN)), ("b1", (2 * HIDDEN,))):
+        t = w(*shape)
+        t.name = name
+        inits.append(t)
+    inits += [numpy_helper.from_array(np.ones(HIDDEN, np.float32), "gamma"),
+              numpy_helper.from_array(np.zeros(HIDDEN, np.float32), "beta")]
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "wq"], ["q"]), n("MatMul", ["x", "wk"], ["k"]), n("MatMul", ["x", "wv"], ["v"]),
+             n("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), n("MatMul", ["q", "kt"], ["s"]),
+             n("Softmax", ["s"], ["p"], axis=-1), n("MatMul", ["p", "v"], ["c"]), n("Add", ["c", "x"], ["r"]),
+             n("LayerNormalization", ["r", "gamma", "beta"], ["h"], axis=-1),
+             n("MatMul", ["h", "w1"], ["m"]), n("Add", ["m", "b1"], ["mb"]), n("Relu", ["mb"], ["a"]),
+             n("MatMul", ["a", "w2"], ["y"])]
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "attention", [vi("x", TensorProto.FLOAT, ["batch", "sequence", HIDDEN])],
+                              [vi("y", TensorProto.FLOAT, ["batch", "sequence", HIDDEN])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.fixture(scope="module")
+def served_build(tmp_path_factory):
+    import pipeline
+
+    folder = tmp_path_factory.mktemp("served")
+    path = folder / "attention.onnx"
+    onnx.save(_attention_model(), str(path))
+    model = pipeline.optimize(str(path), output=folder / "built", threads=1, skip_graph=True,
+                              dims={"batch": 1, "sequence": (2, 40)})
+    return path, folder / "built", model
+
+
+@pytest.mark.parametrize("length", [2, 17, 29, 40])
+def test_one_build_matches_onnxruntime_at_sizes_never_named(served_build, length):
+    path, _, model = served_build
+    x = np.random.default_rng(length).standard_normal((1, length, HIDDEN)).astype(np.float32)
+    want = run_ort(onnx.load(str(path)), {"x": x})[0]
+    got = model.run({"x": x})["y"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_report_and_signature_record_the_range(served_build):
+    _, out, _ = served_build
+    report = json.loads((out / "report.json").read_text())
+    assert report["served"]["ranges"] == {"sequence": [2, 40]}
+    assert report["served"]["representative"] == {"sequence": 40}  # 128, moved into the range
+    assert [c["sizes"] for c in report["served"]["checked"]] == [{"sequence": 2}, {"sequence": 21}]
+    (x,) = report["deploy"]["inputs"]
+    assert x["shape"] == [1, 40, HIDDEN] and x["ranges"] == [{"axis": 1, "dim": "sequence", "min": 2, "max": 40}]
+    matmuls = [t for t in report["tasks"] if t["kind"] in ("matmul", "batch_matmul")]
+    assert matmuls and all(t["schedule"] == "template" for t in matmuls)
+
+
+def test_sizes_outside_the_range_are_one_line_from_the_loader_and_from_model_so(served_build):
+    _, out, model = served_build
+    with pytest.raises(UserError, match=r"'x' has sequence=41 \(axis 1\), outside the sizes 2\.\.40 model\.so serves: "
+                                        r"rebuild with --dim sequence=LO:HI covering 41"):
+        model.run({"x": np.zeros((1, 41, HIDDEN), np.float32)})
+    with pytest.raises(UserError, match=r"compiled for \[1, sequence=2\.\.40, 32\]"):
+        model.run({"x": np.zeros((2, 8, HIDDEN), np.float32)})
+    # a plain TVM loader reads no report: model.so asserts the range itself
+    from tvm import relax
+
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(out / "model.so")), tvm.cpu())
+    with pytest.raises(AssertionError, match="sequence is 1, outside the sizes 2..40 this model.so serves"):
+        vm["main"](tvm.runtime.tensor(np.zeros((1, 1, HIDDEN), np.float32)))
+
+
+def test_run_model_draws_inputs_at_any_size_in_the_range(served_build, tmp_path, capsys):
+    _, out, _ = served_build
+    stats = tmp_path / "s.json"
+    assert run_model_main([str(out), "--dim", "sequence=13", "--check", "--repeat", "2", "--json", str(stats)]) == 0
+    assert json.loads(stats.read_text())["check"]["ok"]
+    capsys.readouterr()
+    assert run_model_main([str(out), "--dim", "sequence=41", "--repeat", "1"]) == 2
+    assert "outside the sizes 2..40" in capsys.readouterr().err
+
+
+def test_check_sizes_are_the_ends_and_an_odd_size_between():
+    served = Served({"sequence": (2, 512)}, {"sequence": 128})
+    assert served.check_sizes() == [{"sequence": 2}, {"sequence": 512}, {"sequence": 257}]
+    assert Served({"s": (1, 3)}, {"s": 3}).check_sizes() == [{"s": 1}]  # the middle (odd: 1) is the low end
+
+
+@pytest.mark.parametrize("rows", [1, 5, 77])
+def test_symbolic_matmul_with_the_tiles_of_its_instance(rows):
+    """The CPU template applied to a kernel whose rows are symbolic, with the default config of its instance at
+    128 rows: the rows padded to whole register tiles and cropped, exact at sizes no tile divides."""
+    n = tvm.tirx.Var("n", "int64")
+    a = te.placeholder((n, 64), name="a")
+    b = te.placeholder((64, 48), name="b")
+    k = te.reduce_axis((0, 64), name="k")
+    c = te.compute((n, 48), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="matmul")
+    func = te.create_prim_func([a, b, c])
+    instance = templates.task_for("matmul", specialize(func, {"n": 128}))
+    assert instance is not None and instance.kind == "matmul"
+    target = parse_target("llvm", 1).target
+    import dataclasses
+
+    scheduled = templates.apply(dataclasses.replace(instance, func=func),
+                                templates.default_config(instance, target), target)
+    lib = tvm.tirx.build(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
+    rng = np.random.default_rng(rows)
+    av, bv = rng.standard_normal((rows, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
+    out = tvm.runtime.tensor(np.zeros((rows, 48), np.float32))
+    lib["main"](tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
+    np.testing.assert_allclose(out.numpy(), av @ bv, rtol=1e-5, atol=1e-4)
