@@ -59,18 +59,29 @@ class Prepared:
     producers_left: list  # producer blocks that could not be inlined (the GPU template schedules pads)
 
 
-def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None = None) -> Prepared:
+def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None = None,
+            clamp: bool = False) -> Prepared:
     """Inline producers (pads) if asked, inline the epilogue chain, and make the local write-back block.
 
     ``einsum_padding`` (a multiple per anchor iterator) first pads the anchor's computation with
     ``pad_einsum``: padded copies of its inputs (kept as stages: inlined, their bounds check would sit in the
-    inner loop again) and a crop of its output, which joins the epilogue."""
+    inner loop again) and a crop of its output, which joins the epilogue.  With ``clamp`` (only spatial axes
+    padded) the copies are read through instead: the padding rows and columns read the operand's last row or
+    column (:func:`clamp_padded_reads`), values the crop drops, so no bounds check and no copy remain."""
     sch = s_tir.Schedule(task.func)
     anchor = sch.get_sblock(task.anchor)
-    root = sch.get_sblock(task.func.body.block.name_hint)
+    root_name = task.func.body.block.name_hint
+    root = sch.get_sblock(root_name)
     before = {sch.get(b).name_hint for b in sch.get_child_blocks(root)}
     if einsum_padding:
         sch.pad_einsum(anchor, einsum_padding)
+        if clamp:
+            names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+            pads = set(names[:names.index(task.anchor)]) - before
+            sch = s_tir.Schedule(clamp_padded_reads(sch.mod["main"], pads))
+            for name in pads:
+                sch.compute_inline(sch.get_sblock(name))
+            anchor, root = sch.get_sblock(task.anchor), sch.get_sblock(root_name)
     children = sch.get_child_blocks(root)
     names = [sch.get(b).name_hint for b in children]
     pos = names.index(task.anchor)
@@ -92,6 +103,40 @@ def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None
     else:
         writeback = sch.cache_write(anchor, 0, "local")
     return Prepared(sch, anchor, writeback, producers_left)
+
+
+_IF_THEN_ELSE = "prim.if_then_else"
+
+
+def clamp_padded_reads(func: tvm.tirx.PrimFunc, blocks: set[str]) -> tvm.tirx.PrimFunc:
+    """``func`` with each of ``blocks`` (``pad_einsum``'s padded copies: ``if_then_else(in bounds, X[..], 0)``)
+    reading ``X`` at its indices clamped into ``X``'s shape instead.  Right only where every padded axis is
+    spatial: a padding row or column then holds a copy of the last real one, which only padding outputs read."""
+    def rewrite(stmt):
+        if isinstance(stmt, tvm.tirx.For):
+            return tvm.tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, rewrite(stmt.body),
+                                stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, tvm.tirx.SeqStmt):
+            return tvm.tirx.SeqStmt([rewrite(x) for x in stmt.seq])
+        if isinstance(stmt, s_tir.SBlockRealize):
+            b = stmt.block
+            body = _clamped(b.body) if b.name_hint in blocks else rewrite(b.body)
+            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init, b.alloc_buffers,
+                                 b.match_buffers, b.annotations)
+            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+        return stmt
+
+    return func.with_body(rewrite(func.body))
+
+
+def _clamped(store):
+    value = store.value
+    if not (isinstance(store, tvm.tirx.BufferStore) and isinstance(value, tvm.ir.Call)
+            and getattr(value.op, "name", "") == _IF_THEN_ELSE and isinstance(value.args[1], tvm.ir.TensorLoad)):
+        raise InvalidConfig("a padded copy that is not an in-bounds select")
+    load = value.args[1]
+    index = [tvm.tirx.min(i, extent - 1) for i, extent in zip(load.indices, load.source.shape)]
+    return tvm.tirx.BufferStore(store.buffer, tvm.tirx.BufferLoad(load.source, index), store.indices)
 
 
 def split_axes(sch: s_tir.Schedule, anchor, task: Task, factors: list[tuple[int, ...]]) -> list[list]:

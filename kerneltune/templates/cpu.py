@@ -169,8 +169,12 @@ def apply(task: Task, config, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
 def _schedule(task: Task, config, target: tvm.target.Target):
     cfg = check_config(space(task), config)
     factors = _symbolic_tiles(task, tiles(task, cfg, 4, 2))
-    p = prepare(task, inline_producers=cfg.get("pad", "inline") == "inline",
-                einsum_padding=_einsum_padding(task, factors))
+    padding = _einsum_padding(task, factors)
+    # a kernel serving a range padded on its rows only: read through its operands, no padded copies (a padded
+    # vector axis keeps its copy: the panel copy of a clamped operand has no fixed width to vectorize)
+    clamp = padding is not None and any(None in f for f in factors) and \
+        all(m == 1 for m, a in zip(padding, task.axes) if a.reduce or a.role == task.vector_axis)
+    p = prepare(task, inline_producers=cfg.get("pad", "inline") == "inline", einsum_padding=padding, clamp=clamp)
     sch = p.sch
     if cfg.get("pad") == "phases":
         _split_phases(sch, p.producers_left[0])
@@ -229,7 +233,7 @@ def _schedule(task: Task, config, target: tvm.target.Target):
     sch.decompose_reduction(p.anchor, r[0][0])
     panel_prefetch = None
     if (panels is not None and len(factors[vec]) == 4 and len(sch.get(panels).writes[0].source.shape) == 3
-            and all(None not in f for f in factors)):  # no prefetch plan for a symbolic loop count
+            and None not in s0_extents):  # a symbolic S0 (the parallel chunks follow the length): no panel index
         spatial_roles = [a.role for a in task.axes if not a.reduce]
         panel_s1 = parts[vec][1]   # one of s[1]; the S1 loops inside it share its panel
         panel_prefetch = prefetch.plan(sch, panels, outer, s0_extents, spatial_roles.index(task.vector_axis),
@@ -315,7 +319,9 @@ def _symbolic_tiles(task: Task, factors: list[tuple]) -> list[tuple]:
     sweep a weight panel while it is in cache), else S0 (S1 folded into it).  The axis is padded to a whole
     number of the other tiles (:func:`_einsum_padding`), so no loop has a partial tile: a mask left in the
     register tile guarded every FMA (BERT-base at 77 tokens, Intel Xeon, 2 threads: the FFN kernels at
-    ~90 GFLOP/s), and an S1 tile fixed at the representative length (16 x 8 rows) would pad 8 tokens to 128."""
+    ~90 GFLOP/s), and an S1 tile fixed at the representative length (16 x 8 rows) would pad 8 tokens to 128.
+    A symbolic reduction (attention's ``scores V`` over the tokens) is not k-blocked: padded, it would need
+    zeros, so a copy of both operands per call, where its operands are small enough to stay in cache."""
     symbolic = symbolic_axes(task)
     out = []
     for a, f in zip(task.axes, factors):
@@ -323,8 +329,8 @@ def _symbolic_tiles(task: Task, factors: list[tuple]) -> list[tuple]:
             out.append(f)
         elif len(f) == 4:
             out.append((1, None, *f[2:]) if f[0] == 1 else (None, 1, *f[2:]))
-        else:
-            out.append((None, *f[1:]))
+        else:  # a reduction: unsplit, so it needs no zero padding (a padded copy of both operands per call)
+            out.append((None, 1))
     return out
 
 

@@ -38,7 +38,7 @@ class PanelPrefetch:
     at: tirx.Var                 # the k-block loop: each iteration first prefetches its share
     panel: tirx.PrimExpr
     slot: tirx.PrimExpr
-    slots: int
+    slots: int | tirx.PrimExpr  # an expression where a sharing loop's count follows a symbolic length
     index_dtype: str             # the loops' index type (int64 in imported models)
 
 
@@ -61,10 +61,11 @@ def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int
     loop = sch.get(panel_loop)
     panel = s0 * loop.extent + loop.loop_var
     slot, slots = 0, 1
-    for rv in sharing_loops:
+    for rv in sharing_loops:  # a symbolic count (the rows of a kernel serving a range of lengths) stays an expression
         loop = sch.get(rv)
-        slot, slots = slot * loop.extent + loop.loop_var, slots * int(loop.extent)
-    if slots == 1:
+        count = int(loop.extent) if isinstance(loop.extent, tirx.IntImm) else loop.extent
+        slot, slots = slot * loop.extent + loop.loop_var, slots * count
+    if isinstance(slots, int) and slots == 1:
         return None
     k = sch.get(k_block)
     return PanelPrefetch(buffer, k.loop_var, panel, slot * k.extent + k.loop_var, slots * int(k.extent),
@@ -78,8 +79,12 @@ def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
     for e in inner:
         size *= e
     per_line = CACHE_LINE * 8 // tvm.DataType(str(p.buffer.dtype)).bits
-    share = -(-(-(-size // per_line)) // p.slots)
+    lines = -(-size // per_line)
     i64 = p.index_dtype
+    if isinstance(p.slots, int):
+        share = tirx.const(-(-lines // p.slots), i64)
+    else:  # the lines per slot follow the length: the whole panel is still spread over its slots
+        share = tirx.floordiv(tirx.const(lines, i64) + p.slots - 1, p.slots)
     t = tirx.Var("prefetch_line", i64)
     flat = tirx.min((p.slot * share + t) * per_line, tirx.const(size - 1, i64))
     index = []
@@ -89,7 +94,7 @@ def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
     nxt = tirx.min(p.panel + 1, tirx.const(panels - 1, i64))
     address = tirx.address_of(tirx.BufferLoad(p.buffer, [nxt, *index]))
     call = tirx.call_intrin("void", "tirx.prefetch", address, 0, L2_LOCALITY, 1)
-    loop = tirx.For(t, tirx.const(0, i64), tirx.const(share, i64), tirx.ForKind.SERIAL, tirx.Evaluate(call))
+    loop = tirx.For(t, tirx.const(0, i64), share, tirx.ForKind.SERIAL, tirx.Evaluate(call))
     body, found = _prepend_in_loop(func.body, p.at, loop)
     if not found:
         raise ValueError(f"no loop over {p.at.name} in the scheduled kernel")
