@@ -32,6 +32,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from graphopt.errors import UserError  # noqa: E402
 from int8 import cpu_description  # noqa: E402 - this folder's CPU description (lscpu)
 
 
@@ -86,6 +87,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.get("lengths")]
+    if not rows:
+        return
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
     for ax, row in zip(axes[0], rows):
         lengths = sorted(row["lengths"], key=int)
@@ -118,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            rows.append(bench_model(name, [int(n) for n in args.lengths.split(",")], (lo, hi), args.threads,
-                                    args.runs, args.graph, Path(tmp)))
+            try:
+                rows.append(bench_model(name, [int(n) for n in args.lengths.split(",")], (lo, hi), args.threads,
+                                        args.runs, args.graph, Path(tmp)))
+            except UserError as exc:  # a model the served build refuses: recorded, the others still run
+                print(name, "refused:", exc, flush=True)
+                rows.append({"model": name, "range": [lo, hi], "refused": str(exc)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "runs": args.runs,

@@ -466,4 +466,4 @@ def checked_model(model_path: str, ctx: BuildContext) -> tuple[ModelInput, Preci
     precision = Precision(choice.method, choice.why, measured_on if choice.method == STATIC else None, measured_on,
                           pre, dict(sorted(ops.items())), acc, time.perf_counter() - t0)
     return replace(int8, path=fp32.path, upgrade=fp32.upgrade, input_shapes=fp32.input_shapes,
-                   samples=fp32.samples), precision
+                   samples=fp32.samples, ranges=fp32.ranges), precision

@@ -72,9 +72,10 @@ class ImportedModel:
         return [i.name for i in self.graph.inputs if i.name not in self.graph.initializers]
 
 
-def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False) -> tvm.IRModule:
+def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: str | None = None) -> tvm.IRModule:
     """Convert with the input shapes the graph IR fixed (``symbolic``: with the shapes ``model`` declares, its
-    named dimensions kept as TIR variables); unsupported operators become a UserError."""
+    named dimensions kept as TIR variables); unsupported operators become a UserError (``fix``: what it says
+    the user can do about a rejected model, instead of the general advice)."""
     from tvm.relax.frontend.onnx import from_onnx
 
     shapes = None if symbolic else {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
@@ -97,8 +98,8 @@ def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False) -> tv
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             failed = re.search(r"^Error converting operator (\w+)", printed.getvalue(), re.MULTILINE)
             where = f" at its {failed.group(1)} node" if failed else ""
-            problem = (f"TVM's ONNX importer rejected the model{where} ({type(exc).__name__}: {first}); check "
-                       "the operators and dtypes it uses, or pass --input-shape for dynamic inputs")
+            problem = (f"TVM's ONNX importer rejected the model{where} ({type(exc).__name__}: {first}); "
+                       + (fix or "check the operators and dtypes it uses, or pass --input-shape for dynamic inputs"))
         if problem:
             gc.collect()  # the failed conversion's BlockBuilder (its frames, in a cycle) is destroyed in here
     if problem:
@@ -305,7 +306,10 @@ def import_model(source: str | os.PathLike | onnx.ModelProto,
         symbolic = symbolic_model(model, input_shapes or {}, served)
         fixed = onnx.ModelProto.FromString(model.SerializeToString())
         apply_input_shapes(fixed, input_shapes or {})
-        return ImportedModel(fixed, graph, bound(to_relax(symbolic, graph, symbolic=True), served), symbolic)
+        name, size = next(iter(served.at.items()))
+        fix = (f"it cannot keep {', '.join(served.ranges)} symbolic in this model: build for one size, e.g. "
+               f"--dim {name}={size}")
+        return ImportedModel(fixed, graph, bound(to_relax(symbolic, graph, symbolic=True, fix=fix), served), symbolic)
     if input_shapes:
         # from_onnx reads shapes from shape_dict, but keep the proto consistent for onnxruntime as well.
         model = onnx.ModelProto.FromString(model.SerializeToString())

@@ -54,10 +54,22 @@ def latency_phrase(latency: dict[str, Any]) -> str:
     return f"{_ms(ours)} per inference, onnxruntime {_ms(ort)}{ratio}"
 
 
+def served_phrase(served: dict[str, Any] | None) -> str:
+    """The sizes a build serving a range runs (``report.json``'s ``served``), and where it was measured; ""
+    for a build of fixed sizes."""
+    if not served:
+        return ""
+    ranges = ", ".join(f"{name} {lo}..{hi}" for name, (lo, hi) in served["ranges"].items())
+    at = ", ".join(f"{name}={size}" for name, size in served["representative"].items())
+    return f"serves {ranges} (measured at {at})"
+
+
 def result_line(report: dict[str, Any], out_dir: str, check: str) -> str:
-    """optimize-model's last line: what was written, the check, the latency and where the summary is."""
+    """optimize-model's last line: what was written, the check, the latency (and the range a build serves)
+    and where the summary is."""
+    served = served_phrase(report.get("served"))
     return (f"wrote {out_dir}/optimized.onnx, model.so, report.json ({len(report['tasks'])} kernels; {check}); "
-            f"{latency_phrase(report['latency'])}; summary: {out_dir}/report.md")
+            f"{latency_phrase(report['latency'])}{'; ' + served if served else ''}; summary: {out_dir}/report.md")
 
 
 def _ms(value: float | None) -> str:
@@ -237,6 +249,13 @@ def report_markdown(report: dict[str, Any]) -> str:
                   "longer comparison)", ""]
     elif lat:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
+    served = report.get("served")
+    if served:  # pipeline.symbolic
+        checked = ", ".join(", ".join(f"{k}={v}" for k, v in c["sizes"].items()) for c in served.get("checked") or [])
+        lines += ["## Sizes served", "",
+                  f"One model.so {served_phrase(served)}; also checked against onnxruntime at "
+                  f"{checked or 'no other size (the target does not run here)'}. Another size is refused in one "
+                  "line.", ""]
     prec = report.get("precision") or {}
     if prec.get("precision") == "int8":  # pipeline.quantize
         acc = prec["accuracy_vs_fp32"]

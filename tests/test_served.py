@@ -85,6 +85,7 @@ def test_report_and_signature_record_the_range(served_build):
     assert x["shape"] == [1, 40, HIDDEN] and x["ranges"] == [{"axis": 1, "dim": "sequence", "min": 2, "max": 40}]
     matmuls = [t for t in report["tasks"] if t["kind"] in ("matmul", "batch_matmul")]
     assert matmuls and all(t["schedule"] == "template" for t in matmuls)
+    assert "serves sequence 2..40 (measured at sequence=40)" in (out / "report.md").read_text()
 
 
 def test_sizes_outside_the_range_are_one_line_from_the_loader_and_from_model_so(served_build):
@@ -141,3 +142,37 @@ def test_symbolic_matmul_with_the_tiles_of_its_instance(rows):
     out = tvm.runtime.tensor(np.zeros((rows, 48), np.float32))
     lib["main"](tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
     np.testing.assert_allclose(out.numpy(), av @ bv, rtol=1e-5, atol=1e-4)
+
+
+def test_batch_and_sequence_served_together(tmp_path):
+    """Two symbolic dimensions in one build (issue 41's dynamic batch with a dynamic sequence)."""
+    import pipeline
+
+    path = tmp_path / "attention.onnx"
+    onnx.save(_attention_model(seed=1), str(path))
+    model = pipeline.optimize(str(path), output=tmp_path / "built", threads=1, skip_graph=True,
+                              dims={"batch": (1, 3), "sequence": (2, 16)})
+    assert model.report["served"]["representative"] == {"batch": 3, "sequence": 16}
+    for batch, length in ((1, 2), (2, 11), (3, 16)):
+        x = np.random.default_rng(batch * length).standard_normal((batch, length, HIDDEN)).astype(np.float32)
+        np.testing.assert_allclose(model.run({"x": x})["y"], run_ort(onnx.load(str(path)), {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)
+    with pytest.raises(UserError, match="batch=4"):
+        model.run({"x": np.zeros((4, 8, HIDDEN), np.float32)})
+
+
+def test_int8_build_serves_the_range_with_integer_kernels(tmp_path):
+    """--precision int8 (onnxruntime's quantize_dynamic for a transformer) with a range: the integer products
+    keep their template (rows padded to whole register tiles), and the build matches onnxruntime's int8 model
+    at a length never named."""
+    import pipeline
+
+    path = tmp_path / "attention.onnx"
+    onnx.save(_attention_model(seed=2), str(path))
+    model = pipeline.optimize(str(path), output=tmp_path / "built", threads=1, skip_graph=True, precision="int8",
+                              dims={"batch": 1, "sequence": (2, 24)})
+    products = [t for t in model.report["tasks"] if t["kind"] == "matmul" and t["dtype"] == "int32"]
+    assert products and all(t["schedule"] == "template" for t in products), model.report["tasks"]
+    x = np.random.default_rng(13).standard_normal((1, 13, HIDDEN)).astype(np.float32)
+    comparison = model.check({"x": x})  # onnxruntime on optimized.onnx, the int8 model
+    assert comparison.max_abs_err < 2e-3, comparison.reason()

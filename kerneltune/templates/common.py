@@ -143,8 +143,9 @@ def split_axes(sch: s_tir.Schedule, anchor, task: Task, factors: list[tuple[int,
     """Split each anchor loop by its factors; returns per-axis lists of loops (outermost first).
 
     A loop whose extent is symbolic (a kernel of a build that serves a range of lengths, scheduled with the
-    tiles of its instance at a representative length: :mod:`pipeline.symbolic`) keeps the inner factors and
-    lets the outermost count follow the extent, ``ceil(n / tile)``: the last tile is masked, never padded."""
+    tiles of its instance at a representative length: :mod:`pipeline.symbolic`) takes the factor marked None,
+    else its outermost, from the extent: ``ceil(n / tile)`` (the CPU template pads such an axis to whole tiles
+    first; unpadded, the last tile is masked)."""
     loops = sch.get_loops(anchor)
     if len(loops) != len(task.axes):
         raise InvalidConfig(f"anchor {task.anchor} has {len(loops)} loops, expected {len(task.axes)}")

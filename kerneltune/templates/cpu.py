@@ -301,15 +301,13 @@ def _lane_padding(task: Task) -> list[int] | None:
 
 def _vectorize_copy(sch, loop, lanes: int) -> None:
     """Vectorize a copy's innermost loop; one of symbolic extent (a padded operand of a kernel serving a
-    range of lengths, padded to a multiple of its tile) in whole vectors where the padding makes it one."""
-    if isinstance(sch.get(loop).extent, tvm.tirx.IntImm):
+    range of lengths) in whole vectors when its padding provably makes it a multiple of them, else left
+    scalar (a split past a symbolic end leaves a mask no vector loop takes)."""
+    extent = sch.get(loop).extent
+    if isinstance(extent, tvm.tirx.IntImm):
         sch.vectorize(loop)
-        return
-    _, inner = sch.split(loop, [None, lanes])
-    try:
-        sch.vectorize(inner)
-    except s_tir.ScheduleError:
-        pass
+    elif tvm.sym.Analyzer().can_prove(tvm.tirx.floormod(extent, lanes) == 0):
+        sch.vectorize(sch.split(loop, [None, lanes])[1])
 
 
 def _symbolic_tiles(task: Task, factors: list[tuple]) -> list[tuple]:

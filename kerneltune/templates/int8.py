@@ -33,7 +33,7 @@ from tvm import s_tir, tirx
 
 from ..prepack import PREPROC
 from ..space import FactorKnob, SearchSpace
-from ..task import Task, mac_operands, root_blocks
+from ..task import Task, mac_operands, root_blocks, symbolic_axes
 from ..targets.host import vector_registers
 from .common import InvalidConfig, check_config, prepare
 from .int8_intrin import Instruction, instruction_for
@@ -123,7 +123,21 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     lanes, depth = ins.lanes, ins.depth
     cfg = check_config(space(task, target), config)
     (rows_o, mr), (j_o, j_1, nv), (k_o, kb) = cfg["tile_rows"], cfg["tile_j"], cfg["tile_k"]
-    p = prepare(task, inline_producers=True)  # producers (a zero-point cast) inlined into the anchor
+    # a kernel serving a range of lengths (pipeline.symbolic): its rows padded to whole register tiles (a
+    # padded u8 copy: read through clamped indices, the A operand no longer matches the instruction's
+    # pattern), their count following the length
+    symbolic = symbolic_axes(task)
+    if any(a.role in symbolic for a in task.axes if a.reduce or a.role == task.vector_axis):
+        raise InvalidConfig(f"{task.name}: a symbolic column or depth does not split into the instruction's tiles")
+    padding = [mr if a.role in symbolic else 1 for a in task.axes] if symbolic else None
+    # producers (a zero-point cast) inlined into the anchor
+    p = prepare(task, inline_producers=True, einsum_padding=padding)
+    if padding:  # the padded copy: parallel over its rows, its depth in vectors (K is whole 4-deep groups)
+        for blk in p.producers_left[:]:
+            if sch_name(p.sch, blk).endswith("_pad"):
+                p.producers_left.remove(blk)
+                loops = p.sch.get_loops(blk)
+                p.sch.parallel(p.sch.fuse(*loops[:-1]) if len(loops) > 1 else loops[0])
     if p.producers_left:
         raise InvalidConfig(f"{task.name}: a producer of the int8 product cannot be inlined")
     sch, anchor, writeback = p.sch, p.anchor, p.writeback
@@ -133,7 +147,7 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     loops = sch.get_loops(anchor)
     *row_loops, j, kk = loops
     rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
-    r0, r1 = sch.split(rows, [rows_o, mr])
+    r0, r1 = sch.split(rows, [None if symbolic else rows_o, mr])
     j0, j1, j2, j3 = sch.split(j, [j_o, j_1, nv, lanes])
     k0, k1, k2 = sch.split(kk, [k_o, kb, depth])
     sch.reorder(r0, j0, j1, k0, k1, r1, j2, j3, k2)
@@ -153,6 +167,10 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     except RuntimeError as exc:  # TVM's InternalError / ScheduleError: a tile that breaks the 16 x 4 pattern
         raise InvalidConfig(f"int8 tile does not tensorize: {str(exc).splitlines()[0][:200]}") from None
     return sch
+
+
+def sch_name(sch, block) -> str:
+    return sch.get(block).name_hint
 
 
 def _b_index(sch, anchor, task: Task) -> int:
