@@ -17,6 +17,7 @@ from graphopt.cost.runners import GraphRunner
 from graphopt.dims import DIM_HELP, shape_request
 from graphopt.errors import ArgumentParser, UserError, seed
 from graphopt.fileio import check_output_file, write_text_atomic
+from graphopt.caches import add_cache_parser
 from graphopt.library import add_rules_parser
 from graphopt.onnx_io import save_model
 from graphopt.roundtrip import roundtrip
@@ -135,6 +136,7 @@ def build_parser(components: Components) -> argparse.ArgumentParser:
     _add_roundtrip(sub)
     _add_optimize(sub, components)
     add_rules_parser(sub)
+    add_cache_parser(sub)
     return parser
 
 

@@ -5,7 +5,7 @@ process per domain, ``--jobs`` at a time), drops pairs implied by more general o
 duplicates (:mod:`graphopt.prune`), proves each remaining candidate with Z3 in a process pool
 (:mod:`graphopt.verifier`) and writes the proved ones.  The file's ``meta`` holds the statistics and a cache
 key (:data:`LIBRARY_VERSION`, the operator set and the options), so a rebuild with nothing changed returns
-at once (the result is also kept under ``~/.cache/graphopt``).
+at once (the result is also kept under ``~/.cache/graphopt``, :func:`rules_cache_dir`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,12 @@ from graphopt.rules import LIBRARY_PATH, Rule, load_meta, load_rules, save_rules
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR = Path(os.environ.get("GRAPHOPT_CACHE", Path.home() / ".cache" / "graphopt"))
+def rules_cache_dir() -> Path:
+    """Where generated rule libraries are kept by their build key: ``$GRAPHOPT_CACHE``, else ``graphopt`` in the
+    user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    from graphopt.cost.cache import user_cache_home
+
+    return Path(os.environ.get("GRAPHOPT_CACHE") or user_cache_home() / "graphopt")
 STATS_KEYS = ("enumerated_graphs", "candidate_pairs", "verified", "rejected", "unverified", "after_pruning",
               "properties", "seconds", "max_ops")
 
@@ -145,7 +150,7 @@ def generate_cached(output: Path, max_ops: int, jobs: int, timeout_ms: int, forc
                 return load_meta(output), True
         except (ValueError, KeyError):
             pass
-    cached = CACHE_DIR / f"rules-{key}.json"
+    cached = rules_cache_dir() / f"rules-{key}.json"
     if not force and cached.exists():
         write_bytes_atomic(output, cached.read_bytes())
         return load_meta(output), True

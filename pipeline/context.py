@@ -73,6 +73,10 @@ class TuneOptions:
             raise UserError(f"--scheduler {self.scheduler!r}: use one of {', '.join(SCHEDULERS)}")
         if bad == "searcher":
             check_searcher(self.searcher)
+        if self.kernels and not self.enabled:  # a selection with nothing to spend on it: said, not ignored
+            why = "--skip-tune is given" if self.skip else "--trials is 0"
+            raise UserError(f"--kernels {self.kernels} picks the kernels to tune, but {why}: add --trials N "
+                            "(e.g. --trials 200), or drop --kernels")
         return self
 
 

@@ -94,7 +94,8 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         from pipeline.compile import check_outputs
         from pipeline.partition import select_tasks
         from pipeline.symbolic import Served, input_ranges
-        from pipeline.tuning import pick_build, plot_tuning, tune_model, tuning_run
+        from pipeline.tuning import (NO_TEMPLATE, NOT_SELECTED, pick_build, plot_tuning, shipped_title, tune_model,
+                                     tuning_run)
 
         original = model.proto
         spec = ctx.spec
@@ -186,7 +187,8 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                     write_bytes_atomic(new / "records.jsonl", records.read_bytes())
                 tuned_ids = {t.index for t in tune_result.tasks}
                 plot_tuning(tune_result, new / "tuning.png",
-                            [(t.index, t.name) for t in part.tasks if t.index not in tuned_ids])
+                            [(t.index, t.name, NO_TEMPLATE if t.task is None else NOT_SELECTED)
+                             for t in part.tasks if t.index not in tuned_ids], shipped_title(choice))
                 files.update(records="records.jsonl", tuning_plot="tuning.png")
             report = {
                 **build_facts(),  # schema version, time, versions, CPU: pipeline/report_schema.json

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ from kerneltune.records import Record
 from kerneltune.targets.registry import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningRun, TuningTask, tune_tasks
 from pipeline.compile import CompiledModel, model_runner
+
+log = logging.getLogger(__name__)
 from pipeline.context import BuildContext
 from pipeline.partition import FusedTask
 from pipeline.stages import Lowered, build
@@ -61,7 +64,25 @@ def tune_model(tasks: list[FusedTask], run: TuningRun, measure_factory: Callable
     tunable = [TuningTask(t.task, t.weight, t.index) for t in tasks if t.task is not None]
     if not tunable:
         raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune")
+    warning = budget_warning(run.trials, len(tunable))
+    if warning:
+        log.warning("%s", warning)
     return tune_tasks(tunable, run, measure_factory)
+
+
+# Trials per task below which a search has nothing to work with: round 0 measures each task's default, and
+# OpEvo's first generation needs a few more before it can select.
+MIN_TRIALS_PER_TASK = 8
+
+
+def budget_warning(trials: int, tasks: int) -> str | None:
+    """One line when ``trials`` spread over ``tasks`` leave each task too few to search (the defaults are
+    all most of them would get), else None."""
+    if trials >= MIN_TRIALS_PER_TASK * tasks:
+        return None
+    return (f"warning: --trials {trials} over {tasks} tasks is about {trials / tasks:.1f} trials each, the first "
+            f"of them each task's default: give --trials {MIN_TRIALS_PER_TASK * tasks} or more, or pick fewer "
+            "tasks with --kernels")
 
 
 @dataclass
@@ -87,6 +108,14 @@ class BuildChoice:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"note": self.note}
+
+
+def shipped_title(choice: BuildChoice) -> str:
+    """The tuning plot's title: which build shipped and the end-to-end times that decided it."""
+    if choice.tuned_ms is None or choice.default_ms is None:
+        return f"shipped: the {choice.kept} build ({choice.status})"
+    return (f"shipped: the {choice.kept} build (end to end {choice.tuned_ms:.3f} ms tuned vs {choice.default_ms:.3f} "
+            f"ms default, margin {choice.margin:.0%}; {choice.status})")
 
 
 def fingerprint(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> str:
@@ -146,24 +175,30 @@ def task_label(index: int, name: str) -> str:
     return f"{index}: {short}"
 
 
-def tuning_figure(result: TuningResult, untuned: Sequence[tuple[int, str]] = ()):
+NO_TEMPLATE, NOT_SELECTED = "no template", "not selected by --kernels"
+
+
+def tuning_figure(result: TuningResult, untuned: Sequence[tuple[int, str, str]] = (), shipped: str | None = None):
     """The tuning plot as a matplotlib figure (tests inspect it before it is saved).
 
     Left, one row per task, named on the axis: its share of a model run (weight x latency per call) with
     the default schedule and after tuning; a task that got no trial beyond its default is a marker at its
-    default latency, and the model's other tasks (``untuned``: (index, name) of tasks without a template
-    or not selected by --kernels) are listed as not tuned, so every kernel of the model appears.  Right,
-    the objective (sum of weight x best latency) over the trials spent."""
+    default latency, and the model's other tasks (``untuned``: (index, name, why), why
+    :data:`NO_TEMPLATE` or :data:`NOT_SELECTED`) are listed as not tuned and why, so every kernel of the model
+    appears.  Right, the objective (sum of weight x best latency) over the trials spent; ``shipped``, which
+    build the end-to-end check shipped, is the figure's title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = [(t.index, t.name, t) for t in result.tasks] + [(i, n, None) for i, n in untuned]
-    rows: list[tuple[str, Any]] = [(task_label(i, n), t) for i, n, t in sorted(entries, key=lambda e: e[0])]
+    why = {i: w for i, _, w in untuned}
+    entries = [(t.index, t.name, t) for t in result.tasks] + [(i, n, None) for i, n, _ in untuned]
+    rows: list[tuple[str, Any]] = [(task_label(i, n), t if t is not None else why[i])
+                                   for i, n, t in sorted(entries, key=lambda e: e[0])]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, max(4.0, 1.5 + 0.34 * len(rows))),
                                    gridspec_kw={"width_ratios": [3, 2]})
-    share = [t.weight * t.default_ms for _, t in rows if t is not None and t.default_ms]
+    share = [t.weight * t.default_ms for _, t in rows if not isinstance(t, str) and t.default_ms]
     note_x = min(share) if share else 1e-3  # where the text of rows without a bar starts (log axis)
     labelled: set[str] = set()
 
@@ -175,8 +210,9 @@ def tuning_figure(result: TuningResult, untuned: Sequence[tuple[int, str]] = ())
         return label
 
     for y, (_, t) in enumerate(rows):
-        if t is None:
-            ax1.text(note_x, y, "not tuned (no template, or not selected)", va="center", fontsize=9, color="0.4")
+        if isinstance(t, str):
+            ax1.text(note_x, y, f"not tuned ({t})", va="center", fontsize=9,
+                     color="0.4" if t == NO_TEMPLATE else "tab:purple")
             continue
         if t.default_ms is None and t.best_ms is None:
             ax1.text(note_x, y, "not measured (budget spent before it)", va="center", fontsize=9, color="0.4")
@@ -205,14 +241,17 @@ def tuning_figure(result: TuningResult, untuned: Sequence[tuple[int, str]] = ())
     ax2.set_ylabel("sum of calls x best latency, ms", fontsize=10)
     ax2.set_title(f"objective ({result.scheduler}, {result.searcher})", fontsize=11)
     ax2.tick_params(labelsize=9)
+    if shipped:
+        fig.suptitle(shipped, fontsize=11)
     fig.tight_layout()
     return fig
 
 
-def plot_tuning(result: TuningResult, path: str | Path, untuned: Sequence[tuple[int, str]] = ()) -> None:
+def plot_tuning(result: TuningResult, path: str | Path, untuned: Sequence[tuple[int, str, str]] = (),
+                shipped: str | None = None) -> None:
     """Write :func:`tuning_figure` to ``path`` (atomically, labels never cut: :func:`save_figure`)."""
     import matplotlib.pyplot as plt
 
-    fig = tuning_figure(result, untuned)
+    fig = tuning_figure(result, untuned, shipped)
     save_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -191,7 +191,7 @@ def test_tuning_plot_names_every_task_and_marks_the_untuned():
     import matplotlib.pyplot as plt
 
     from kerneltune.tune_tasks import TaskTuning, TuningResult
-    from pipeline.tuning import task_label, tuning_figure
+    from pipeline.tuning import NO_TEMPLATE, NOT_SELECTED, BuildChoice, shipped_title, task_label, tuning_figure
 
     long = "fused_matmul_add_gelu_" + "x" * 60
     tasks = [TaskTuning(0, long, "k0", "matmul", 12, 1e9, 1.2, 0.6, 30, [(10, 0.9), (40, 0.6)]),
@@ -199,15 +199,19 @@ def test_tuning_plot_names_every_task_and_marks_the_untuned():
              TaskTuning(3, "matmul11", "k3", "matmul", 1, 1e8, 0.05, 0.06, 5, []),
              TaskTuning(5, "fused_conv2d", "k5", "conv2d", 2, 1e8, None, None, 0, [])]
     result = TuningResult({}, tasks, 64, [(4, 30.0), (64, 20.0)], "gradient", "opevo", 10.0)
-    fig = tuning_figure(result, [(1, "fused_softmax"), (4, "fused_layer_norm")])
+    shipped = shipped_title(BuildChoice("default", "measured", 10.0, 10.1))
+    assert shipped == ("shipped: the default build (end to end 10.100 ms tuned vs 10.000 ms default, margin 2%; "
+                       "measured)")
+    fig = tuning_figure(result, [(1, "fused_softmax", NO_TEMPLATE), (4, "matmul41", NOT_SELECTED)], shipped)
     try:
         ax = fig.axes[0]
         labels = [t.get_text() for t in ax.get_yticklabels()]
         assert labels == ["0: " + long[:45] + "...", "1: fused_softmax", "2: fused_batch_matmul", "3: matmul11",
-                          "4: fused_layer_norm", "5: fused_conv2d"]
+                          "4: matmul41", "5: fused_conv2d"]
         assert task_label(0, long) == labels[0]
         notes = [t.get_text() for t in ax.texts]
-        assert notes.count("not tuned (no template, or not selected)") == 2
+        assert "not tuned (no template)" in notes and "not tuned (not selected by --kernels)" in notes
+        assert fig._suptitle.get_text() == shipped
         assert notes.count("not measured (budget spent before it)") == 1
         # the two tasks whose default stayed are drawn as markers at calls x default latency
         points = sorted(float(line.get_xdata()[0]) for line in ax.get_lines())

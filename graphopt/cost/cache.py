@@ -59,11 +59,17 @@ def whole(value: float) -> bool:
     return value >= 1 and value.is_integer()
 
 
+def user_cache_home() -> Path:
+    """The user's cache folder: ``$XDG_CACHE_HOME`` where set (the XDG Base Directory specification,
+    https://specifications.freedesktop.org/basedir-spec/latest/), else ``~/.cache``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 def cache_dir() -> Path:
     """Where measured costs and the machine probe live: ``$OPTIMIZE_MODEL_CACHE`` (a relative one from the
-    current folder); unset or empty, ``~/.cache/optimize-model`` (an empty value in a script means "no
-    override", not "write cache files here")."""
-    return Path(os.environ.get(VARIABLE) or Path.home() / ".cache" / "optimize-model")
+    current folder); unset or empty, ``optimize-model`` in the user's cache folder (:func:`user_cache_home`;
+    an empty value in a script means "no override", not "write cache files here")."""
+    return Path(os.environ.get(VARIABLE) or user_cache_home() / "optimize-model")
 
 
 @lru_cache(maxsize=1)
