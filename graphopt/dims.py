@@ -99,6 +99,37 @@ def parse_dims(specs: list[str] | None) -> tuple[Dims, Ranges]:
     return check_dims(values, lambda name, value: f"--dim {name}={_text(value)}")
 
 
+def parse_size_lists(specs: list[str] | None) -> list[Dims]:
+    """``run-model --dim NAME=N[,N...]``: the sizes to run a build serving a range at, one dict per run; one
+    dimension may list several sizes (``--dim sequence=16,128,384``: three runs), the others one each.  [{}]
+    without ``--dim``."""
+    sizes: dict[str, list[int]] = {}
+    for spec in specs or []:
+        name = None
+        for piece in spec.split(","):
+            if "=" in piece:
+                name, value = _parse_piece(spec, piece)
+            elif name is not None and piece.strip().isdigit():
+                value = int(piece)
+            else:
+                raise UserError(f"bad --dim {spec!r}: write NAME=N or NAME=N,N,... (several sizes of one dimension), "
+                                "e.g. --dim sequence=16,128,384")
+            if isinstance(value, tuple):
+                raise UserError(f"--dim {spec}: run-model runs sizes, not a range: list them, e.g. "
+                                f"--dim {name}={value[0]},{value[1]}")
+            sizes.setdefault(name, []).append(value)
+    several = [n for n, v in sizes.items() if len(v) > 1]
+    if len(several) > 1:
+        raise UserError(f"--dim lists several sizes of {' and '.join(several)}: list several of one dimension only")
+    for name, values in sizes.items():
+        for v in values:
+            check_dims({name: v}, lambda n, x: f"--dim {n}={x}")
+    if not several:
+        return [{n: v[0] for n, v in sizes.items()}]
+    fixed = {n: v[0] for n, v in sizes.items() if n != several[0]}
+    return [fixed | {several[0]: v} for v in sizes[several[0]]]
+
+
 def _parse_piece(spec: str, piece: str) -> tuple[str, int | tuple[int, int]]:
     """One ``NAME=N`` or ``NAME=LO:HI`` of a ``--dim`` option."""
     name, sep, value = piece.partition("=")

@@ -27,7 +27,7 @@ import numpy as np
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.dims import DIM_HELP, RANGE_HELP, shape_request
+from graphopt.dims import DIM_HELP, RANGE_HELP, parse_size_lists, shape_request
 from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, display_path, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
@@ -234,12 +234,13 @@ def run_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write p50_ms, p90_ms, p99_ms, mean_ms, min_ms, runs, threads "
                                                   "(and the check) to FILE")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
-    p.add_argument("--dim", action="append", metavar="NAME=N",
+    p.add_argument("--dim", action="append", metavar="NAME=N[,N...]",
                    help="a build serving a range of sizes (optimize-model --dim NAME=LO:HI): draw the random inputs "
-                        "with NAME=N (default: the size it was checked and timed at)")
+                        "with NAME=N (default: the size it was checked and timed at); several sizes of one "
+                        "dimension run one after the other, one line each (--dim sequence=16,128,384)")
     args = p.parse_args(argv)
-    sizes = shape_request(None, args.dim).dims  # a range here is refused in one line
-    if sizes and args.inputs:
+    runs = parse_size_lists(args.dim)
+    if args.dim and args.inputs:
         raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
     if args.repeat < 1:
         raise UserError(f"--repeat {args.repeat}: give at least 1 run")
@@ -254,29 +255,36 @@ def run_model_main(argv: list[str] | None = None) -> int:
     from pipeline.artifact import Model, read_report  # deferred with TVM: --help and the checks above stay fast
 
     model = Model(args.dir, read_report(args.dir), args.threads if args.rpc else threads, args.rpc)
-    feeds = model.read_inputs(args.inputs, args.seed) if args.inputs else model.random_feeds(args.seed, sizes)
-    outputs = model.run(feeds)
-    stats = model.latency(feeds, args.repeat)
-    result = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc, **dataclasses.asdict(stats)}
-    where = f" on {args.rpc}" if args.rpc else ""
-    line = (f"{args.dir}: p50 {stats.p50_ms:.3f} ms, p90 {stats.p90_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms, "
-            f"mean {stats.mean_ms:.3f} ms ({stats.runs} runs, {model.threads} threads{where})")
-    if args.check:
-        comp = model.check(feeds)
-        result["check"] = comp.to_dict()
-        line += f"; vs onnxruntime: {'ok' if comp.ok else 'DIFFERENT'}, max abs err {comp.max_abs_err:.3g}"
-    print(line)
-    bad = [k for k, v in outputs.items() if v.dtype.kind in "fc" and not np.isfinite(v).all()]
-    if bad:
-        log.warning("warning: outputs %s hold NaN or Inf", ", ".join(bad))
-    if args.outputs:
+    results, differ = [], None
+    for sizes in runs:
+        feeds = model.read_inputs(args.inputs, args.seed) if args.inputs else model.random_feeds(args.seed, sizes)
+        outputs = model.run(feeds)
+        stats = model.latency(feeds, args.repeat)
+        result = ({"sizes": sizes} if sizes else {}) | dataclasses.asdict(stats)
+        where = f" on {args.rpc}" if args.rpc else ""
+        at = f" at {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""
+        line = (f"{args.dir}{at}: p50 {stats.p50_ms:.3f} ms, p90 {stats.p90_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms, "
+                f"mean {stats.mean_ms:.3f} ms ({stats.runs} runs, {model.threads} threads{where})")
+        if args.check:
+            comp = model.check(feeds)
+            result["check"] = comp.to_dict()
+            line += f"; vs onnxruntime: {'ok' if comp.ok else 'DIFFERENT'}, max abs err {comp.max_abs_err:.3g}"
+            differ = differ or (None if comp.ok else f"{at}: {comp.reason()}")
+        print(line, flush=True)
+        bad = [k for k, v in outputs.items() if v.dtype.kind in "fc" and not np.isfinite(v).all()]
+        if bad:
+            log.warning("warning: outputs %s hold NaN or Inf", ", ".join(bad))
+        results.append(result)
+    if args.outputs:  # the last run's
         buf = io.BytesIO()
         np.savez(buf, **outputs)
         write_bytes_atomic(args.outputs, buf.getvalue())
     if args.json:
-        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
-    if args.check and not result["check"]["ok"]:
-        raise UserError(f"the outputs differ from onnxruntime on optimized.onnx: {comp.reason()}")
+        head = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc}
+        body = results[0] if len(results) == 1 else {"runs": results}
+        write_text_atomic(args.json, json.dumps(head | body, indent=2) + "\n")
+    if differ:
+        raise UserError(f"the outputs differ from onnxruntime on optimized.onnx{differ}")
     return 0
 
 

@@ -176,3 +176,16 @@ def test_int8_build_serves_the_range_with_integer_kernels(tmp_path):
     x = np.random.default_rng(13).standard_normal((1, 13, HIDDEN)).astype(np.float32)
     comparison = model.check({"x": x})  # onnxruntime on optimized.onnx, the int8 model
     assert comparison.max_abs_err < 2e-3, comparison.reason()
+
+
+def test_run_model_runs_several_lengths_one_line_each(served_build, tmp_path, capsys):
+    _, out, _ = served_build
+    stats = tmp_path / "s.json"
+    assert run_model_main([str(out), "--dim", "sequence=3,17,40", "--check", "--repeat", "2",
+                           "--json", str(stats)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"{out} at sequence={n}" for n in (3, 17, 40)]
+    runs = json.loads(stats.read_text())["runs"]
+    assert [r["sizes"] for r in runs] == [{"sequence": n} for n in (3, 17, 40)] and all(r["check"]["ok"] for r in runs)
+    assert run_model_main([str(out), "--dim", "sequence=3,17", "--dim", "batch=1,2"]) == 2
+    assert "several sizes of sequence and batch" in capsys.readouterr().err
