@@ -12,16 +12,20 @@ For each model (torch's dynamo export of a transformers model, symbolic ``batch`
 
 Each length's engines are timed in one :func:`graphopt.timing.time_blocks` call (alternating blocks), so the
 ratios come from one run; the served build's outputs are checked against onnxruntime at every length first.
-Build times are recorded.  Writes JSON and a PNG (latency over length); the CPU and its caches are recorded.
-Run it alone: two cores shared with anything else move the medians.
+Build times are recorded; with ``--memory``, the peak resident memory of a fresh process running the served
+build at the range's top against one running a build of that length alone.  Writes JSON and a PNG (latency
+over length); the CPU and its caches are recorded.  Run it alone: two cores shared with anything else move
+the medians.
 
     python bench/dynamic.py --models bert --lengths 8,77,128,384 --out bench/results/dynamic
+    python bench/dynamic.py --models bert --lengths "" --memory --out bench/results/dynamic_memory
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +41,7 @@ from int8 import cpu_description  # noqa: E402 - this folder's CPU description (
 
 
 def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: int, runs: int, graph: bool,
-                work: Path) -> dict:
+                work: Path, memory: bool = False) -> dict:
     from graphopt.compare import compare_outputs
     from graphopt.feeds import ort_session, random_inputs, run_ort
     from graphopt.onnx_io import import_onnx
@@ -51,7 +55,8 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
     onnx.save(exported.model, str(path), save_as_external_data=exported.model.ByteSize() > 2**31)
     model = onnx.load(str(path))
     t0 = time.perf_counter()
-    served = optimize(str(path), threads=threads, skip_graph=not graph, dims={"batch": 1, "sequence": span})
+    served = optimize(str(path), work / f"{name}.served", threads=threads, skip_graph=not graph,
+                      dims={"batch": 1, "sequence": span})
     row = {"model": name, "range": list(span), "served_build_s": round(time.perf_counter() - t0, 1),
            "representative": served.report["served"]["representative"], "lengths": {}}
     sess = ort_session(str(path), threads)
@@ -78,7 +83,24 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
             "static_build_s": round(static_s, 1), "check": {"ok": check.ok, "max_abs_err": check.max_abs_err}}
         print(name, length, json.dumps(row["lengths"][length]), flush=True)
         del static
+    if memory:  # peak memory at the range's top: the served build against a build of that length alone
+        top = optimize(str(path), work / f"{name}.top", threads=threads, skip_graph=not graph,
+                       dims={"batch": 1, "sequence": span[1]})
+        del top
+        row["peak_rss_mb_at_top"] = {label: peak_rss_mb(work / f"{name}.{label}", span[1], threads)
+                                     for label in ("served", "top")}
+        print(name, "peak RSS at", span[1], row["peak_rss_mb_at_top"], flush=True)
     return row
+
+
+def peak_rss_mb(folder: Path, length: int, threads: int) -> float:
+    """The peak resident memory of a fresh process that loads ``folder`` and runs it once at ``length``."""
+    code = ("import resource, sys; from pipeline.api import load; m = load(sys.argv[1], int(sys.argv[3])); "
+            "m.run(m.random_feeds(0, {'sequence': int(sys.argv[2])} if m.served else None)); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code, str(folder), str(length), str(threads)], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    return round(int(out.stdout.strip().splitlines()[-1]) / 1024, 1)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -109,9 +131,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="bert", help="comma-separated corpus names (models.exported), e.g. bert,gpt2")
-    p.add_argument("--lengths", default="8,77,128,384", help="comma-separated lengths, none named at build time")
+    p.add_argument("--lengths", default="8,77,128,384", help="comma-separated lengths, none named at build time "
+                                                             "(empty with --memory: the memory figure only)")
     p.add_argument("--range", default="2:512", help="LO:HI the served build is built for")
     p.add_argument("--graph", action="store_true", help="run the graph stage in every build (default: skipped)")
+    p.add_argument("--memory", action="store_true", help="also the peak memory at the range's top: the served "
+                                                          "build against a build of that length alone")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--out", default="bench/results/dynamic", help="writes OUT.json and OUT.png")
@@ -123,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             try:
-                rows.append(bench_model(name, [int(n) for n in args.lengths.split(",")], (lo, hi), args.threads,
-                                        args.runs, args.graph, Path(tmp)))
+                rows.append(bench_model(name, [int(n) for n in args.lengths.split(",") if n], (lo, hi), args.threads,
+                                        args.runs, args.graph, Path(tmp), args.memory))
             except UserError as exc:  # a model the served build refuses: recorded, the others still run
                 print(name, "refused:", exc, flush=True)
                 rows.append({"model": name, "range": [lo, hi], "refused": str(exc)})

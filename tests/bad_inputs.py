@@ -853,8 +853,8 @@ def _shapes_of(model_path: str, args: list[str]) -> dict[str, tuple[int, ...]]:
     from graphopt.onnx_io import parse_input_shapes
 
     shapes = parse_input_shapes([args[i + 1] for i, a in enumerate(args) if a == "--input-shape"])
-    return resolve_dims(onnx.load(model_path), parse_dims([args[i + 1] for i, a in enumerate(args) if a == "--dim"]),
-                        shapes)
+    fixed, _ = parse_dims([args[i + 1] for i, a in enumerate(args) if a == "--dim"])
+    return resolve_dims(onnx.load(model_path), fixed, shapes)
 
 
 def _inputs_for(model_path: str, args: list[str], seed: int = 7) -> dict[str, np.ndarray]:
