@@ -136,7 +136,8 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     if note:
         log.warning("note: %s", note)
     slower = slower_warning(res.report["latency"], tuned=not res.report["stages"]["tune"].get("skipped"),
-                            layout=((res.report["stages"].get("partition") or {}).get("layout") or {}).get("mode"))
+                            layout=((res.report["stages"].get("partition") or {}).get("layout") or {}).get("mode"),
+                            convs=any(t["kind"].startswith("conv") for t in res.report["tasks"]))
     if slower:
         log.warning("%s", slower)
     for name, value in ((res.report.get("specialized") or {}).get("values") or {}).items():

@@ -31,15 +31,18 @@ def build_facts() -> dict[str, Any]:
             "cpu": {"model": host_model_name(), "caches": host_caches()}}
 
 
-def slower_warning(latency: dict[str, Any], tuned: bool, layout: str | None = None) -> str | None:
+def slower_warning(latency: dict[str, Any], tuned: bool, layout: str | None = None, convs: bool = True) -> str | None:
     """The one line optimize-model prints when the build it ships is slower than onnxruntime end to end
     (never silently slower), with what to try (``layout``: the ``--layout`` the build used; the other
-    conv layouts are what it suggests)."""
+    conv layouts are what it suggests, where the model has convolutions: ``convs``)."""
     if not latency.get("slower_than_onnxruntime"):
         return None
     other = "auto" if layout == "nchwc" else "nchwc"
-    hint = (f"tune longer (more --trials) or try --layout {other}" if tuned else
-            f"tune it (--trials 500 is a start) or try --layout {other} for a CNN")
+    if not convs:  # a transformer: the layout stage changes nothing in it
+        hint = "tune longer (more --trials)" if tuned else "tune it (--trials 500 is a start)"
+    else:
+        hint = (f"tune longer (more --trials) or try --layout {other}" if tuned else
+                f"tune it (--trials 500 is a start) or try --layout {other}")
     return (f"warning: this build runs {latency['compiled_ms']} ms per inference, onnxruntime "
             f"{latency['onnxruntime_ms']} ms: slower than onnxruntime on this CPU; {hint}")
 

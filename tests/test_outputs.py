@@ -132,6 +132,7 @@ def test_a_build_slower_than_onnxruntime_says_so_in_one_line(built):
     assert line.startswith("warning: ") and "\n" not in line
     assert "12.5 ms" in line and "10.0 ms" in line and "--trials" in line and "--layout nchwc" in line
     assert "--layout auto" in slower_warning(lost, tuned=False, layout="nchwc")  # not the layout it used
+    assert "--layout" not in slower_warning(lost, tuned=False, convs=False)  # no conv: no layout advice
     assert slower_warning({**lost, "slower_than_onnxruntime": False}, tuned=False) is None
     assert slower_warning({"measured": False}, tuned=True) is None
 
