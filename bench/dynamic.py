@@ -55,7 +55,7 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
     onnx.save(exported.model, str(path), save_as_external_data=exported.model.ByteSize() > 2**31)
     model = onnx.load(str(path))
     t0 = time.perf_counter()
-    served = optimize(str(path), work / f"{name}.served", threads=threads, skip_graph=not graph,
+    served = optimize(str(path), output=work / f"{name}.served", threads=threads, skip_graph=not graph,
                       dims={"batch": 1, "sequence": span})
     row = {"model": name, "range": list(span), "served_build_s": round(time.perf_counter() - t0, 1),
            "representative": served.report["served"]["representative"], "lengths": {}}
@@ -84,7 +84,7 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
         print(name, length, json.dumps(row["lengths"][length]), flush=True)
         del static
     if memory:  # peak memory at the range's top: the served build against a build of that length alone
-        top = optimize(str(path), work / f"{name}.top", threads=threads, skip_graph=not graph,
+        top = optimize(str(path), output=work / f"{name}.top", threads=threads, skip_graph=not graph,
                        dims={"batch": 1, "sequence": span[1]})
         del top
         row["peak_rss_mb_at_top"] = {label: peak_rss_mb(work / f"{name}.{label}", span[1], threads)
@@ -93,14 +93,19 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
     return row
 
 
-def peak_rss_mb(folder: Path, length: int, threads: int) -> float:
-    """The peak resident memory of a fresh process that loads ``folder`` and runs it once at ``length``."""
-    code = ("import resource, sys; from pipeline.api import load; m = load(sys.argv[1], int(sys.argv[3])); "
-            "m.run(m.random_feeds(0, {'sequence': int(sys.argv[2])} if m.served else None)); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+def peak_rss_mb(folder: Path, length: int, threads: int) -> dict[str, float]:
+    """The peak resident memory of a fresh process that loads ``folder`` (the loader and the weights), and
+    its peak after one run at ``length`` (zero token inputs: every input of these models is int64 ids or a
+    mask); the run's own share is their difference."""
+    # Model loads model.so on its first run: _load() first, so "loaded" holds the library and its weights
+    code = ("import resource, sys, numpy as np; from pipeline.api import load; m = load(sys.argv[1], int(sys.argv[3])); "
+            "n = int(sys.argv[2]); feeds = {t.name: np.zeros((1, n), t.dtype) for t in m.inputs}; m._load(); "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; m.run(feeds); "
+            "print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     out = subprocess.run([sys.executable, "-c", code, str(folder), str(length), str(threads)], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])
-    return round(int(out.stdout.strip().splitlines()[-1]) / 1024, 1)
+    before, after = (int(v) / 1024 for v in out.stdout.strip().splitlines()[-1].split())
+    return {"loaded_mb": round(before, 1), "peak_mb": round(after, 1), "run_mb": round(after - before, 1)}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
