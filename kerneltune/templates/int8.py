@@ -134,7 +134,7 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     p = prepare(task, inline_producers=True, einsum_padding=padding)
     if padding:  # the padded copy: parallel over its rows, its depth in vectors (K is whole 4-deep groups)
         for blk in p.producers_left[:]:
-            if sch_name(p.sch, blk).endswith("_pad"):
+            if p.sch.get(blk).name_hint.endswith("_pad"):
                 p.producers_left.remove(blk)
                 loops = p.sch.get_loops(blk)
                 p.sch.parallel(p.sch.fuse(*loops[:-1]) if len(loops) > 1 else loops[0])
@@ -167,10 +167,6 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     except RuntimeError as exc:  # TVM's InternalError / ScheduleError: a tile that breaks the 16 x 4 pattern
         raise InvalidConfig(f"int8 tile does not tensorize: {str(exc).splitlines()[0][:200]}") from None
     return sch
-
-
-def sch_name(sch, block) -> str:
-    return sch.get(block).name_hint
 
 
 def _b_index(sch, anchor, task: Task) -> int:
