@@ -126,7 +126,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         engines = list(row["lengths"][lengths[0]]["ms"])
         for engine in engines:
             ax.plot([int(n) for n in lengths], [row["lengths"][n]["ms"].get(engine) for n in lengths], marker="o",
-                    label=engine + (f" (one build, {row['range'][0]}..{row['range'][1]})" if engine == "served" else ""))
+                    label=engine + (f" (one build, {row['range'][0]}..{row['range'][1]})"
+                                    if engine == "served" else ""))
         ax.set_xlabel("sequence length")
         ax.set_ylabel("ms per inference (median, lower is better)")
         ax.set_title(row["model"])

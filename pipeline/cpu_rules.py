@@ -247,7 +247,8 @@ class RowReduction(CPUScheduleRule):
         out = infos[-1].block_rv
         loops = sch.get_loops(out)
         row = sch.fuse(*loops[:n - 1]) if n > 2 else loops[0]
-        elements = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS for e in rows + [get_extent(sch, loops[-1])])
+        elements = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS
+                             for e in rows + [get_extent(sch, loops[-1])])
         if int(target.attrs.get("num-cores", 1)) > 1 and elements >= MIN_PARALLEL_ELEMS:
             sch.parallel(row)
         root = sch.get_sblock(sch.mod["main"].body.block.name_hint)

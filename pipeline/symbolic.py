@@ -36,6 +36,14 @@ from tvm import relax, tirx
 from graphopt.dims import representative
 from graphopt.onnx_io import InputShapes, runtime_inputs
 
+
+def served_axes(model: onnx.ModelProto, names) -> list[tuple[str, int, str]]:
+    """(input, axis, dimension name) of every runtime input axis left symbolic under one of ``names``."""
+    return [(inp.name, axis, d.dim_param) for inp in runtime_inputs(model)
+            for axis, d in enumerate(inp.type.tensor_type.shape.dim)
+            if d.dim_param in names and not d.HasField("dim_value")]
+
+
 @dataclass(frozen=True)
 class Served:
     """The symbolic dimensions of a build: the range each serves and the size the one-size stages use."""
@@ -51,10 +59,9 @@ class Served:
         if not ranges:
             return None
         at = {name: representative(lo, hi) for name, (lo, hi) in ranges.items()}
-        for inp in runtime_inputs(model):
-            for d, size in zip(inp.type.tensor_type.shape.dim, shapes.get(inp.name, ())):
-                if d.dim_param in ranges and not d.HasField("dim_value"):
-                    at[d.dim_param] = int(size)
+        for name, axis, dim in served_axes(model, ranges):
+            if len(shapes.get(name, ())) > axis:
+                at[dim] = int(shapes[name][axis])
         return cls(dict(ranges), at)
 
     def check_sizes(self) -> list[dict[str, int]]:
@@ -69,14 +76,11 @@ class Served:
 
     def shapes_at(self, model: onnx.ModelProto, shapes: InputShapes, sizes: Mapping[str, int]) -> InputShapes:
         """``shapes`` (every input at the representative sizes) with the served dimensions at ``sizes``."""
-        out = dict(shapes)
-        for inp in runtime_inputs(model):
-            if inp.name not in out:
-                continue
-            dims = inp.type.tensor_type.shape.dim
-            out[inp.name] = tuple(sizes.get(d.dim_param, s) if d.dim_param in self.ranges and not d.HasField("dim_value")
-                                  else s for d, s in zip(dims, out[inp.name]))
-        return out
+        out = {name: list(shape) for name, shape in shapes.items()}
+        for name, axis, dim in served_axes(model, self.ranges):
+            if name in out and dim in sizes and len(out[name]) > axis:
+                out[name][axis] = sizes[dim]
+        return {name: tuple(shape) for name, shape in out.items()}
 
     def to_json(self) -> dict:
         return {"ranges": {k: list(v) for k, v in self.ranges.items()}, "representative": dict(self.at)}
@@ -86,16 +90,16 @@ def symbolic_model(model: onnx.ModelProto, shapes: InputShapes, served: Served) 
     """A copy of ``model`` whose runtime inputs have the sizes of ``shapes`` (the build's, at the representative
     size) on every axis but those named by a served dimension, which stay symbolic under that name."""
     out = onnx.ModelProto.FromString(model.SerializeToString())
+    kept = set(served_axes(out, served.ranges))
     for inp in runtime_inputs(out):
         fixed = shapes.get(inp.name)
         dims = inp.type.tensor_type.shape.dim
         if fixed is None or len(fixed) != len(dims):
             continue
-        for d, size in zip(dims, fixed):
-            if d.dim_param in served.ranges and not d.HasField("dim_value"):
-                continue
-            d.Clear()
-            d.dim_value = int(size)
+        for axis, (d, size) in enumerate(zip(dims, fixed)):
+            if (inp.name, axis, d.dim_param) not in kept:
+                d.Clear()
+                d.dim_value = int(size)
     return out
 
 
@@ -103,15 +107,14 @@ def input_ranges(model: onnx.ModelProto, served: Served) -> dict[str, dict[int, 
     """Each runtime input's served axes (axis -> (dimension name, lowest, highest)): the deploy signature's
     ``ranges``."""
     out: dict[str, dict[int, tuple[str, int, int]]] = {}
-    for inp in runtime_inputs(model):
-        for axis, d in enumerate(inp.type.tensor_type.shape.dim):
-            if d.dim_param in served.ranges and not d.HasField("dim_value"):
-                out.setdefault(inp.name, {})[axis] = (d.dim_param, *served.ranges[d.dim_param])
+    for name, axis, dim in served_axes(model, served.ranges):
+        out.setdefault(name, {})[axis] = (dim, *served.ranges[dim])
     return out
 
 
 # What model.so says for a size outside its range (the VM raises it as an AssertionError, naming nothing else).
-MESSAGE = "{name} is {{}}, outside the sizes {low}..{high} this model.so serves: rebuild with --dim {name}=LO:HI covering it"
+MESSAGE = ("{name} is {{}}, outside the sizes {low}..{high} this model.so serves: rebuild with --dim {name}=LO:HI "
+           "covering it")
 
 
 def bound(mod: tvm.IRModule, served: Served) -> tvm.IRModule:
