@@ -223,22 +223,27 @@ def check_agreement(model: onnx.ModelProto, dims: Dims, shapes: InputShapes, fla
                                 f"{d.dim_param}={dims[d.dim_param]}: make them agree, or drop one")
 
 
+def ranged_axes(model: onnx.ModelProto, names: Mapping[str, Any]) -> list[tuple[str, int, str]]:
+    """(input, axis, dimension name) of every runtime input axis left symbolic under one of ``names``."""
+    return [(inp.name, axis, d.dim_param) for inp in runtime_inputs(model)
+            for axis, d in enumerate(inp.type.tensor_type.shape.dim)
+            if d.dim_param in names and not d.HasField("dim_value")]
+
+
 def within_ranges(model: onnx.ModelProto, ranges: Ranges, shapes: InputShapes, flag: str) -> Dims:
     """The size of each ranged dimension that the shapes ``flag`` gives set (the one-size stages then work at
     it), else that dimension's :func:`representative` size; a size outside its range is a one-line UserError."""
     sizes = {name: representative(lo, hi) for name, (lo, hi) in ranges.items()}
-    for inp in runtime_inputs(model):
-        given = shapes.get(inp.name)
-        model_dims = inp.type.tensor_type.shape.dim
-        if given is None or len(given) != len(model_dims):
+    ranks = {inp.name: len(inp.type.tensor_type.shape.dim) for inp in runtime_inputs(model)}
+    for name, axis, dim in ranged_axes(model, ranges):
+        given = shapes.get(name)
+        if given is None or len(given) != ranks[name]:  # a rank mismatch: apply_input_shapes names it
             continue
-        for axis, (d, size) in enumerate(zip(model_dims, given)):
-            if d.dim_param in ranges and not d.HasField("dim_value"):
-                lo, hi = ranges[d.dim_param]
-                if not lo <= size <= hi:
-                    raise UserError(f"{flag} gives {inp.name} {d.dim_param}={size} (axis {axis}), outside --dim "
-                                    f"{d.dim_param}={lo}:{hi}: widen the range or change the size")
-                sizes[d.dim_param] = int(size)
+        lo, hi = ranges[dim]
+        if not lo <= given[axis] <= hi:
+            raise UserError(f"{flag} gives {name} {dim}={given[axis]} (axis {axis}), outside --dim {dim}={lo}:{hi}: "
+                            "widen the range or change the size")
+        sizes[dim] = int(given[axis])
     return sizes
 
 

@@ -91,9 +91,9 @@ class TensorSpec:
         if want is None:
             return None
         if len(shape) != len(want) or any(d is not None and d != v for d, v in zip(want, shape)):
-            shown = [f"{n}={lo}..{hi}" if a in (self.ranges or {}) else d
-                     for a, (d, (n, lo, hi)) in enumerate(zip(self.shape, [(self.ranges or {}).get(a, ("", 0, 0))
-                                                                         for a in range(len(self.shape))]))]
+            ranges = self.ranges or {}
+            shown = [f"{ranges[a][0]}={ranges[a][1]}..{ranges[a][2]}" if a in ranges else d
+                     for a, d in enumerate(self.shape)]
             return (f"input {self.name!r} has shape {list(shape)}, model.so is compiled for "
                     f"{'[' + ', '.join(map(str, shown)) + ']'}; rebuild with --input-shape {self.name}="
                     f"{','.join(map(str, shape))} for other sizes")

@@ -28,7 +28,7 @@ from kerneltune.opkinds import VARIANTS, base_kind
 from pipeline.fast_sigmoid import FastSigmoid
 from pipeline.fold import FoldConstants
 from pipeline.lane_softmax import LaneSoftmax
-from pipeline.symbolic import specialize
+from pipeline.symbolic import at_sizes, specialize
 
 KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
 
@@ -94,14 +94,8 @@ def _shape(ty, at: Mapping[str, int]) -> tuple[int, ...]:
     shape = getattr(ty, "shape", None)
     if shape is None:
         return ()
-    values = getattr(shape, "values", shape)
-    analyzer = tvm.sym.Analyzer()
-    for d in values:
-        for v in tvm.tirx.analysis.undefined_vars(d):
-            if v.name in at:
-                analyzer.bind(v, tvm.tirx.IntImm(str(v.ty.dtype), at[v.name]))
     try:
-        return tuple(int(analyzer.simplify(d)) for d in values)
+        return tuple(int(d) for d in at_sizes(getattr(shape, "values", shape), at))
     except TypeError:  # a symbolic size no range names: imports are static otherwise, so this is a bug upstream
         raise UserError(f"a fused kernel has a non-static shape {shape}; pass --input-shape for every "
                         "dynamic input") from None

@@ -33,15 +33,8 @@ import onnx
 import tvm
 from tvm import relax, tirx
 
-from graphopt.dims import representative
+from graphopt.dims import ranged_axes, representative
 from graphopt.onnx_io import InputShapes, runtime_inputs
-
-
-def served_axes(model: onnx.ModelProto, names) -> list[tuple[str, int, str]]:
-    """(input, axis, dimension name) of every runtime input axis left symbolic under one of ``names``."""
-    return [(inp.name, axis, d.dim_param) for inp in runtime_inputs(model)
-            for axis, d in enumerate(inp.type.tensor_type.shape.dim)
-            if d.dim_param in names and not d.HasField("dim_value")]
 
 
 @dataclass(frozen=True)
@@ -59,7 +52,7 @@ class Served:
         if not ranges:
             return None
         at = {name: representative(lo, hi) for name, (lo, hi) in ranges.items()}
-        for name, axis, dim in served_axes(model, ranges):
+        for name, axis, dim in ranged_axes(model, ranges):
             if len(shapes.get(name, ())) > axis:
                 at[dim] = int(shapes[name][axis])
         return cls(dict(ranges), at)
@@ -77,7 +70,7 @@ class Served:
     def shapes_at(self, model: onnx.ModelProto, shapes: InputShapes, sizes: Mapping[str, int]) -> InputShapes:
         """``shapes`` (every input at the representative sizes) with the served dimensions at ``sizes``."""
         out = {name: list(shape) for name, shape in shapes.items()}
-        for name, axis, dim in served_axes(model, self.ranges):
+        for name, axis, dim in ranged_axes(model, self.ranges):
             if name in out and dim in sizes and len(out[name]) > axis:
                 out[name][axis] = sizes[dim]
         return {name: tuple(shape) for name, shape in out.items()}
@@ -90,7 +83,7 @@ def symbolic_model(model: onnx.ModelProto, shapes: InputShapes, served: Served) 
     """A copy of ``model`` whose runtime inputs have the sizes of ``shapes`` (the build's, at the representative
     size) on every axis but those named by a served dimension, which stay symbolic under that name."""
     out = onnx.ModelProto.FromString(model.SerializeToString())
-    kept = set(served_axes(out, served.ranges))
+    kept = set(ranged_axes(out, served.ranges))
     for inp in runtime_inputs(out):
         fixed = shapes.get(inp.name)
         dims = inp.type.tensor_type.shape.dim
@@ -107,7 +100,7 @@ def input_ranges(model: onnx.ModelProto, served: Served) -> dict[str, dict[int, 
     """Each runtime input's served axes (axis -> (dimension name, lowest, highest)): the deploy signature's
     ``ranges``."""
     out: dict[str, dict[int, tuple[str, int, int]]] = {}
-    for name, axis, dim in served_axes(model, served.ranges):
+    for name, axis, dim in ranged_axes(model, served.ranges):
         out.setdefault(name, {})[axis] = (dim, *served.ranges[dim])
     return out
 
@@ -148,31 +141,25 @@ def _shape_vars_of(info) -> list[tirx.Var]:
     return [d for d in values if isinstance(d, tirx.Var)]
 
 
-def shape_vars(func: tirx.PrimFunc) -> dict[str, tirx.Var]:
-    """The symbolic sizes in ``func``'s parameter shapes, by name."""
-    out: dict[str, tirx.Var] = {}
-    for p in func.params:
-        for d in getattr(p, "shape", None) or []:
-            for v in tirx.analysis.undefined_vars(d):
-                out[v.name] = v
-    return out
+def at_sizes(extents, values: Mapping[str, int]) -> list:
+    """``extents`` (TIR expressions) with the symbolic sizes named in ``values`` bound to them, simplified."""
+    analyzer = tvm.sym.Analyzer()
+    for d in extents:
+        for v in tirx.analysis.undefined_vars(d):
+            if v.name in values:
+                analyzer.bind(v, tvm.tirx.IntImm(str(v.ty.dtype), int(values[v.name])))
+    return [analyzer.simplify(d) for d in extents]
 
 
 def specialize(func: tirx.PrimFunc, values: Mapping[str, int]) -> tirx.PrimFunc:
     """``func`` with the symbolic sizes named in ``values`` bound to them: the kernel's instance at the
     representative size, which the templates, the default tiles and tuning work on."""
-    bind = {v: tvm.tirx.IntImm(str(v.ty.dtype), int(values[n])) for n, v in shape_vars(func).items() if n in values}
-    if not bind:
-        return func
-    analyzer = tvm.sym.Analyzer()
-    for v, c in bind.items():
-        analyzer.bind(v, c)
     params = {}
     for p in func.params:
         shape = getattr(p, "shape", None)
         if shape is None:
             continue
-        new = [analyzer.simplify(d) for d in shape]
+        new = at_sizes(shape, values)
         if any(not n.same_as(d) for n, d in zip(new, shape)):
             params[p] = tvm.tirx.decl_buffer(new, str(p.dtype), p.name)
-    return func.specialize(params)
+    return func.specialize(params) if params else func
