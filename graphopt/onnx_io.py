@@ -291,6 +291,28 @@ def without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
+def _is_constant_value(n: onnx.NodeProto) -> bool:
+    return n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and len(n.attribute) == 1
+
+
+def node_names(g: onnx.GraphProto) -> list[str | None]:
+    """Each node's name in the graph IR (None: a Constant, which becomes an initializer): its own, or
+    ``OpType_k`` (k its index) for an unnamed one, made unique.  One home, because the compiled model names
+    the ONNX nodes its kernels compute the same way (:mod:`pipeline.provenance`)."""
+    out: list[str | None] = []
+    used: set[str] = set()
+    for k, n in enumerate(g.node):
+        if _is_constant_value(n):
+            out.append(None)
+            continue
+        name = n.name or f"{n.op_type}_{k}"
+        while name in used:
+            name = f"{name}_{k}"
+        used.add(name)
+        out.append(name)
+    return out
+
+
 def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
                 input_shapes: InputShapes | None = None, require_static: bool = True) -> Graph:
     """Import an ONNX model into the graph IR.
@@ -328,15 +350,10 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
     outputs = [_tensor_info(o) for o in g.output]
 
     nodes: list[Node] = []
-    used_names: set[str] = set()
-    for k, n in enumerate(g.node):
-        if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and len(n.attribute) == 1:
+    for n, name in zip(g.node, node_names(g)):
+        if name is None:
             initializers[n.output[0]] = _constant_value(n)
             continue
-        name = n.name or f"{n.op_type}_{k}"
-        while name in used_names:
-            name = f"{name}_{k}"
-        used_names.add(name)
         attrs: dict[str, Any] = {}
         types: dict[str, int] = {}
         for a in n.attribute:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
+import numpy as np
+
 K = TypeVar("K", bound=Hashable)
 
 WARMUP = 3  # untimed calls at the start of every block
@@ -51,35 +53,68 @@ class Timing:
     median_ms: float
     min_ms: float
     blocks_ms: tuple[float, ...] = field(default=(), compare=False)  # each block's median, in round order
+    samples_ms: tuple[float, ...] = field(default=(), compare=False, repr=False)  # every timed call
+    timed_s: float = field(default=0.0, compare=False)  # wall time of the timed calls (warm-up and gaps excluded)
+
+    @property
+    def latency(self) -> "Latency":
+        """The distribution of the timed calls (percentiles, mean, throughput), as :func:`latency` reports one:
+        bench-model prints the same figures as run-model.  A Timing made without samples (tests) gives its
+        median for every percentile."""
+        samples = list(self.samples_ms) or [self.median_ms]
+        return latency_of(samples, self.timed_s or None)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long to time: ``runs`` timed calls, or as many as fit in ``duration_s`` seconds when that is set
+    (a fixed count makes a 0.1 ms model's figure noise and a 2 s model's run long; a duration suits both);
+    ``warmup`` untimed calls first (per block in :func:`time_blocks`)."""
+
+    runs: int = 30
+    warmup: int = WARMUP
+    duration_s: float | None = None
 
 
 def time_blocks(runners: Mapping[K, Callable[[], object]], runs: int, warmup: int = WARMUP,
                 rounds: int = ROUNDS, gap_s: float = GAP_S,
-                sleep: Callable[[float], object] = time.sleep) -> dict[K, Timing]:
+                sleep: Callable[[float], object] = time.sleep, duration_s: float | None = None) -> dict[K, Timing]:
     """Median and minimum milliseconds per call of each runner, timed in alternating blocks (see the module
     docstring).  ``runs`` timed calls per runner in all (at least one per block), split over ``rounds``
-    blocks; each block also makes ``warmup`` untimed calls.  The idle gap is for runners of different engines
-    (each engine's workers spin after its block); runners of one engine pass ``gap_s=0``.  ``sleep`` is
-    replaced in tests."""
-    rounds = max(1, min(rounds, runs))
+    blocks; with ``duration_s``, instead, each runner is timed for about that many seconds in all (each of
+    ``rounds`` blocks calls it until its share has passed, at least once).  Each block also makes ``warmup``
+    untimed calls.  The idle gap is for runners of different engines (each engine's workers spin after its
+    block); runners of one engine pass ``gap_s=0``.  ``sleep`` is replaced in tests."""
+    rounds = max(1, rounds if duration_s is not None else min(rounds, runs))
     per_block = max(1, math.ceil(runs / rounds))
     order = list(runners)
     samples: dict[K, list[float]] = {k: [] for k in order}
     blocks: dict[K, list[float]] = {k: [] for k in order}
+    walls: dict[K, float] = {k: 0.0 for k in order}
     for r in range(rounds):
         for key in (order if r % 2 == 0 else order[::-1]):
             run = runners[key]
             sleep(gap_s)
             for _ in range(warmup):
                 run()
-            block = []
-            for _ in range(per_block):
-                t0 = time.perf_counter()
-                run()
-                block.append((time.perf_counter() - t0) * 1e3)
+            block, wall = _timed_calls(run, per_block, None if duration_s is None else duration_s / rounds)
             samples[key].extend(block)
             blocks[key].append(statistics.median(block))
-    return {k: Timing(statistics.median(v), min(v), tuple(blocks[k])) for k, v in samples.items()}
+            walls[key] += wall
+    return {k: Timing(statistics.median(v), min(v), tuple(blocks[k]), tuple(v), walls[k]) for k, v in samples.items()}
+
+
+def _timed_calls(run: Callable[[], object], calls: int, seconds: float | None) -> tuple[list[float], float]:
+    """Milliseconds of each of ``calls`` back-to-back calls (with ``seconds``: of the calls made until that
+    long has passed, at least one), and the wall seconds they took together (for the throughput)."""
+    samples: list[float] = []
+    start = time.perf_counter()
+    end = start + seconds if seconds is not None else None
+    while (len(samples) < calls) if end is None else (not samples or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples, time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -200,7 +235,9 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
 
 @dataclass(frozen=True)
 class Latency:
-    """The latency distribution of back-to-back calls of one model (what ``run-model`` reports)."""
+    """The latency distribution of back-to-back calls of one model (what ``run-model`` reports), and the
+    throughput those calls reached (inferences per second over their wall time: a deployed model's capacity,
+    which the percentiles of single calls do not give once the timer's and the caller's overhead count)."""
 
     p50_ms: float
     p90_ms: float
@@ -208,32 +245,26 @@ class Latency:
     mean_ms: float
     min_ms: float
     runs: int
+    throughput: float  # inferences per second
+    timed_s: float  # seconds the timed calls took, warm-up excluded
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between order statistics (numpy's default)."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def latency(run: Callable[[], object], runs: int, warmup: int = WARMUP) -> Latency:
-    """Time ``runs`` back-to-back calls of ``run`` after ``warmup`` untimed ones: a deployed model serves
-    requests one after another, so unlike :func:`time_blocks` there is no other engine to interleave
-    with and each call is timed (the tail percentiles are what a service level is written against)."""
+def latency(run: Callable[[], object], runs: int, warmup: int = WARMUP, duration_s: float | None = None) -> Latency:
+    """Time ``runs`` back-to-back calls of ``run`` (with ``duration_s``: as many as fit in that many seconds,
+    at least one) after ``warmup`` untimed ones: a deployed model serves requests one after another, so unlike
+    :func:`time_blocks` there is no other engine to interleave with and each call is timed (the tail
+    percentiles are what a service level is written against)."""
     for _ in range(warmup):
         run()
-    samples = []
-    for _ in range(max(1, runs)):
-        t0 = time.perf_counter()
-        run()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return latency_of(samples)
+    samples, wall = _timed_calls(run, max(1, runs), duration_s)
+    return latency_of(samples, wall)
 
 
-def latency_of(samples_ms: list[float]) -> Latency:
-    """The distribution of per-call milliseconds taken elsewhere (a remote device's own timer)."""
-    return Latency(percentile(samples_ms, 50), percentile(samples_ms, 90), percentile(samples_ms, 99),
-                   statistics.fmean(samples_ms), min(samples_ms), len(samples_ms))
+def latency_of(samples_ms: Sequence[float], timed_s: float | None = None) -> Latency:
+    """The distribution of per-call milliseconds, and the throughput over ``timed_s`` wall seconds (None:
+    the calls' own sum, as for a remote device's own timer, which leaves the network out)."""
+    xs = np.asarray(samples_ms, dtype=np.float64)
+    p50, p90, p99 = (float(v) for v in np.percentile(xs, [50, 90, 99]))
+    wall = timed_s if timed_s else float(xs.sum()) / 1e3
+    return Latency(p50, p90, p99, float(xs.mean()), float(xs.min()), len(xs), len(xs) / wall if wall > 0 else 0.0,
+                   wall)

@@ -10,12 +10,14 @@ conv2d (NCHW input, F output channels).  The JSON printed (and written with ``--
 the tuner's workers start, for matmul measured here only (null otherwise: :mod:`kerneltune.baseline`).  The first
 trial is the template's default config (the warm start every searcher gets, :func:`kerneltune.tune.tune`).
 Rerunning the same command with the same ``--records`` resumes: the search runs again, finds what the
-interrupted run measured in the records and measures only the rest (:mod:`kerneltune.tune`).
+interrupted run measured in the records and measures only the rest (:mod:`kerneltune.tune`).  ``--timeout``
+and ``--early-stop`` end the search before ``--trials`` are spent (:mod:`kerneltune.stopping`); the JSON's
+``stop_reason`` says what ended it.
 
 Structure: :func:`build_parser` declares the options, :func:`run_operator` does the single-operator mode.
-A model mode (``tune-kernels MODEL --list``) belongs to the pipeline, which owns model import: the console
-script is composed in :mod:`pipeline.cli` and passes it in as a :class:`ModelMode`, leaving the
-single-operator path untouched.
+A model mode (``tune-kernels MODEL --trials N``, ``tune-kernels MODEL --list``) belongs to the pipeline, which
+owns model import: the console script is composed in :mod:`pipeline.cli` and passes it in as a
+:class:`ModelMode`, leaving the single-operator path untouched.
 """
 from __future__ import annotations
 
@@ -26,19 +28,22 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from graphopt.errors import ArgumentParser, UserError, seed
+from graphopt.errors import ArgumentParser, UserError, seconds, seed
 from graphopt.fileio import check_output_file, write_text_atomic
 from graphopt.limits import TensorSize, check_memory, check_threads
 from kerneltune.baseline import numpy_baseline
 from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, check_searcher, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
+from kerneltune.stopping import StopReason, StopRule
 from kerneltune.targets.host import default_threads
 from kerneltune.targets.parse import TARGET_HELP, build_spec, check_name
 from kerneltune.targets.registry import TargetRequest, gflops_ceiling
-from kerneltune.tune import TaskRecords, tune
+from kerneltune.tune import TaskRecords, TaskTuner, run_task
 
 log = logging.getLogger(__name__)
+
+OP_TRIALS = 64  # --trials of the single-operator mode when not given (a model's run needs it given)
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,20 @@ class ModelMode:
     run: Callable[[argparse.Namespace], int]  # the mode itself; returns the exit code
 
 
+def add_stop_arguments(group, what: str, retired: str) -> None:
+    """``--timeout`` and ``--early-stop`` (:mod:`kerneltune.stopping`), worded for the command's ``what`` (what
+    the timeout bounds) and ``retired`` (where a stopped task's trials go); tune-kernels and optimize-model."""
+    group.add_argument("--timeout", type=seconds, metavar="SECONDS",
+                       help=f"wall-clock bound on {what}: no new trial starts after it, the best configs measured "
+                            "so far are used (default: none)")
+    group.add_argument("--early-stop", type=int, metavar="N",
+                       help="a task stops after N trials in a row without beating its best by more than 1%% "
+                            f"(timing noise); {retired} (default: off)")
+
+
 def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="tune-kernels", description="Tune a tensor operator's schedule (OpEvo and baselines).")
+    p = ArgumentParser(prog="tune-kernels", description="Tune a tensor operator's schedule, or a model's fused "
+                       "kernels (tune-kernels MODEL --trials N), with OpEvo or a baseline searcher.")
     if model_mode is not None:
         model_mode.add_arguments(p)
     op = p.add_argument_group("single operator")
@@ -65,10 +82,18 @@ def build_parser(model_mode: ModelMode | None = None) -> argparse.ArgumentParser
     tune = p.add_argument_group("tuning")
     tune.add_argument("--target", default="llvm", help=f"{TARGET_HELP} (default llvm)")
     tune.add_argument("--searcher", default="opevo", help=f"{' | '.join(sorted(SEARCHERS))} (default opevo)")
-    tune.add_argument("--trials", type=int, default=64, help="configs to measure in total (default 64)")
+    tune.add_argument("--trials", type=int, metavar="N",
+                      help=f"configs to measure in total, the first the template's default: with --op default "
+                           f"{OP_TRIALS}; with MODEL required (no default: spread over the selected tasks, it "
+                           "decides how long the run takes)")
+    add_stop_arguments(tune, "the tuning", "with MODEL its remaining trials go to the other tasks")
     tune.add_argument("--seed", type=seed, default=0, help="searcher seed (default 0)")
-    tune.add_argument("--records", help="JSON-lines records file; reused to resume")
-    tune.add_argument("--json", help="also write the result JSON to this file")
+    tune.add_argument("--records", metavar="FILE",
+                      help="JSON-lines records file, appended to; the same command again resumes from it (with "
+                           "MODEL: default MODEL-NAME.records.jsonl here, the format optimize-model --records reads)")
+    tune.add_argument("--json", metavar="FILE", help="also write the result JSON to this file (with MODEL: each "
+                                                     "task's default and best time and config, and why tuning "
+                                                     "stopped)")
     tune.add_argument("--threads", type=int, help="CPU threads for the kernels (default: all this process may use)")
     tune.add_argument("--rpc", help="measure on a remote device: TRACKER_HOST:PORT:KEY")
     tune.add_argument("--workers", type=int, help="parallel build processes (default: cores, at most 4)")
@@ -90,8 +115,11 @@ def _check_operator_args(args: argparse.Namespace) -> TargetRequest:
                         + ")")
     dims = parse_shape(args.op, args.shape)
     check_searcher(args.searcher)
+    if args.trials is None:
+        args.trials = OP_TRIALS
     if args.trials <= 0:
         raise UserError("--trials must be positive")
+    stop_rule(args)
     shapes = operand_shapes(args.op, dims, args.stride or 1, args.pad or 0, args.groups or 1)
     # Extents beyond memory are refused here: the templates enumerate each axis's divisors.
     check_memory([TensorSize(name, shape, "float32", "input") for name, shape in shapes.items()],
@@ -105,6 +133,12 @@ def _check_operator_args(args: argparse.Namespace) -> TargetRequest:
             takers = [k.name for k in OP_KINDS.values() if set(names) <= set(k.options)]
             raise UserError(f"{'/'.join('--' + n.replace('_', '-') for n in names)} apply to {' and '.join(takers)} only")
     return check_name(args.target)
+
+
+def stop_rule(args: argparse.Namespace) -> StopRule:
+    """``--timeout`` and ``--early-stop`` as a checked :class:`~kerneltune.stopping.StopRule` (one line for a
+    value no run can take)."""
+    return StopRule(args.timeout, args.early_stop).validate()
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
@@ -157,11 +191,13 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
             measurer.append(Measurer(spec.target, rpc=args.rpc, workers=args.workers, cache_flush=cache_flush))
         return measurer[0].measure(task, configs)
 
+    stop = stop_rule(args)
     try:
-        res = tune(space, searcher, measure, args.trials,
-                   TaskRecords(task.key, target_key, records, "cold" if cache_flush else "warm", task.flops,
-                               gflops_ceiling(spec.target)),
-                   warm_start=default, progress=not args.no_progress, desc=task.name)
+        tuner = TaskTuner(space, searcher, measure, TaskRecords(task.key, target_key, records,
+                                                                "cold" if cache_flush else "warm", task.flops,
+                                                                gflops_ceiling(spec.target)), stop=stop)
+        res = run_task(tuner, args.trials, warm_start=default, deadline=stop.deadline(),
+                       progress=not args.no_progress, desc=task.name)
     finally:
         for m in measurer:
             m.close()
@@ -182,6 +218,9 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
         "measured_now": res.measured_now,
         "failures": res.failures,
         "default_ms": res.warm_start_latency_s * 1e3 if res.warm_start_latency_s else None,
+        "stop_reason": res.stop_reason.value,
+        "timeout_s": args.timeout,
+        "early_stop": args.early_stop,
     }
 
 
@@ -190,11 +229,17 @@ def main(argv: list[str] | None, model_mode: ModelMode | None = None) -> int:
     args = build_parser(model_mode).parse_args(argv)
     if model_mode is not None and model_mode.selected(args):
         return model_mode.run(args)
+    if getattr(args, "kernels", None):
+        raise UserError(f"--kernels {args.kernels} picks tasks of a MODEL: tune-kernels MODEL --kernels SEL "
+                        "--trials N (an --op is one task)")
     result = run_operator(args)
     text = json.dumps(result, indent=2, default=list)
     print(text)
     if args.json:
         write_text_atomic(args.json, text + "\n")
+    if result["stop_reason"] != StopReason.BUDGET.value:
+        log.warning("note: tuning stopped after %d of %d trials: %s", result["trials"], args.trials,
+                    StopReason(result["stop_reason"]).phrase)
     if result["best_config"] is None:
         print("error: no config built and ran correctly; the records say why each one failed", file=sys.stderr)
         return 1

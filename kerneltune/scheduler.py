@@ -27,6 +27,11 @@ gap left): without the warm-up 0.575 / 0.413 / 0.249 / 0.083 at 200 / 400 / 800 
 0.772 / 0.447 / 0.254 / 0.084 (round-robin 0.772 / 0.582 / 0.359 / 0.118).  When similar tasks do *not*
 reach similar speeds (``--independent``) both gradient variants fall behind round-robin from 800 trials on
 (0.52 and 0.50 vs 0.46 at 800): the similar-task term keeps pulling at tasks that cannot follow.
+
+Retired tasks.  A task whose search space is exhausted, or that stopped improving (``--early-stop``,
+:mod:`kerneltune.stopping`), is retired (:meth:`TaskScheduler.retire`): no scheduler picks it again, so the
+trials it would have had go to the others, as MetaSchedule's task scheduler does with a finished task.  Its
+latency still counts in the objective and in the similar-task speeds.
 """
 from __future__ import annotations
 
@@ -67,6 +72,7 @@ class TaskScheduler:
         if not tasks:
             raise ValueError("no tasks to schedule")
         self.states = [_State(t, history=[t.latency_s]) for t in tasks]
+        self.retired: set[int] = set()
         self._cursor = 0
 
     def next_task(self) -> int:
@@ -78,14 +84,27 @@ class TaskScheduler:
         s.rounds += 1
         s.history.append(min(s.best, best_latency_s))
 
+    def retire(self, task: int) -> None:
+        """``task`` takes no more trials (exhausted, or stopped improving): never picked again while another
+        task is left."""
+        self.retired.add(task)
+
+    def active(self) -> list[int]:
+        """The tasks a scheduler may pick: those not retired (all of them once every one is)."""
+        live = [i for i in range(len(self.states)) if i not in self.retired]
+        return live or list(range(len(self.states)))
+
     def objective(self) -> float:
         """sum_i w_i * g_i, in seconds; infinite while some task has no valid latency."""
         return sum(s.info.weight * s.best for s in self.states)
 
     def _round_robin(self) -> int:
-        i = self._cursor % len(self.states)
-        self._cursor += 1
-        return i
+        live = set(self.active())
+        while True:  # at most one lap: some task is live
+            i = self._cursor % len(self.states)
+            self._cursor += 1
+            if i in live:
+                return i
 
 
 class RoundRobinScheduler(TaskScheduler):
@@ -129,8 +148,8 @@ class GradientScheduler(TaskScheduler):
         return s.info.weight * (self.alpha * backward + (1 - self.alpha) * forward)
 
     def next_task(self) -> int:
-        grads = [self.gradient(i) for i in range(len(self.states))]
-        return min(range(len(grads)), key=lambda i: (grads[i], i))
+        grads = {i: self.gradient(i) for i in self.active()}
+        return min(grads, key=lambda i: (grads[i], i))
 
 
 SCHEDULERS = {"gradient": GradientScheduler, "round-robin": RoundRobinScheduler}

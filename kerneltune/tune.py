@@ -15,6 +15,9 @@ The warm start: ``warm_start`` (the template's default config) is measured first
 and observed by the searcher, so every searcher starts from the same known-good point and "best found"
 can never be worse than the default it would replace.
 
+Stopping: the loop ends when the trial budget is spent, and earlier at a ``--timeout`` or when every task
+has stopped improving (``--early-stop``): :mod:`kerneltune.stopping`; :class:`Stopped` says which.
+
 Failures (:mod:`kerneltune.failures`): config failures are recorded and final; environmental ones are
 recorded as such, are not taken from the records on resume (measured again), and a run whose measurements
 keep failing for environmental reasons stops with one line (:class:`EnvFailureGuard`) instead of spending
@@ -33,6 +36,7 @@ from kerneltune.failures import ENVIRONMENT, classify_batch
 from kerneltune.records import Record, RecordLog
 from kerneltune.searchers.base import Searcher
 from kerneltune.space import Config, SearchSpace
+from kerneltune.stopping import Deadline, Patience, StopReason, StopRule
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ class TuneResult:
     curve: list[float] = field(default_factory=list)   # best GFLOPS so far after each trial, in order
     failures: int = 0
     warm_start_latency_s: float | None = None   # the warm start's (default config's) latency, if it ran
+    stop_reason: StopReason = StopReason.BUDGET
+    early_stopped: bool = False   # the task stopped improving (--early-stop) before the budget was spent
 
 
 @dataclass
@@ -195,10 +201,13 @@ class TaskRecords:
 class TaskTuner:
     """One task's tuning state across batches: its searcher, the results its records already hold, the best
     config so far, and the counts.  :func:`run_rounds` drives one per task, for :func:`tune` (one task) and
-    :func:`kerneltune.tune_tasks.tune_tasks` (many, batch by batch as the task scheduler decides)."""
+    :func:`kerneltune.tune_tasks.tune_tasks` (many, batch by batch as the task scheduler decides).  ``stop``:
+    its ``early_stop`` ends the task once that many trials in a row brought no gain beyond the noise margin
+    (:class:`kerneltune.stopping.Patience`)."""
 
     def __init__(self, space: SearchSpace, searcher: Searcher, measure: Measure, records: TaskRecords,
-                 stored: Sequence[Record] | None = None, guard: EnvFailureGuard | None = None):
+                 stored: Sequence[Record] | None = None, guard: EnvFailureGuard | None = None,
+                 stop: StopRule | None = None):
         self.space, self.searcher, self.measure = space, searcher, measure
         self.task_key, self.target, self.records, self.timing = (records.task_key, records.target, records.log,
                                                                  records.timing)
@@ -214,11 +223,22 @@ class TaskTuner:
         self.from_records = 0
         self.exhausted = False
         self.warm_start_latency_s: float | None = None
+        self.patience = Patience(stop.early_stop, stop.noise) if stop else Patience()
         self._crashes = 0
 
     @property
     def trials(self) -> int:
         return len(self.curve)
+
+    @property
+    def early_stopped(self) -> bool:
+        """Its last ``--early-stop`` trials brought no gain beyond noise: it proposes nothing more."""
+        return self.patience.stopped
+
+    @property
+    def done(self) -> bool:
+        """Nothing more to propose: the space is exhausted or the task stopped improving."""
+        return self.exhausted or self.early_stopped
 
     def warm_start(self, config: Config) -> None:
         """Measure (or look up) ``config`` first and let the searcher observe it (one trial)."""
@@ -249,11 +269,17 @@ class TaskTuner:
                     if r is not None else next(fresh) for r in stored]
         self.from_records += len(configs) - len(todo)
         self.searcher.observe(configs, [o.gflops for o in outcomes])
+        was_stopped = self.early_stopped
         for c, o in zip(configs, outcomes):
             if o.gflops > self.best[0]:
                 self.best = (o.gflops, c, o.latency_s)
             self.failures += o.gflops <= 0
             self.curve.append(self.best[0])
+            self.patience.observe(o.latency_s)
+        if self.early_stopped and not was_stopped:
+            log.info("%s stopped improving: %d trials in a row within %.0f%% of its best (--early-stop); its "
+                     "remaining trials go to the other tasks", self.task_key, self.patience.flat,
+                     self.patience.noise * 100)
         return outcomes
 
     def _measure(self, configs: list[Config]) -> list[Outcome]:
@@ -291,7 +317,8 @@ class TaskTuner:
     def result(self) -> TuneResult:
         return TuneResult(best_config=self.best[1], best_gflops=self.best[0], best_latency_s=self.best[2],
                           trials=self.trials, measured_now=self.measured_now, curve=list(self.curve),
-                          failures=self.failures, warm_start_latency_s=self.warm_start_latency_s)
+                          failures=self.failures, warm_start_latency_s=self.warm_start_latency_s,
+                          early_stopped=self.early_stopped)
 
 
 class Rounds:
@@ -314,17 +341,42 @@ class Rounds:
     def update(self, index: int) -> None:
         """Task ``index`` had its turn (it may have been exhausted)."""
 
+    def retire(self, index: int) -> None:
+        """Task ``index`` proposes nothing more (exhausted, or stopped improving): pick the others from now on."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How :func:`run_rounds` ended: the trials spent and why it stopped."""
+
+    spent: int
+    reason: StopReason
+
+
+def stop_reason(tuners: Sequence[TaskTuner], spent: int, trials: int, deadline: Deadline) -> StopReason | None:
+    """Why the loop must stop now, or None: the budget first (a run that spent it did all it was asked), then
+    every task done, then the deadline."""
+    if spent >= trials:
+        return StopReason.BUDGET
+    if all(t.done for t in tuners):
+        return StopReason.EARLY_STOP if any(t.early_stopped for t in tuners) else StopReason.EXHAUSTED
+    if deadline.passed:
+        return StopReason.TIMEOUT
+    return None
+
 
 def run_rounds(tuners: Sequence[TaskTuner], trials: int, warm_starts: Sequence[Config | None], bar: Any,
-               rounds: Rounds | None = None) -> int:
+               rounds: Rounds | None = None, deadline: Deadline | None = None) -> Stopped:
     """The tuning loop, one task's and a model's alike.  Round 0: each task's warm start (None: none), in task
-    order, while the budget lasts; then, until ``trials`` configs are spent or every search space is
-    exhausted, the task ``rounds`` picks runs one batch (its searcher's size, within the budget).  Advances
-    ``bar`` by the trials; returns the trials spent."""
+    order, while the budget and the time last; then, until ``trials`` configs are spent, every task is done
+    (exhausted or early-stopped) or ``deadline`` has passed (:func:`stop_reason`), the task ``rounds`` picks
+    runs one batch (its searcher's size, within the budget).  A task that is done is retired from the
+    scheduler, so its share goes to the others.  Advances ``bar`` by the trials."""
     rounds = rounds or Rounds()
+    deadline = deadline or Deadline()
     spent = 0
     for i, (tuner, start) in enumerate(zip(tuners, warm_starts)):
-        if spent >= trials:
+        if spent >= trials or deadline.passed:
             break
         if start is not None:
             tuner.warm_start(start)
@@ -332,16 +384,21 @@ def run_rounds(tuners: Sequence[TaskTuner], trials: int, warm_starts: Sequence[C
         spent += tuner.trials
         bar.update(tuner.trials)
     rounds.start()
-    while spent < trials and not all(t.exhausted for t in tuners):
+    for i, tuner in enumerate(tuners):
+        if tuner.done:
+            rounds.retire(i)
+    while (reason := stop_reason(tuners, spent, trials, deadline)) is None:
         i = rounds.next_task()
         tuner = tuners[i]
-        if not tuner.exhausted:
+        if not tuner.done:
             n = tuner.step(min(tuner.searcher.batch_size, trials - spent))
             spent += n
             bar.update(n)
             rounds.stepped(i, spent)
+            if tuner.done:
+                rounds.retire(i)
         rounds.update(i)
-    return spent
+    return Stopped(spent, reason)
 
 
 class _BestGflops(Rounds):
@@ -360,14 +417,23 @@ def tune(space: SearchSpace, searcher: Searcher, measure: Measure, trials: int, 
     and return the best.  ``records`` says where the trials are recorded and how stored ones are checked
     before they are believed (:class:`TaskRecords`); batches are the searcher's size.
     """
-    tuner = TaskTuner(space, searcher, measure, records)
+    return run_task(TaskTuner(space, searcher, measure, records), trials, warm_start=warm_start,
+                    progress=progress, desc=desc)
+
+
+def run_task(tuner: TaskTuner, trials: int, *, warm_start: Config | None = None, deadline: Deadline | None = None,
+             progress: bool = True, desc: str = "tuning") -> TuneResult:
+    """:func:`tune` on a tuner made by the caller (its ``stop`` rule set: ``--early-stop``), within
+    ``deadline`` (``--timeout``); the result says why it stopped."""
     bar = progress_bar(progress, total=trials, desc=desc, dynamic_ncols=True)
     try:
-        run_rounds([tuner], trials, [warm_start], bar, _BestGflops(tuner, bar))
+        stopped = run_rounds([tuner], trials, [warm_start], bar, _BestGflops(tuner, bar), deadline)
     finally:
         bar.close()
     if tuner.from_records:
         log.info("resumed %d measured configs from %s", tuner.from_records,
-                 records.log.path if records.log else "records")
+                 tuner.records.path if tuner.records else "records")
     tuner.guard.check_end()
-    return tuner.result()
+    result = tuner.result()
+    result.stop_reason = stopped.reason
+    return result

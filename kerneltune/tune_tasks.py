@@ -15,6 +15,10 @@ records first and only what is missing is measured, so the scheduler sees the sa
 order and takes the same decisions: the per-task allocation and the final configs of a run killed at any
 point and resumed are those of the uninterrupted run (searchers and the scheduler are deterministic given
 their seed and inputs).  Rerunning a finished command measures nothing.
+
+Stopping early (``TuningRun.stop``, :mod:`kerneltune.stopping`): a task that stopped improving is retired from
+the scheduler and its share of the budget goes to the others; at the run's ``--timeout`` no new batch starts
+and the best configs so far are the result.  :attr:`TuningResult.stop_reason` says which ended the run.
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ from kerneltune import templates
 from kerneltune.records import Record, RecordLog
 from kerneltune.scheduler import TaskInfo, make_scheduler
 from kerneltune.searchers import FACTOR_ONLY, make_searcher
+from kerneltune.stopping import Deadline, StopReason, StopRule
 from kerneltune.targets.registry import TargetSpec, check_can_tune, gflops_ceiling, kind_of
 from kerneltune.task import Task
-from kerneltune.tune import EnvFailureGuard, Rounds, TaskRecords, TaskTuner, run_rounds
+from kerneltune.tune import EnvFailureGuard, Rounds, Stopped, TaskRecords, TaskTuner, run_rounds
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,9 @@ class TuningTask:
 @dataclass(frozen=True)
 class TuningRun:
     """How a multi-task run tunes: the target, the budget, the open records file and the choices
-    (``--scheduler``, ``--searcher``, seed, ``--rpc``).  Made before any long work, it checks that the target
-    can be tuned at all: here, or on the ``--rpc`` device (:func:`kerneltune.targets.registry.check_can_tune`)."""
+    (``--scheduler``, ``--searcher``, seed, ``--rpc``) and the stops besides the budget (``--timeout``,
+    ``--early-stop``).  Made before any long work, it checks that the target can be tuned at all: here, or on
+    the ``--rpc`` device (:func:`kerneltune.targets.registry.check_can_tune`)."""
 
     spec: TargetSpec
     trials: int
@@ -70,9 +76,11 @@ class TuningRun:
     seed: int = 0
     rpc: str | None = None
     progress: bool = True
+    stop: StopRule = field(default_factory=StopRule)
 
     def __post_init__(self) -> None:
         check_can_tune(self.spec, self.rpc)
+        self.stop.validate()
 
 
 @dataclass
@@ -89,6 +97,8 @@ class TaskTuning:
     best_ms: float | None  # best config measured, the default included (None when nothing ran)
     trials: int = 0  # measured for this task in total (the default and resumed ones included)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (global trials spent, best ms) per round
+    early_stopped: bool = False  # it stopped improving (--early-stop); its remaining trials went to the others
+    config: dict[str, Any] | None = None  # the tuned config that beat the default (None: the default is kept)
 
     @property
     def final_ms(self) -> float | None:
@@ -106,6 +116,8 @@ class TuningResult:
     searcher: str
     seconds: float
     measured_now: int = 0  # trials measured by this run (the rest came from the records)
+    stop_reason: StopReason = StopReason.BUDGET
+    stop: StopRule = field(default_factory=StopRule)  # the run's --timeout / --early-stop
 
 
 @dataclass
@@ -118,6 +130,7 @@ class _State:
     def refresh(self) -> None:
         """Copy the tuner's counts and best into the report."""
         self.report.trials = self.tuner.trials
+        self.report.early_stopped = self.tuner.early_stopped
         lat = self.tuner.best[2]
         self.report.best_ms = lat * 1e3 if lat else None
 
@@ -175,6 +188,7 @@ def tune_tasks(tasks: list[TuningTask], run: TuningRun, measure_factory: Callabl
     log = run.records
     log.acquire()  # one tuner per records file, before its contents are trusted
     t0 = time.perf_counter()
+    deadline = run.stop.deadline()  # --timeout counts the whole run, the measurer's start included
     guard = EnvFailureGuard()
     try:
         with measure_factory(target, run.rpc) as m:
@@ -190,10 +204,10 @@ def tune_tasks(tasks: list[TuningTask], run: TuningRun, measure_factory: Callabl
                 tuner = TaskTuner(space, make_searcher(run.searcher, space, run.seed, fixed=fixed),
                                   lambda cs, task=t.task: m.measure(task, cs),
                                   TaskRecords(t.task.key, target_key, log, timing, t.flops, ceiling),
-                                  stored=stored.get(t.task.key, []), guard=guard)
+                                  stored=stored.get(t.task.key, []), guard=guard, stop=run.stop)
                 states.append(_State(t, tuner, default,
                                      TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops, None, None)))
-            spent, objective = _run_rounds(states, run.trials, run.scheduler, run.progress)
+            stopped, objective = _run_rounds(states, run, deadline)
     finally:
         log.close()
     guard.check_end()
@@ -205,8 +219,10 @@ def tune_tasks(tasks: list[TuningTask], run: TuningRun, measure_factory: Callabl
         # A task keeps its default unless a tuned config beats it (a default that failed to run beats nothing).
         if s.report.default_ms is None or s.report.best_ms < s.report.default_ms:
             best[s.report.key] = config
-    return TuningResult(best, [s.report for s in states], spent, objective, run.scheduler, run.searcher,
-                        time.perf_counter() - t0, sum(s.tuner.measured_now for s in states))
+            s.report.config = s.tuner.space.as_dict(config)
+    return TuningResult(best, [s.report for s in states], stopped.spent, objective, run.scheduler, run.searcher,
+                        time.perf_counter() - t0, sum(s.tuner.measured_now for s in states), stopped.reason,
+                        run.stop)
 
 
 class _ModelRounds(Rounds):
@@ -244,15 +260,19 @@ class _ModelRounds(Rounds):
     def update(self, index: int) -> None:
         self.sched.update(index, self.states[index].latency_s)
 
+    def retire(self, index: int) -> None:
+        self.sched.retire(index)
 
-def _run_rounds(states: list[_State], trials: int, scheduler: str, progress: bool) -> tuple[int, list]:
-    """Round 0 (every task's default, in task order), then the scheduler's rounds until the budget is spent
-    or every search space is exhausted (:func:`kerneltune.tune.run_rounds`).  Returns (trials spent, objective
-    after each round)."""
-    bar = progress_bar(progress, total=trials, desc="tuning", unit="trial")
-    rounds = _ModelRounds(states, scheduler, bar)
+
+def _run_rounds(states: list[_State], run: TuningRun, deadline: Deadline) -> tuple[Stopped, list]:
+    """Round 0 (every task's default, in task order), then the scheduler's rounds until the budget is spent,
+    every task is done (exhausted or early-stopped) or ``deadline`` passed (:func:`kerneltune.tune.run_rounds`).
+    Returns (how it stopped, objective after each round)."""
+    bar = progress_bar(run.progress, total=run.trials, desc="tuning", unit="trial")
+    rounds = _ModelRounds(states, run.scheduler, bar)
     try:
-        spent = run_rounds([s.tuner for s in states], trials, [s.default for s in states], bar, rounds)
+        stopped = run_rounds([s.tuner for s in states], run.trials, [s.default for s in states], bar, rounds,
+                             deadline)
     finally:
         bar.close()
-    return spent, rounds.objective
+    return stopped, rounds.objective

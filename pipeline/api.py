@@ -53,6 +53,8 @@ ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
     "records": (_OPTIONAL_PATH, "a records file path, or None"),
     "rpc": (_OPTIONAL_STR, "'HOST:PORT:KEY' of a TVM RPC tracker, or None"),
     "skip_tune": ((bool,), "True or False"),
+    "tuning_timeout": ((numbers.Real, type(None)), "a positive number of seconds, or None for no time limit"),
+    "early_stop": (_OPTIONAL_INT, "a positive number of trials without a gain, or None (off)"),
     "progress": ((bool,), "True or False"),
     "precision": ((str,), f"one of {', '.join(PRECISIONS)}"),
     "calibration": (_OPTIONAL_PATH, "an .npz path of stacked sample sets, or None"),
@@ -72,8 +74,10 @@ def check_arguments(values: Mapping[str, Any]) -> None:
 def _valid_value(name: str, value: Any) -> bool:
     """The values a right type may still get wrong (the type is already checked); the tuning options' by
     their one check (:meth:`pipeline.context.TuneOptions.invalid`)."""
-    if name in ("trials", "scheduler", "searcher"):
+    if name in ("trials", "scheduler", "searcher", "early_stop"):
         return TuneOptions(**{name: value}).invalid() is None
+    if name == "tuning_timeout":
+        return TuneOptions(timeout=value).invalid() is None
     if name == "seed":
         return value >= 0
     if name == "precision":
@@ -103,7 +107,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
              skip_graph: bool = False, seed: int = 0, kernels: str | None = None, scheduler: str = "gradient",
              searcher: str = "opevo", records: str | os.PathLike | None = None, rpc: str | None = None,
              skip_tune: bool = False, progress: bool = False, precision: str = "fp32",
-             calibration: str | os.PathLike | None = None) -> Model:
+             calibration: str | os.PathLike | None = None, tuning_timeout: float | None = None,
+             early_stop: int | None = None) -> Model:
     """Optimize and compile ``model`` (a path or an ``onnx.ModelProto``) for ``target`` as optimize-model
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
@@ -112,7 +117,9 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
     ({"sequence": (2, 512)}) keeps it symbolic, and the build serves every size in it (:mod:`pipeline.symbolic`).
     ``precision="int8"`` quantizes the model with onnxruntime first, calibrated on ``calibration`` (an .npz
     of sample sets stacked on a first axis) or ``inputs`` (:mod:`pipeline.quantize`; the accuracy vs fp32 in
-    report.json's ``precision``)."""
+    report.json's ``precision``).  ``tuning_timeout`` (seconds) and ``early_stop`` (trials without a gain, per
+    task) end kernel tuning before ``trials`` are spent, as optimize-model's ``--timeout`` and ``--early-stop``
+    do (report.json's ``stages.tune.stop_reason`` says what ended it)."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
     sizes, ranges = check_dims(dims or {}, lambda name, value: f"dims={{{name!r}: {value!r}}}")
     from pipeline.optimize_model import optimize_model  # deferred: loads TVM
@@ -131,7 +138,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
         shapes = {str(k): tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
         out = Path(output) if output is not None else scratch / "built"
         tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
-                             skip_tune, progress)
+                             skip_tune, progress, None if tuning_timeout is None else float(tuning_timeout),
+                             None if early_stop is None else int(early_stop))
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
                                   input_shapes=ShapeRequest(shapes, sizes, ranges),
                                   inputs=str(inputs) if inputs is not None else None,

@@ -345,17 +345,24 @@ class Model:
                          "signature does not match the library; copy the folder again or rebuild")
 
     @fork_safe
-    def latency(self, feeds: Mapping[str, Any] | Sequence[Any], runs: int):
-        """The latency distribution of ``runs`` back-to-back inferences on ``feeds`` after a warm-up
-        (:func:`graphopt.timing.latency`); on an --rpc device each call timed by the device itself."""
+    def latency(self, feeds: Mapping[str, Any] | Sequence[Any], runs: int, warmup: int | None = None,
+                duration_s: float | None = None):
+        """The latency distribution of ``runs`` back-to-back inferences on ``feeds`` (with ``duration_s``: of
+        as many as fit in that many seconds) after ``warmup`` untimed ones (default
+        :data:`graphopt.timing.WARMUP`; :func:`graphopt.timing.latency`); on an --rpc device each call timed
+        by the device itself."""
         from graphopt.timing import WARMUP, latency, latency_of
 
+        warmup = WARMUP if warmup is None else warmup
         if self.rpc is None:
-            return latency(self.runner(feeds), runs)
+            return latency(self.runner(feeds), runs, warmup, duration_s)
         args = self._arguments(feeds)
         self._vm.set_input("main", *args)
-        for _ in range(WARMUP - 1):  # time_evaluator makes one more untimed call itself
+        for _ in range(max(0, warmup - 1)):  # time_evaluator makes one more untimed call itself
             self._vm.invoke_stateful("main")
+        if duration_s is not None:  # the device's timer takes a count: the count a first call says fits
+            probe = self._vm.time_evaluator("invoke_stateful", self._dev, number=1, repeat=1)("main").mean
+            runs = max(1, int(duration_s / max(probe, 1e-6)))
         timer = self._vm.time_evaluator("invoke_stateful", self._dev, number=1, repeat=runs)
         return latency_of([s * 1e3 for s in timer("main").results])
 
@@ -373,9 +380,22 @@ class Model:
 
         return fork_safe(once)
 
+    def instrumentable(self, feeds: Mapping[str, Any] | Sequence[Any]):
+        """(a VM of its own over the loaded library, ``feeds`` on the device, the device): for timing each
+        kernel call (:func:`pipeline.profile.time_calls`), whose instrument must not stay on the VM that
+        :meth:`run` uses.  This machine only."""
+        if self.rpc is not None:
+            raise UserError("a per-kernel profile times the network too on an --rpc device: profile on the "
+                            "device itself")
+        from tvm import relax
+
+        args = self._arguments(feeds)  # loads the library
+        return relax.VirtualMachine(self._lib, self._dev), args, self._dev
+
     # ---- inputs and the reference ------------------------------------------------------------------------
 
-    def _graph_path(self) -> Path:
+    def graph_path(self) -> Path:
+        """optimized.onnx, the graph the library was compiled from: what onnxruntime runs beside it."""
         path = self.directory / GRAPH
         if not path.is_file():
             raise UserError(f"{str(self.directory)!r} has no {GRAPH}, which the check inputs and the onnxruntime "
@@ -391,7 +411,7 @@ class Model:
         """optimized.onnx in the graph IR, at the compiled input shapes (a served dimension at ``sizes``)."""
         from graphopt.onnx_io import import_onnx, load_model
 
-        path = self._graph_path()
+        path = self.graph_path()
         sizes = dict(sizes or {})
         for name, size in sizes.items():
             if name not in self.served:
@@ -432,7 +452,7 @@ class Model:
         from graphopt.compare import compare_outputs
         from graphopt.feeds import run_ort
 
-        path = self._graph_path()  # by path: onnxruntime reads a weights file beside it (models over 2 GB)
+        path = self.graph_path()  # by path: onnxruntime reads a weights file beside it (models over 2 GB)
         got = self.run(feeds)
         ordered = {t.name: np.asarray(feeds[t.name]).astype(t.dtype) for t in self.inputs}
         return compare_outputs(run_ort(str(path), ordered), list(got.values()))

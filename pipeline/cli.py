@@ -112,11 +112,13 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     t.add_argument("--records", metavar="FILE", help="tuning records to resume from / append to "
                                                      "(default DIR/records.jsonl)")
     t.add_argument("--rpc", metavar="HOST:PORT:KEY", help="measure on a remote device through a TVM RPC tracker")
+    kerneltune_cli.add_stop_arguments(t, "kernel tuning alone (the graph stage has --time-limit)",
+                                      "its remaining trials go to the other tasks")
     t.add_argument("--skip-tune", action="store_true", help="no tuning even with --trials: default schedules")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
-                         args.skip_tune, not args.no_progress).validate()
+                         args.skip_tune, not args.no_progress, args.timeout, args.early_stop).validate()
     threads = set_threads(args.threads)
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
@@ -150,13 +152,74 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+RUNS_DEFAULT, REPEAT_DEFAULT = 30, 50  # bench-model --runs (per engine), run-model --repeat
+
+
+def timing_plan(runs: int | None, duration: float | None, warmup: int, runs_flag: str, default_runs: int):
+    """bench-model's and run-model's timing options as a :class:`graphopt.timing.Plan`: a number of runs or a
+    duration (one of them), and the warm-up; checked before any work."""
+    from graphopt.timing import Plan
+
+    if runs is not None and duration is not None:
+        raise UserError(f"{runs_flag} {runs} and --duration {duration:g} both given: time a number of runs or a "
+                        "duration, drop one")
+    if runs is not None and runs < 1:
+        raise UserError(f"{runs_flag} {runs}: give at least 1 run")
+    if warmup < 0:
+        raise UserError(f"--warmup {warmup}: give 0 or more untimed warm-up calls")
+    return Plan(default_runs if runs is None else runs, warmup, duration)
+
+
+def _timing_options(p: argparse.ArgumentParser, runs_flag: str, runs_help: str, warmup_help: str,
+                    what: str = "") -> None:
+    """``--runs``/``--repeat``, ``--duration`` and ``--warmup``: bench-model's and run-model's, worded alike
+    (``what``: whose time --duration bounds, e.g. "each engine")."""
+    from graphopt.timing import WARMUP
+
+    p.add_argument(runs_flag, type=int, default=None, metavar="N", help=runs_help)
+    p.add_argument("--duration", type=seconds, metavar="SECONDS",
+                   help=f"time {what + ' ' if what else ''}for about SECONDS instead of {runs_flag} N (a 0.1 ms model "
+                        "gets many runs, a slow one few); the throughput (inferences/s) is printed beside the "
+                        "latency either way")
+    p.add_argument("--warmup", type=int, default=WARMUP, metavar="N", help=f"{warmup_help} (default {WARMUP})")
+
+
+def _check_figure_outputs(json_path: str | None, plot_path: str | None) -> None:
+    """bench-model's --json and --plot, writable and of a known figure format, before any timing."""
+    if json_path:
+        check_output_file(json_path, "--json")
+    if plot_path:
+        check_figure_path(plot_path, "--plot")
+
+
+def check_figure_path(path: str, option: str) -> None:
+    """A figure's output path: writable, and of a format matplotlib writes."""
+    check_output_file(path, option)
+    if Path(path).suffix.lstrip(".").lower() not in FIGURE_FORMATS:
+        raise UserError(f"{option} {path!r}: name a .png, .pdf or .svg file")
+
+
+# bench-model's options that only a rebuild uses, with their defaults: given with a folder, they are refused
+REBUILD_ONLY = {"trials": 0, "kernels": None, "work_dir": None, "skip_graph": False, "skip_metaschedule": False,
+                "target": "llvm", "input_shape": None, "dim": None, "layout": "auto"}
+
+
 @console_script
 @cli_entry
 def bench_model_main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="bench-model", description="Latency of onnxruntime vs the TVM-compiled "
-                       "model (default schedules, + graphopt, + tuning, MetaSchedule).")
+    """``bench-model``: a shipped build (an optimize-model folder) or a rebuild of MODEL against onnxruntime and
+    OpenVINO."""
+    p = ArgumentParser(prog="bench-model", description="Latency and throughput of a TVM build against onnxruntime "
+                       "(and OpenVINO when installed), same inputs and threads. Given the -o folder of "
+                       "optimize-model, times its model.so as shipped; given an ONNX model, rebuilds it "
+                       "(default schedules, + graphopt, + tuning, MetaSchedule) and times each build. Ratios are "
+                       "ours / theirs: 0.56x onnxruntime's time is faster.")
     _common(p)
-    p.add_argument("--runs", type=int, default=30, help="timed runs per engine (default 30)")
+    positional = next(a for a in p._actions if a.dest == "model")  # _common's, worded for bench-model
+    positional.metavar, positional.help = "DIR|MODEL", ("the -o folder of optimize-model (times its model.so as "
+                                                        "shipped), or an ONNX model file (rebuilds it)")
+    _timing_options(p, "--runs", f"timed runs per engine (default {RUNS_DEFAULT})",
+                    "untimed calls at the start of each engine's block of runs", "each engine")
     p.add_argument("--trials", type=int, default=0,
                    help="also tune (ours and MetaSchedule) with this many trials each (default 0: no tuning)")
     p.add_argument("--kernels", metavar="SEL", help="tasks our tuner works on (see optimize-model --kernels)")
@@ -165,30 +228,75 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", metavar="DIR", help="tuning records of both tuners; rerunning resumes")
     p.add_argument("--skip-graph", action="store_true", help="no graphopt engine (tuning uses the original graph)")
     p.add_argument("--skip-metaschedule", action="store_true", help="no MetaSchedule engine (it is slow)")
-    p.add_argument("--json", metavar="FILE", help="write ort_ms, tvm_ms, graphopt_ms, tuned_ms, metaschedule_ms, "
-                                                  "max_abs_err, trials to FILE")
+    p.add_argument("--json", metavar="FILE", help="write ort_ms, openvino_ms, shipped_ms, tvm_ms, graphopt_ms, "
+                                                  "tuned_ms, metaschedule_ms (medians), latency (percentiles per "
+                                                  "engine), throughput, ratios (ours / onnxruntime's), skipped "
+                                                  "(engine: why), shipped (the folder, or \"rebuilt\"), warmup, "
+                                                  "duration, runs, max_abs_err, trials to FILE")
     p.add_argument("--plot", metavar="FILE.png", help=f"bar chart of the latencies ({', '.join(FIGURE_FORMATS)})")
-    p.add_argument("--profile", action="store_true", help="also print the time per kernel (slowest first) of "
-                                                          "the best TVM engine")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where the time goes: with DIR, each kernel named by the ONNX nodes it computes "
+                        "beside onnxruntime's own profile of them (as run-model --profile, and in --json); with "
+                        "MODEL, the time per kernel (slowest first) of the best TVM engine")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    if args.runs < 1:
-        raise UserError(f"--runs {args.runs}: give at least 1 run")
+    plan = timing_plan(args.runs, args.duration, args.warmup, "--runs", RUNS_DEFAULT)
+    if Path(args.model).is_dir():
+        return _bench_folder(args, plan)
+    return _bench_rebuild(args, plan)
+
+
+def _bench_folder(args: argparse.Namespace, plan) -> int:
+    """``bench-model DIR``: the shipped model.so against the peers (:mod:`pipeline.bench_shipped`)."""
+    for dest, default in REBUILD_ONLY.items():
+        if getattr(args, dest) != default:
+            flag = "--" + dest.replace("_", "-")
+            raise UserError(f"{flag} applies to a rebuild; bench-model {args.model} times the shipped build as it is: "
+                            f"drop {flag}, or give the ONNX model to rebuild it")
+    from pipeline.artifact import REPORT, read_report
+
+    if not (Path(args.model) / REPORT).is_file():
+        raise UserError(f"{args.model!r} is a directory without {REPORT}: give the -o folder of a complete "
+                        "optimize-model build, or an ONNX model file to rebuild")
+    read_report(args.model)  # a folder that is no complete build: one line, before anything loads
+    _check_figure_outputs(args.json, args.plot)
+    threads = set_threads(args.threads)
+    from pipeline.bench_shipped import bench_shipped  # deferred: loads TVM (seconds)
+
+    res = bench_shipped(args.model, plan, threads, args.inputs, args.seed, args.profile)
+    _bench_outputs(res, args)
+    if res.layers is not None:
+        from pipeline.layer_profile import format_profile
+
+        print(format_profile(res.layers))
+    return 0
+
+
+def _bench_outputs(res, args: argparse.Namespace) -> None:
+    """The table on stdout, and the --json and --plot files."""
+    from pipeline import benchmark
+
+    print(benchmark.format_table(res))
+    if args.json:
+        benchmark.write_json(res, args.json)
+    if args.plot:
+        benchmark.plot(res, args.plot)
+
+
+def _bench_rebuild(args: argparse.Namespace, plan) -> int:
+    """``bench-model MODEL``: every engine compiled again from MODEL, then timed together."""
     tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher,
                          progress=not args.no_progress).validate()
     threads = set_threads(args.threads)
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph)
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        check_output_file(args.plot, "--plot")
-        if Path(args.plot).suffix.lstrip(".").lower() not in FIGURE_FORMATS:
-            raise UserError(f"--plot {args.plot!r}: name a .png, .pdf or .svg file")
+    _check_figure_outputs(args.json, args.plot)
     if args.work_dir:
         check_output_dir(args.work_dir, "--work-dir")
     model = check_model(args.model, shape_request(args.input_shape, args.dim), args.inputs)  # before TVM loads
     ctx = ctx.with_model(model.samples)
+    # the first line: a user who meant to time what optimize-model shipped learns how
+    print(f"bench-model rebuilds {args.model}; to time a shipped build give its -o folder", flush=True)
     from pipeline import benchmark  # deferred: loads TVM (seconds)
 
     if args.trials > 0 and not args.skip_metaschedule:
@@ -201,13 +309,9 @@ def bench_model_main(argv: list[str] | None = None) -> int:
         raise UserError(f"cannot benchmark --target {spec.kind} here: {spec.note}")
     opts = benchmark.BenchOptions(args.skip_metaschedule, args.work_dir)
     imported, engines, choice, seconds = benchmark.compile_engines(model, ctx, opts)
-    res = benchmark.bench(imported, engines, ctx, args.runs, os.path.basename(args.model), choice)
+    res = benchmark.bench(imported, engines, ctx, plan, os.path.basename(args.model), choice)
     res.stage_seconds = seconds
-    print(benchmark.format_table(res))
-    if args.json:
-        benchmark.write_json(res, args.json)
-    if args.plot:
-        benchmark.plot(res, args.plot)
+    _bench_outputs(res, args)
     if args.profile:
         best = min(engines, key=lambda k: res.timings[k].median_ms)
         print(f"kernels of '{benchmark.ENGINES[best]}':")
@@ -221,19 +325,28 @@ def bench_model_main(argv: list[str] | None = None) -> int:
 def run_model_main(argv: list[str] | None = None) -> int:
     """``run-model``: load a built folder, run it, report latency percentiles; optionally check it."""
     p = ArgumentParser(prog="run-model", description="Run a folder built by optimize-model: latency percentiles, "
-                       "outputs, and a check against onnxruntime on its optimized.onnx.")
+                       "throughput, outputs, and a check against onnxruntime on its optimized.onnx "
+                       "(bench-model DIR times it against onnxruntime and OpenVINO).")
     p.add_argument("dir", metavar="DIR", help="the -o folder of optimize-model (model.so, report.json)")
     p.add_argument("--inputs", metavar="FILE.npz", help="inputs (numpy.savez(FILE, name=array, ...)); default: "
                                                         "seeded random inputs of the compiled shapes")
-    p.add_argument("--repeat", type=int, default=50, help="timed runs (default 50)")
+    _timing_options(p, "--repeat", f"timed runs, back to back (default {REPEAT_DEFAULT})",
+                    "untimed calls before the timed runs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for TVM (default: the cores this process "
                                                              "may use; with --rpc: the device server's own)")
     p.add_argument("--rpc", metavar="HOST:PORT:KEY", help="run on the device a TVM RPC tracker hands out under KEY "
                                                           "(or HOST:PORT of an RPC server): model.so is uploaded there")
     p.add_argument("--check", action="store_true", help="compare the outputs with onnxruntime on optimized.onnx")
     p.add_argument("--outputs", metavar="FILE.npz", help="write the outputs of one run")
-    p.add_argument("--json", metavar="FILE", help="write p50_ms, p90_ms, p99_ms, mean_ms, min_ms, runs, threads "
-                                                  "(and the check) to FILE")
+    p.add_argument("--json", metavar="FILE", help="write p50_ms, p90_ms, p99_ms, mean_ms, min_ms, runs, throughput "
+                                                  "(inferences/s), timed_s, warmup, duration, threads, shipped "
+                                                  "(the folder timed) and the check to FILE")
+    p.add_argument("--profile", action="store_true",
+                   help="time each kernel call and print where the time goes: per kernel its time, share, GFLOP/s "
+                        "and %% of this CPU's roofline, named by the ONNX nodes of optimized.onnx it computes, then "
+                        "the same pieces of the model timed by onnxruntime's own profiler (in --json too)")
+    p.add_argument("--profile-plot", metavar="FILE.png", help="with --profile: a bar chart of the slowest pieces, "
+                                                              "ours beside onnxruntime's")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
     p.add_argument("--dim", action="append", metavar="NAME=N[,N...]",
                    help="a build serving a range of sizes (optimize-model --dim NAME=LO:HI): draw the random inputs "
@@ -243,11 +356,17 @@ def run_model_main(argv: list[str] | None = None) -> int:
     runs = parse_size_lists(args.dim)
     if args.dim and args.inputs:
         raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
-    if args.repeat < 1:
-        raise UserError(f"--repeat {args.repeat}: give at least 1 run")
+    plan = timing_plan(args.repeat, args.duration, args.warmup, "--repeat", REPEAT_DEFAULT)
     for option, path in (("--json", args.json), ("--outputs", args.outputs)):
         if path:
             check_output_file(path, option)
+    if args.profile_plot and not args.profile:
+        raise UserError("--profile-plot draws the profile: add --profile")
+    if args.profile and args.rpc:
+        raise UserError("--profile times each kernel call on this machine; over --rpc each call would include the "
+                        "network: run run-model --profile on the device itself")
+    if args.profile_plot:
+        check_figure_path(args.profile_plot, "--profile-plot")
     if args.rpc:
         from kerneltune.runner import check_rpc
 
@@ -260,18 +379,18 @@ def run_model_main(argv: list[str] | None = None) -> int:
     for sizes in runs:
         feeds = model.read_inputs(args.inputs, args.seed) if args.inputs else model.random_feeds(args.seed, sizes)
         outputs = model.run(feeds)
-        stats = model.latency(feeds, args.repeat)
+        stats = model.latency(feeds, plan.runs, plan.warmup, plan.duration_s)
         result = ({"sizes": sizes} if sizes else {}) | dataclasses.asdict(stats)
-        where = f" on {args.rpc}" if args.rpc else ""
         at = f" at {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""
-        line = (f"{args.dir}{at}: p50 {stats.p50_ms:.3f} ms, p90 {stats.p90_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms, "
-                f"mean {stats.mean_ms:.3f} ms ({stats.runs} runs, {model.threads} threads{where})")
+        line = f"{args.dir}{at}: {_latency_words(stats, plan.warmup, model.threads, args.rpc)}"
         if args.check:
             comp = model.check(feeds)
             result["check"] = comp.to_dict()
             line += f"; vs onnxruntime: {'ok' if comp.ok else 'DIFFERENT'}, max abs err {comp.max_abs_err:.3g}"
             differ = differ or (None if comp.ok else f"{at}: {comp.reason()}")
         print(line, flush=True)
+        if args.profile:
+            result["profile"] = _profile(model, feeds, plan.runs or REPEAT_DEFAULT, args.profile_plot)
         bad = [k for k, v in outputs.items() if v.dtype.kind in "fc" and not np.isfinite(v).all()]
         if bad:
             log.warning("warning: outputs %s hold NaN or Inf", ", ".join(bad))
@@ -281,12 +400,34 @@ def run_model_main(argv: list[str] | None = None) -> int:
         np.savez(buf, **outputs)
         write_bytes_atomic(args.outputs, buf.getvalue())
     if args.json:
-        head = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc}
+        head = {"dir": str(args.dir), "threads": model.threads, "rpc": args.rpc, "shipped": str(args.dir),
+                "warmup": plan.warmup, "duration": plan.duration_s}
         body = results[0] if len(results) == 1 else {"runs": results}
         write_text_atomic(args.json, json.dumps(head | body, indent=2) + "\n")
     if differ:
         raise UserError(f"the outputs differ from onnxruntime on optimized.onnx{differ}")
     return 0
+
+
+def _profile(model, feeds: dict, runs: int, plot: str | None) -> dict:
+    """run-model --profile for one set of inputs: printed, drawn (``plot``) and returned for --json."""
+    from pipeline import layer_profile
+
+    runs = max(3, min(runs, 20))  # a profile averages a few runs; the instrument makes each slower
+    profile = layer_profile.profile_shipped(model, feeds, runs)
+    profile = layer_profile.with_ort(profile, model.graph_path(), feeds, model.threads or 1, runs)
+    print(layer_profile.format_profile(profile), flush=True)
+    if plot:
+        layer_profile.plot_profile(profile, plot)
+    return profile.to_json()
+
+
+def _latency_words(stats, warmup: int, threads: int | None, rpc: str | None) -> str:
+    """run-model's figures for one size: the percentiles, the throughput, and how they were taken."""
+    where = f" on {rpc}" if rpc else ""
+    return (f"p50 {stats.p50_ms:.3f} ms, p90 {stats.p90_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms, mean "
+            f"{stats.mean_ms:.3f} ms, {stats.throughput:.1f} inferences/s ({stats.runs} runs in {stats.timed_s:.2f} s "
+            f"after {warmup} warm-up, {threads} threads{where})")
 
 
 def _tvm_runner(threads: int) -> GraphRunner:

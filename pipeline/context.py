@@ -25,6 +25,7 @@ from graphopt.stage import TIME_LIMIT
 from kerneltune.records import RecordLog
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import check_searcher
+from kerneltune.stopping import StopRule
 from kerneltune.targets.parse import build_spec, check_name
 from kerneltune.targets.registry import TargetRequest
 
@@ -36,7 +37,9 @@ PRECISIONS = ("fp32", "int8")  # --precision: int8 quantizes the model first (pi
 
 @dataclass(frozen=True)
 class TuneOptions:
-    """The tuning stage's options (``--trials 0`` or ``--skip-tune``: no tuning)."""
+    """The tuning stage's options (``--trials 0`` or ``--skip-tune``: no tuning); ``timeout`` (seconds on the whole
+    tuning run) and ``early_stop`` (trials without a gain after which a task stops) end it before the budget
+    is spent (:mod:`kerneltune.stopping`)."""
 
     trials: int = 0
     kernels: str | None = None
@@ -46,16 +49,27 @@ class TuneOptions:
     rpc: str | None = None
     skip: bool = False
     progress: bool = True
+    timeout: float | None = None
+    early_stop: int | None = None
 
     @property
     def enabled(self) -> bool:
         return self.trials > 0 and not self.skip
 
+    @property
+    def stop_rule(self) -> StopRule:
+        """``timeout`` and ``early_stop`` as kerneltune's :class:`~kerneltune.stopping.StopRule`."""
+        return StopRule(self.timeout, self.early_stop)
+
     def invalid(self) -> str | None:
-        """The first option no run can take (``trials``, ``scheduler`` or ``searcher``), or None: the one check
-        of these values; :meth:`validate` words it for the command line, the Python API names its argument."""
+        """The first option no run can take (``trials``, ``scheduler``, ``searcher``, ``timeout`` or
+        ``early_stop``), or None: the one check of these values; :meth:`validate` words it for the command line,
+        the Python API names its argument."""
         if self.trials < 0:
             return "trials"
+        stop = {"timeout_s": "timeout", "early_stop": "early_stop"}.get(self.stop_rule.invalid() or "")
+        if stop:
+            return stop
         if self.scheduler not in SCHEDULERS:
             return "scheduler"
         try:
@@ -73,10 +87,15 @@ class TuneOptions:
             raise UserError(f"--scheduler {self.scheduler!r}: use one of {', '.join(SCHEDULERS)}")
         if bad == "searcher":
             check_searcher(self.searcher)
+        self.stop_rule.validate()
+        why = "--skip-tune is given" if self.skip else "--trials is 0"
         if self.kernels and not self.enabled:  # a selection with nothing to spend on it: said, not ignored
-            why = "--skip-tune is given" if self.skip else "--trials is 0"
             raise UserError(f"--kernels {self.kernels} picks the kernels to tune, but {why}: add --trials N "
                             "(e.g. --trials 200), or drop --kernels")
+        for option, value in (("--timeout", self.timeout), ("--early-stop", self.early_stop)):
+            if value is not None and not self.enabled:
+                raise UserError(f"{option} {value:g} ends kernel tuning early, but {why}: add --trials N "
+                                f"(e.g. --trials 200), or drop {option}")
         return self
 
 

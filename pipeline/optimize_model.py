@@ -93,9 +93,10 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         from pipeline import stages
         from pipeline.compile import check_outputs
         from pipeline.partition import select_tasks
+        from pipeline.profile import task_times
         from pipeline.symbolic import Served, input_ranges
-        from pipeline.tuning import (NO_TEMPLATE, NOT_SELECTED, pick_build, plot_tuning, shipped_title, tune_model,
-                                     tuning_run)
+        from pipeline.tuning import (NO_TEMPLATE, NOT_SELECTED, pick_build, plot_tuning, shipped_title, stop_fields,
+                                     tune_model, tuning_run)
 
         original = model.proto
         spec = ctx.spec
@@ -132,9 +133,10 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
             log.add("tune", tune_result.seconds, trials=tune_result.trials, measured_now=tune_result.measured_now,
                     scheduler=tune_result.scheduler, searcher=tune_result.searcher, records=display_path(records),
                     kernel_ms_before=round(before, 4),
-                    kernel_ms_after=round(after, 4),
+                    kernel_ms_after=round(after, 4), **stop_fields(tune_result),
                     tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
-                            "best_ms": t.best_ms, "weight": t.weight} for t in tune_result.tasks])
+                            "best_ms": t.best_ms, "weight": t.weight, "early_stopped": t.early_stopped}
+                           for t in tune_result.tasks])
         else:
             log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
 
@@ -171,6 +173,8 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         if latency["measured"]:
             log.add("latency", time.perf_counter() - t0, compiled_ms=latency["compiled_ms"],
                     onnxruntime_ms=latency["onnxruntime_ms"])
+        in_model = (task_times(compiled, imported, part.tasks, seed=ctx.seed, samples=ctx.samples)
+                    if spec.can_run and not spec.is_gpu else {})
         if dynamic is None:
             shipped, dynamic, dynamic_s = _dynamic(original, staged, ctx)
         log.add("dynamic_shapes", dynamic_s, optimized_onnx=dynamic.form, restored_nodes=dynamic.restored_nodes)
@@ -208,8 +212,9 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                 "precision": precision.to_json() if precision else FP32,
                 "latency": latency,
                 "dynamic_shapes": dynamic.to_json(),
-                "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name)}
-                                                for t in part.tasks],
+                "stages": log.stages, "tasks": [t.summary() | {"schedule": compiled.schedules.get(t.name),
+                                                               "ms": in_model.get(t.index)} for t in part.tasks],
+                "call_sites": [site.to_json() for site in part.sites],
                 "files": files,
             }
             write_text_atomic(new / "report.md", report_markdown(report))
@@ -312,7 +317,7 @@ def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, t
     c, o = times["compiled"], times["onnxruntime"]
     return {"measured": True, "compiled_ms": _round_ms(c.median_ms), "onnxruntime_ms": _round_ms(o.median_ms),
             "compiled_min_ms": _round_ms(c.min_ms), "onnxruntime_min_ms": _round_ms(o.min_ms),
-            "speedup": round(o.median_ms / c.median_ms, 3) if c.median_ms > 0 else None, "runs": LATENCY_RUNS,
+            "time_ratio": round(c.median_ms / o.median_ms, 3) if o.median_ms > 0 else None, "runs": LATENCY_RUNS,
             "threads": threads, "timer": "median of alternating blocks (graphopt.timing.time_blocks)",
             # slower by the median and by the best run alike: a noisy neighbour alone does not say it
             "slower_than_onnxruntime": c.median_ms > o.median_ms and c.min_ms > o.min_ms}

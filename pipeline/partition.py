@@ -25,9 +25,11 @@ from kerneltune.describe import describe
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
+from pipeline import provenance
 from pipeline.fast_sigmoid import FastSigmoid
 from pipeline.fold import FoldConstants
 from pipeline.lane_softmax import LaneSoftmax
+from pipeline.provenance import CallSite
 from pipeline.symbolic import at_sizes, specialize
 
 KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
@@ -64,7 +66,8 @@ class FusedTask:
     symbolic: bool = False  # ``func`` has a symbolic extent; ``task`` is its instance at the representative size
 
     def summary(self) -> dict:
-        return {"index": self.index, "name": self.name, "kind": self.kind, "weight": self.weight,
+        return {"index": self.index, "name": self.name, "names": list(self.names), "kind": self.kind,
+                "weight": self.weight,
                 "flops": self.flops, "shapes": [list(s) for s in self.shapes], "dtype": self.dtype,
                 "template": None if self.task is None else getattr(self.task, "key", str(self.task))}
 
@@ -76,17 +79,29 @@ class Partition:
     mod: tvm.IRModule
     tasks: list[FusedTask]
     layout: dict | None = None  # what the layout stage did (pipeline.layout.search), for report.json
+    sites: list[CallSite] = field(default_factory=list)  # main's kernel calls in order, with their ONNX nodes
 
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)
 
 
-def fuse(mod: tvm.IRModule) -> tvm.IRModule:
-    """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out)."""
-    seq = tvm.transform.Sequential([FoldConstants, LaneSoftmax(), FastSigmoid()]
-                                    + [getattr(relax.transform, p)() for p in FUSION_PASSES])
+def fuse(mod: tvm.IRModule, known: dict | None = None) -> tuple[tvm.IRModule, list[CallSite]]:
+    """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out); with the
+    ONNX nodes each kernel call of the result computes (:mod:`pipeline.provenance`: read from the calls' spans
+    just before LegalizeOps drops them, then carried by the bound variables through FuseOps; ``known``: the
+    nodes of ``main``'s variables before a stage that rebuilt calls without their spans, the layout stage's)."""
+    passes = [FoldConstants, LaneSoftmax(), FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES]
+    legalize, fused_at = 3 + FUSION_PASSES.index("LegalizeOps"), 3 + FUSION_PASSES.index("FuseOps") + 1
     with quiet_native_stderr():  # TOPI's fast take warns once per Gather
-        return seq(mod)
+        imported = provenance.binding_nodes(mod["main"], known)  # FastMathTransform rebuilds exp/erf/softmax
+        mod = tvm.transform.Sequential(passes[:legalize])(mod)
+        nodes = provenance.binding_nodes(mod["main"], imported)
+        mod = tvm.transform.Sequential(passes[legalize:fused_at - 1])(mod)
+        legal = mod["main"]
+        mod = passes[fused_at - 1](mod)
+        traced = provenance.fused_nodes(mod, nodes, legal)
+        mod = tvm.transform.Sequential(passes[fused_at:])(mod)
+    return mod, provenance.call_sites(mod, traced)
 
 
 def _shape(ty, at: Mapping[str, int]) -> tuple[int, ...]:
@@ -154,10 +169,10 @@ def list_tasks(fused: tvm.IRModule, at: Mapping[str, int] | None = None) -> list
     return tasks
 
 
-def partition(mod: tvm.IRModule, at: Mapping[str, int] | None = None) -> Partition:
-    """Fuse ``mod`` and list its tasks (``at``: :func:`list_tasks`)."""
-    fused = fuse(mod)
-    return Partition(fused, list_tasks(fused, at))
+def partition(mod: tvm.IRModule, at: Mapping[str, int] | None = None, known: dict | None = None) -> Partition:
+    """Fuse ``mod`` and list its tasks (``at``: :func:`list_tasks`; ``known``: :func:`fuse`)."""
+    fused, sites = fuse(mod, known)
+    return Partition(fused, list_tasks(fused, at), sites=sites)
 
 
 def select_tasks(tasks: list[FusedTask], selector: str | None) -> list[FusedTask]:

@@ -1,10 +1,12 @@
-"""Per-kernel time inside the compiled model (the Relax VM's instrument hook), slowest first: what says which
-kernels dominate end to end, cold caches and call overheads included.  bench-model --profile prints it; the
-untuned build's sanity floor (:mod:`pipeline.sanity`) reads it."""
+"""Per-kernel time inside the compiled model (the Relax VM's instrument hook): what says which kernels
+dominate end to end, cold caches and call overheads included.  bench-model --profile prints it; the
+untuned build's sanity floor (:mod:`pipeline.sanity`) reads it; run-model --profile maps it to the ONNX nodes
+(:mod:`pipeline.layer_profile`)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from graphopt.feeds import sample_feeds
 from graphopt.fileio import signals_held
@@ -19,33 +21,74 @@ class KernelTime:
     ms: float  # total per model run
 
 
-def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0, samples: dict | None = None) -> list[KernelTime]:
-    """Per-kernel time inside the VM (``set_instrument`` times each call in place), slowest first.
+@dataclass
+class CallTime:
+    """One kernel call of a model run, in execution order."""
 
-    This is what says which kernels dominate end to end, cold caches and call overheads included.
-    """
-    dev = device_for(compiled.spec)
-    vm = compiled.vm()
-    args = to_device(sample_feeds(imported.graph, samples, seed), compiled.input_names, dev)
+    name: str
+    ms: float  # mean over the timed runs
+
+
+def time_calls(vm, args: Sequence, dev, runs: int = 3) -> list[CallTime]:
+    """Each kernel call of ``vm["main"](*args)`` timed in place (``set_instrument``: a device sync before and
+    after the call), averaged over ``runs`` runs after one untimed run.  A run makes the same calls in the
+    same order, so the k-th call of every run is the same call site."""
     vm["main"](*args)  # warm-up outside the instrument
-    total: dict[str, float] = {}
-    calls: dict[str, int] = {}
+    names: list[str] = []
+    total: list[float] = []
     started: list[float] = []
+    position = [0]
 
     def instrument(func, name, before_run, ret_value, *args):
         if before_run:
             dev.sync()
             started.append(time.perf_counter())
-        else:
-            dev.sync()
-            total[name] = total.get(name, 0.0) + time.perf_counter() - started.pop()
-            calls[name] = calls.get(name, 0) + 1
+            return
+        dev.sync()
+        seconds = time.perf_counter() - started.pop()
+        k = position[0]
+        if k == len(names):
+            names.append(str(name))
+            total.append(0.0)
+        total[k] += seconds
+        position[0] = k + 1
 
     vm.set_instrument(instrument)
     # The timer is a Python callback inside the VM: a Ctrl-C raised there would come out of the VM as a
     # RuntimeError (an "internal error", not an interrupt), so it waits for the runs.
     with signals_held():
         for _ in range(runs):
+            position[0] = 0
             vm["main"](*args)
-    out = [KernelTime(n, calls[n] // runs, total[n] / runs * 1e3) for n in total]
-    return sorted(out, key=lambda k: -k.ms)
+    return [CallTime(n, t / runs * 1e3) for n, t in zip(names, total)]
+
+
+def by_kernel(calls: list[CallTime]) -> list[KernelTime]:
+    """Calls summed per kernel, slowest first."""
+    ms: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for c in calls:
+        ms[c.name] = ms.get(c.name, 0.0) + c.ms
+        count[c.name] = count.get(c.name, 0) + 1
+    return sorted((KernelTime(n, count[n], ms[n]) for n in ms), key=lambda k: -k.ms)
+
+
+def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0, samples: dict | None = None) -> list[KernelTime]:
+    """Per-kernel time inside the VM of a build in this process, slowest first."""
+    dev = device_for(compiled.spec)
+    args = to_device(sample_feeds(imported.graph, samples, seed), compiled.input_names, dev)
+    return by_kernel(time_calls(compiled.vm(), args, dev, runs))
+
+
+PREPACKED = "_prepacked"  # a kernel reading pre-packed weights (kerneltune.prepack) is its task's kernel
+
+
+def task_times(compiled, imported, tasks, runs: int = 3, seed: int = 0,
+               samples: dict | None = None) -> dict[int, float]:
+    """Each task's time in one inference of the build, all its calls (ms), timed in place: what report.json's
+    kernel table gives per task (the tuner's figures are each kernel alone, and only for tuned tasks)."""
+    ms: dict[str, float] = {}
+    for k in profile_kernels(compiled, imported, runs, seed, samples):
+        name = k.name.removesuffix(PREPACKED)
+        ms[name] = ms.get(name, 0.0) + k.ms
+    return {t.index: sum(ms.get(n, 0.0) for n in t.names) for t in tasks}

@@ -42,6 +42,7 @@ from kerneltune.native_log import quiet_native_stderr
 from pipeline.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
 from pipeline.int8 import integer_compute
+from pipeline.provenance import tag_bound, tagged_import
 from pipeline.sink_slices import MIN_KEPT, sink_padding_slices
 from pipeline.symbolic import Served, bound, symbolic_model
 
@@ -88,7 +89,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: 
                         "it, so TVM's ONNX importer cannot convert the model: check it with "
                         "onnx.checker.check_model(model, full_check=True) and re-export it")
     problem = ""
-    with importer_output() as printed, _checked_already():
+    with importer_output() as printed, _checked_already(), tagged_import(model):
         try:
             mod = from_onnx(model, shape_dict=shapes, dtype_dict=dtypes, keep_params_in_input=False)
         except tvm.error.OpNotImplemented as exc:
@@ -203,7 +204,8 @@ def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
     if wide is None:
         return None
     padded = np.pad(w.value.numpy(), ((0, 0), (0, wide - n)))
-    y = builder.emit(relax.op.matmul(call.args[0], relax.const(padded), out_dtype=call.attrs.out_dtype))
+    y = builder.emit(tag_bound(builder, relax.op.matmul(call.args[0], relax.const(padded), out_dtype=call.attrs.out_dtype),
+                               call.span))
     return relax.op.strided_slice(y, axes=[-1], begin=[0], end=[n])
 
 
@@ -238,7 +240,7 @@ def _padded_conv(call: relax.Call, builder, heads: set[int]) -> relax.Expr | Non
     if wide is None:
         return None
     padded = np.pad(w.value.numpy(), ((0, wide - o), (0, 0), (0, 0), (0, 0)))
-    y = builder.emit(relax.Call(call.op, [call.args[0], relax.const(padded)], call.attrs))
+    y = builder.emit(relax.Call(call.op, [call.args[0], relax.const(padded)], call.attrs, call.ty_args, call.span))
     return relax.op.strided_slice(y, axes=[1], begin=[0], end=[o])
 
 
@@ -277,7 +279,7 @@ class _ImportRewrites(PyExprMutator):
         else:
             rewrite = _REWRITES.get(name)
             out = rewrite(call, self.builder_) if rewrite is not None else None
-        return call if out is None else out
+        return call if out is None else tag_bound(self.builder_, out, call.span)  # the same ONNX node
 
 
 def import_rewrites(mod: tvm.IRModule) -> tvm.IRModule:

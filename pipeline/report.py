@@ -15,10 +15,18 @@ import numpy as np
 from graphopt.console import engine_versions, version
 from kerneltune.targets.host import host_caches, host_model_name
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-# How report.md and the CLI say a latency ratio, once, wherever one is shown.
-RATIO_MEANING = "x = our time / onnxruntime's, lower is better"
+# What a latency ratio means, said once beside one: every output gives ours / the baseline's as a time ratio.
+RATIO_MEANING = "lower is faster"
+
+
+def time_ratio(ours_ms: float, baseline_ms: float | None, baseline: str = "onnxruntime") -> str:
+    """A latency ratio in the one wording every output uses (report.md, optimize-model's last line,
+    bench-model): "0.56x onnxruntime's time", our time over the baseline's, so below 1x is faster.  (report.md
+    said "speed-up 1.78x" and bench-model "vs ORT 0.53x" for the same build: two conventions, one number
+    read both ways.)  "-" when the baseline has no time."""
+    return f"{ours_ms / baseline_ms:.2f}x {baseline}'s time" if baseline_ms else "-"
 
 
 def build_facts() -> dict[str, Any]:
@@ -53,7 +61,7 @@ def latency_phrase(latency: dict[str, Any]) -> str:
     if not latency.get("measured"):
         return f"latency not measured ({latency.get('reason') or 'unknown reason'})"
     ours, ort = latency["compiled_ms"], latency["onnxruntime_ms"]
-    ratio = f", {ours / ort:.2f}x ({RATIO_MEANING})" if ort else ""
+    ratio = f": {time_ratio(ours, ort)} ({RATIO_MEANING})" if ort else ""
     return f"{_ms(ours)} per inference, onnxruntime {_ms(ort)}{ratio}"
 
 
@@ -154,9 +162,23 @@ def _tune(st: dict[str, Any]) -> list[str]:
     if st.get("skipped"):
         return [f"skipped ({st.get('reason')})"]
     return [f"{st['trials']} trials ({st['measured_now']} measured in this run) by {st['searcher']}, "
-            f"spread by {st['scheduler']}",
+            f"spread by {st['scheduler']}", *_stopped(st),
             f"tuned kernels {_ms(st['kernel_ms_before'])} -> {_ms(st['kernel_ms_after'])} per inference "
             "(alone, times calls)", f"records in {st['records']}"]
+
+
+def _stopped(st: dict[str, Any]) -> list[str]:
+    """Why tuning stopped, when not simply at the end of its budget (reports from before it was recorded say
+    nothing)."""
+    reason = st.get("stop_reason")
+    early = st.get("early_stopped") or []
+    if reason in (None, "budget") and not early:
+        return []
+    words = {"budget": "budget spent", "timeout": f"stopped at the --timeout of {st.get('timeout_s') or 0:g} s",
+             "early_stop": "stopped early: every task stopped improving",
+             "exhausted": "stopped early: every search space measured whole"}.get(reason, str(reason))
+    return [words + (f" ({len(early)} tasks early-stopped after {st.get('early_stop')} trials without a gain)"
+                     if early else "")]
 
 
 def _sanity(st: dict[str, Any]) -> list[str]:
@@ -207,26 +229,34 @@ def stage_summary(name: str, st: dict[str, Any]) -> str:
     return "; ".join(facts)
 
 
-def _kernel_times(report: dict[str, Any]) -> dict[int, float]:
-    """Each tuned kernel's time per call as shipped (the tuned config's if the tuned build shipped, else the
-    default's), measured alone by the tuner; kernels nobody timed are left out rather than guessed."""
-    tune = report["stages"].get("tune", {})
-    shipped_tuned = (tune.get("e2e") or {}).get("kept") == "tuned"
-    return {t["index"]: t["best_ms"] if shipped_tuned else t["default_ms"] for t in tune.get("tasks") or []
-            if (t["best_ms"] if shipped_tuned else t["default_ms"]) is not None}
+def _first_nodes(report: dict[str, Any]) -> dict[str, str]:
+    """Kernel name -> the ONNX nodes of its first call, shortened (report.json ``call_sites``)."""
+    out: dict[str, str] = {}
+    for site in report.get("call_sites") or []:
+        nodes = site.get("nodes") or []
+        if nodes and site["kernel"] not in out:
+            out[site["kernel"]] = f"`{nodes[0]}`" + (f" +{len(nodes) - 1}" if len(nodes) > 1 else "")
+    return out
 
 
 def _kernels(report: dict[str, Any]) -> list[str]:
-    times = _kernel_times(report)
-    head = "| idx | kind | calls | work per call | schedule |" + (" time per call |" if times else "") + " name |"
+    timed = any(t.get("ms") is not None for t in report["tasks"])
+    total = sum(t.get("ms") or 0.0 for t in report["tasks"]) or 1.0
+    nodes = _first_nodes(report)
+    head = ("| idx | kind | calls | work per call | schedule |" + (" ms per inference | share |" if timed else "")
+            + " ONNX nodes (first call) | name |")
     lines = ["## Kernels", "", "calls: times one inference runs the kernel; schedule: `template` (our tiling "
              "template's default), `tuned` (a tuned config), `cpu-rule` (TVM's rules and ours)"
-             + ("; time per call: measured alone by the tuner, tuned kernels only" if times else "") + ".", "",
-             head, "|---" * head.count(" |") + "|"]
+             + ("; ms per inference: all its calls, timed one by one inside the shipped build" if timed else "")
+             + "; ONNX nodes: of optimized.onnx (`run-model DIR --profile` shows every call, beside onnxruntime's "
+               "profile of the same nodes).", "", head, "|---" * head.count(" |") + "|"]
     for t in report["tasks"]:
-        time = f" {_ms(times[t['index']]) if t['index'] in times else '-'} |" if times else ""
+        ms = t.get("ms")
+        time = (f" {_ms(ms)} | {ms / total:.1%} |" if ms is not None else " - | - |") if timed else ""
+        names = t.get("names") or [t["name"]]
+        where = next((nodes[n] for n in names if n in nodes), "-")
         lines.append(f"| {t['index']} | {t['kind']} | {t['weight']} | {_flop(t['flops'])} | {t['schedule']} |"
-                     f"{time} {t['name']} |")
+                     f"{time} {where} | {t['name']} |")
     return lines
 
 
@@ -247,9 +277,9 @@ def report_markdown(report: dict[str, Any]) -> str:
                   f"(best {_ms(lat['compiled_min_ms'])})",
                   f"- onnxruntime on the input model: {_ms(lat['onnxruntime_ms'])} "
                   f"(best {_ms(lat['onnxruntime_min_ms'])})",
-                  f"- ours / onnxruntime: {lat['compiled_ms'] / lat['onnxruntime_ms']:.2f}x ({RATIO_MEANING}; "
-                  f"{threads}; {lat['runs']} runs each, median of alternating blocks; `bench-model` for a "
-                  "longer comparison)", ""]
+                  f"- ours: {time_ratio(lat['compiled_ms'], lat['onnxruntime_ms'])} ({RATIO_MEANING}; "
+                  f"{threads}; {lat['runs']} runs each, median of alternating blocks; `bench-model DIR` times "
+                  "this build longer)", ""]
     elif lat:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
     served = report.get("served")

@@ -36,6 +36,7 @@ from graphopt.fileio import save_figure
 from graphopt.timing import compare, replay
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.records import Record
+from kerneltune.stopping import StopReason
 from kerneltune.targets.registry import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningRun, TuningTask, tune_tasks
 from pipeline.compile import CompiledModel, model_runner
@@ -55,7 +56,7 @@ def tuning_run(ctx: BuildContext) -> TuningRun:
     the context's); made before any long work, it refuses a target that cannot be tuned here without ``--rpc``."""
     opts = ctx.tuning
     return TuningRun(ctx.spec, opts.trials, ctx.records, opts.scheduler, opts.searcher, ctx.seed, opts.rpc,
-                     opts.progress)
+                     opts.progress, opts.stop_rule)
 
 
 def tune_model(tasks: list[FusedTask], run: TuningRun, measure_factory: Callable | None = None) -> TuningResult:
@@ -63,11 +64,29 @@ def tune_model(tasks: list[FusedTask], run: TuningRun, measure_factory: Callable
     :func:`kerneltune.tune_tasks.tune_tasks` for the loop and ``measure_factory``."""
     tunable = [TuningTask(t.task, t.weight, t.index) for t in tasks if t.task is not None]
     if not tunable:
-        raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune")
+        raise UserError(f"no selected task has a kernel template ({', '.join(OP_KINDS)}): nothing to tune; pick "
+                        "tasks marked tunable in `tune-kernels MODEL --list` with --kernels")
     warning = budget_warning(run.trials, len(tunable))
     if warning:
         log.warning("%s", warning)
-    return tune_tasks(tunable, run, measure_factory)
+    result = tune_tasks(tunable, run, measure_factory)
+    if result.stop_reason is StopReason.TIMEOUT:
+        log.warning("note: %s", timeout_note(result))
+    return result
+
+
+def timeout_note(result: TuningResult) -> str:
+    """The one line saying that ``--timeout`` ended tuning, and what is used instead of the full budget."""
+    return (f"tuning stopped at the --timeout of {result.stop.timeout_s:g} s after {result.trials} trials; the "
+            "best configs measured so far are used (rerun with the same --records to go on)")
+
+
+def stop_fields(result: TuningResult) -> dict[str, Any]:
+    """report.json's (and ``tune-kernels MODEL --json``'s) account of how tuning ended: why it stopped, the
+    limits it ran under, and which tasks stopped improving."""
+    return {"stop_reason": result.stop_reason.value, "timeout_s": result.stop.timeout_s,
+            "early_stop": result.stop.early_stop,
+            "early_stopped": [t.index for t in result.tasks if t.early_stopped]}
 
 
 # Trials per task below which a search has nothing to work with: round 0 measures each task's default, and
@@ -80,9 +99,12 @@ def budget_warning(trials: int, tasks: int) -> str | None:
     all most of them would get), else None."""
     if trials >= MIN_TRIALS_PER_TASK * tasks:
         return None
-    return (f"warning: --trials {trials} over {tasks} tasks is about {trials / tasks:.1f} trials each, the first "
-            f"of them each task's default: give --trials {MIN_TRIALS_PER_TASK * tasks} or more, or pick fewer "
-            "tasks with --kernels")
+    if tasks > 1:
+        over = f"over {tasks} tasks is about {trials / tasks:.1f} trials each, the first of them each task's default"
+    else:
+        over = "for 1 task (the first of them its default) is too few to search"
+    fewer = ", or pick fewer tasks with --kernels" if tasks > 1 else ""
+    return f"warning: --trials {trials} {over}: give --trials {MIN_TRIALS_PER_TASK * tasks} or more{fewer}"
 
 
 @dataclass

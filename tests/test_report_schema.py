@@ -124,7 +124,7 @@ def test_the_schema_check_catches_a_wrong_report(built):
     _, report, _, _ = built
     bad = copy.deepcopy(report)
     del bad["versions"]
-    bad["schema_version"] = 2
+    bad["schema_version"] = 1
     bad["created"] = "yesterday"
     bad["cpu"]["caches"]["L2"] = "2 MB"
     bad["tasks"][0]["weight"] = -1
@@ -143,7 +143,7 @@ def test_the_schema_check_catches_a_wrong_report(built):
 def test_report_json_opens_with_schema_version_time_versions_and_cpu(built):
     _, report, _, start = built
     assert list(report)[:4] == ["schema_version", "created", "versions", "cpu"]
-    assert report["schema_version"] == SCHEMA_VERSION == 1
+    assert report["schema_version"] == SCHEMA_VERSION == 2
     created = datetime.strptime(report["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
     assert start <= created <= datetime.now(timezone.utc) + timedelta(seconds=1)
     assert report["versions"] == {"optimize_model": console.version(),
@@ -192,8 +192,8 @@ def test_the_last_line_gives_the_latency_its_direction_and_report_md(built):
     ratio = lat["compiled_ms"] / lat["onnxruntime_ms"]
     assert lines[0].startswith(f"wrote {DEFAULT_DIR}/optimized.onnx, model.so, report.json (2 kernels; compiled "
                                "model vs onnxruntime: max abs err ")
-    assert (f"; {lat['compiled_ms']:.4g} ms per inference, onnxruntime {lat['onnxruntime_ms']:.4g} ms, {ratio:.2f}x "
-            "(x = our time / onnxruntime's, lower is better); ") in lines[0]
+    assert (f"; {lat['compiled_ms']:.4g} ms per inference, onnxruntime {lat['onnxruntime_ms']:.4g} ms: {ratio:.2f}x "
+            "onnxruntime's time (lower is faster); ") in lines[0]
     assert lines[0].endswith(f"; summary: {DEFAULT_DIR}/report.md") and (d / DEFAULT_DIR / "report.md").is_file()
 
 
@@ -203,4 +203,4 @@ def test_the_last_line_says_why_a_latency_is_missing():
     assert line == ("wrote out/optimized.onnx, model.so, report.json (3 kernels; graph only); latency not measured "
                     "(cannot run aarch64 here); summary: out/report.md")
     assert latency_phrase({"measured": True, "compiled_ms": 2.0, "onnxruntime_ms": 4.0}) == \
-        "2 ms per inference, onnxruntime 4 ms, 0.50x (x = our time / onnxruntime's, lower is better)"
+        "2 ms per inference, onnxruntime 4 ms: 0.50x onnxruntime's time (lower is faster)"

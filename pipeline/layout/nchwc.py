@@ -45,6 +45,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
+from pipeline import provenance
 from pipeline.fold import FoldConstants
 from pipeline.relax_rewrite import static_shape
 
@@ -616,7 +617,7 @@ class _LowerBlockedConvs(_Rewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
         if _is_op(call, CONV) and str(call.attrs.data_layout) != "NCHW":
-            return conv_nchwc.legalize(self.builder_, call)
+            return provenance.tag_bound(self.builder_, conv_nchwc.legalize(self.builder_, call), call.span)
         return call
 
 
@@ -722,7 +723,7 @@ def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm
     blocked convs lowered to our compute."""
     T = relax.transform
     mod = _MergeGroups(mod, plans, report).transform()
-    mod = T.ConvertLayout({}, _layout_callback(plans, report))(mod)
+    mod = provenance.carry_spans(mod, T.ConvertLayout({}, _layout_callback(plans, report))(mod))
     with quiet_native_stderr():  # as in prepare: TOPI's fast take warns at each constant Gather folded
         mod = tvm.transform.Sequential([FoldConstants, T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
                                         T.DeadCodeElimination()])(mod)

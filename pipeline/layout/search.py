@@ -53,6 +53,7 @@ from pipeline.compile import CompiledModel, build, model_runner, schedule
 from pipeline.layout import nchwc, pbqp
 from pipeline.layout.cost import ConvOption, Pricer
 from pipeline.layout.modes import LAYOUTS
+from pipeline import provenance
 from pipeline.partition import Partition, partition
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,6 @@ def partition_model(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto") -> 
         first = next((ln for ln in str(exc).splitlines() if "Check failed" in ln), str(exc).splitlines()[0])
         log.warning("warning: the NCHWc layout pass failed (%s); the model runs in NCHW", first.strip()[:200])
         converted, report = mod, nchwc.LayoutReport(mode="nchw", failed=f"{mode}: {first.strip()[:200]}")
-    part = partition(converted)
+    part = partition(converted, known=provenance.binding_nodes(mod["main"]))  # the stage drops spans
     part.layout = report.to_json()
     return part
