@@ -142,20 +142,31 @@ def profile_shipped(model, feeds: Mapping[str, np.ndarray], runs: int = 10) -> L
 
 
 def _anchors(optimized: onnx.GraphProto, original: onnx.GraphProto) -> dict[str, str | None]:
-    """onnxruntime's optimized node name -> the node of ``original`` it is credited to (module docstring)."""
-    produced = {}
+    """onnxruntime's optimized node name -> the node of ``original`` it is credited to: by its name where
+    onnxruntime derived it from one (the node's own, ``NODE/MatMulAddFusion``, or ``TENSOR_nchwc`` for a
+    blocked conv writing that tensor), else by the output it writes, else (its outputs all its own: a
+    reorder, a reshape around a Gemm) by the first later node credited so."""
+    produced: dict[str, str] = {}
+    names = set()
     for n, name in zip(original.node, node_names(original)):
-        for t in n.output:
-            if name:
-                produced[t] = name
+        if name:
+            names.add(name)
+            produced.update((t, name) for t in n.output)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in optimized.node:
         for t in n.input:
             consumers.setdefault(t, []).append(n)
-    out: dict[str, str | None] = {}
+
+    def by_name(name: str) -> str | None:
+        if name in names:
+            return name
+        if name.endswith("_nchwc") and name.removesuffix("_nchwc") in produced:
+            return produced[name.removesuffix("_nchwc")]
+        prefixes = [n for n in names if name.startswith(n + "/")]
+        return max(prefixes, key=len) if prefixes else None
 
     def anchor(n: onnx.NodeProto, seen: set[str]) -> str | None:
-        own = next((produced[t] for t in n.output if t in produced), None)
+        own = by_name(n.name) or next((produced[t] for t in n.output if t in produced), None)
         if own is not None or n.name in seen:
             return own
         seen.add(n.name)
@@ -166,9 +177,7 @@ def _anchors(optimized: onnx.GraphProto, original: onnx.GraphProto) -> dict[str,
                     return found
         return None
 
-    for n in optimized.node:
-        out[n.name] = anchor(n, set())
-    return out
+    return {n.name: anchor(n, set()) for n in optimized.node}
 
 
 def ort_node_times(path: str | os.PathLike, feeds: Mapping[str, np.ndarray], threads: int,
@@ -284,11 +293,12 @@ def plot_profile(profile: LayerProfile, path: str | os.PathLike, top: int = 20) 
         ax.barh(y - 0.2, [c.ort_ms for c in pieces], height=0.4, label="onnxruntime", color="#ff7f0e")
     ax.set_yticks(y, labels, fontsize=7)
     ax.set_xlabel("ms per inference")
-    title = f"where the time goes: kernels {profile.kernels_ms:.2f} ms of {profile.latency_ms:.2f} ms"
+    title = (f"where the time goes: the {len(pieces)} slowest pieces of the model\nours {profile.latency_ms:.2f} ms "
+             f"per inference (its kernels timed one by one: {profile.kernels_ms:.2f} ms)")
     if profile.ort_ms is not None:
         title += f"; onnxruntime's nodes {profile.ort_ms:.2f} ms"
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07 - 1.2 / (len(pieces) + 5)), ncol=2, fontsize=8)
     fig.tight_layout()
     import io
 

@@ -6,10 +6,11 @@ TVM's ONNX importer records no provenance, and LegalizeOps drops the spans of th
 node name travels in two carriers, each where it survives:
 
 1. **Spans, from the importer to the fusion.**  :func:`tagged_import` wraps the importer's per-node converter
-   and gives every call it builds a span whose source name is the ONNX node's name.  The Relax rewrites before
-   LegalizeOps (ours and TVM's) keep a call's span when they rebuild it.  Calls a converter emitted itself
-   (one ONNX node becoming several bindings) carry none; they are credited to the node of the call that
-   consumes them (:func:`binding_nodes`).
+   (and the BlockBuilder's ``emit`` and ``normalize`` while it runs, for what a converter binds itself) and
+   gives every call it builds a span whose source name is the ONNX node's name.  Our Relax rewrites carry a
+   call's span into what replaces it (:func:`tag_bound`); TVM's ConvertLayout drops them, and
+   :func:`carry_spans` restores them.  A binding without a span (FastMathTransform's) is credited to the node
+   its variable had before, else to that of the call that consumes it (:func:`binding_nodes`).
 2. **Binding variables, through LegalizeOps and FuseOps.**  LegalizeOps keeps the variables it binds.  A
    fused call is matched to the bindings it fused by replaying its function on its arguments
    (:func:`fused_nodes`); main's calls after FuseTIR keep their variables (:func:`call_sites`).
@@ -19,6 +20,7 @@ A call whose nodes could not be traced lists none; a profile shows it under its 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -30,6 +32,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from graphopt.onnx_io import node_names
 
 _CALL_TIR = "relax.call_tir"
+_IMPORTING = threading.Lock()  # tagged_import patches the importer process-wide: one import at a time
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,14 @@ def tagged_import(model: onnx.ModelProto) -> Iterator[None]:
 
     Why a patch: the importer takes no hook, and its per-node converter is the one place that knows both the
     node and the expression built for it (the node's name arrives in ``attr["tvm_custom"]``); what a
-    converter binds itself goes through ``BlockBuilder.emit`` and ``normalize``, also patched.  Imports
-    run on one thread, and the original methods are restored on the way out."""
+    converter binds itself goes through ``BlockBuilder.emit`` and ``normalize``, also patched.  The patches are
+    process-wide, so imports take turns (two threads of a server calling :func:`pipeline.optimize`), and the
+    original methods are restored on the way out."""
+    with _IMPORTING:  # first: the methods saved below must be the originals, not another import's patches
+        yield from _tagging(model)
+
+
+def _tagging(model: onnx.ModelProto) -> Iterator[None]:
     from tvm.relax.frontend.onnx import onnx_frontend
 
     cls = onnx_frontend.ONNXGraphImporter

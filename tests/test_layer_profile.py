@@ -36,6 +36,12 @@ def test_onnxruntime_nodes_are_credited_to_the_node_producing_their_output():
                                    node("Reshape", ["tmp", "s"], ["a"], "gemm_output_reshape"),
                                    node("Relu", ["a"], ["y"], "relu")], "g", info, info)
     assert _anchors(optimized, original) == {"fused_gemm": "add", "gemm_output_reshape": "add", "relu": "relu"}
+    # names onnxruntime derives from the original: a fusion named after its first node, a blocked op after the
+    # tensor it computes (its own output a reordered tensor, which would otherwise credit the node after it)
+    renamed = helper.make_graph([node("Gemm", ["x", "w", "b"], ["a"], "mm/MatMulAddFusion"),
+                                 node("Relu", ["a"], ["blocked"], "y_nchwc"),
+                                 node("ReorderOutput", ["blocked"], ["y"], "reorder")], "g", info, info)
+    assert _anchors(renamed, original) == {"mm/MatMulAddFusion": "mm", "y_nchwc": "relu", "reorder": "relu"}
 
 
 def test_both_profiles_are_summed_over_the_nodes_each_call_computes():
