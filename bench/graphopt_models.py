@@ -60,19 +60,19 @@ def ort_latency(models: dict[str, Any], feeds, threads: int, runs: int) -> dict[
 
 
 def tvm_latency(models: dict[str, Any], feeds, threads: int, runs: int, layout: str = "auto") -> dict[str, Any]:
-    """Compile the models as optimize-model --skip-tune builds them (the ``layout`` stage, default schedules)
-    and time them on the Relax VM."""
-    from kerneltune.targets.parse import parse_target
+    """Compile the models as optimize-model --skip-graph --skip-tune builds each (the one chain: the ``layout``
+    stage, default schedules held to the sanity floor) and time them on the Relax VM."""
     from kerneltune.targets.registry import device_for
+    from pipeline.chain import ChainRequest, run_chain
     from pipeline.compile import to_device
-    from pipeline.stages import build, lower
+    from pipeline.context import BuildContext
 
-    spec = parse_target("llvm", threads)
-    dev = device_for(spec)
+    ctx = BuildContext.create("llvm", threads=threads, layout=layout, skip_graph=True)
+    dev = device_for(ctx.spec)
     fns, build_s = {}, {}
     for k, m in models.items():
         t = time.perf_counter()
-        compiled = build(lower(m, spec, layout), spec)
+        compiled = run_chain(ctx, ChainRequest(m)).compiled
         build_s[k] = time.perf_counter() - t
         main = compiled.vm()["main"]
         args = to_device(feeds, compiled.input_names, dev)

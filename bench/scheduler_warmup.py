@@ -50,13 +50,16 @@ def resnet50_tasks() -> list[dict]:
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     import torchvision
 
-    from pipeline.partition import partition
-    from pipeline.relax_import import import_model
+    import onnx
+
+    from pipeline.chain import ChainRequest, Until, run_chain
+    from pipeline.context import BuildContext
 
     path = Path(tempfile.mkdtemp(prefix="sched-warmup-")) / "resnet50.onnx"
     torch.onnx.export(torchvision.models.resnet50().eval(), (torch.randn(1, 3, 224, 224),), str(path), dynamo=False,
                       opset_version=17)
-    part = partition(import_model(str(path)).mod)
+    ctx = BuildContext.create("llvm", skip_graph=True)  # the kernels optimize-model --skip-graph builds
+    part = run_chain(ctx, ChainRequest(onnx.load(str(path)), until=Until.PARTITION)).lowered.part
     del lib
     return [{"name": t.name, "kind": t.kind, "weight": t.weight, "flops": t.flops} for t in part.tasks
             if t.task is not None]

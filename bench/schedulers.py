@@ -75,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     from kerneltune.records import RecordLog
     from kerneltune.tune_tasks import TuningRun
     from pipeline.benchmark import bench
-    from pipeline.compile import compile_partition
+    from pipeline import stages
+    from pipeline.chain import ChainRequest, Until, run_chain
     from pipeline.context import BuildContext, TuneOptions
-    from pipeline.partition import partition
-    from pipeline.relax_import import import_model
     from pipeline.tuning import tune_model
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="schedulers-"))
@@ -94,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             onnx.save(build(model, args.seed), str(path))
         model = str(path)
     spec = parse_target("llvm", args.threads)
-    imported = import_model(model)
-    part = partition(imported.mod)
+    import onnx
+
+    chain_ctx = BuildContext.create("llvm", threads=args.threads, skip_graph=True)  # optimize-model's kernels
+    lowered = run_chain(chain_ctx, ChainRequest(onnx.load(model), until=Until.PARTITION)).lowered
+    imported, part = lowered.imported, lowered.part
     out: dict = {"model": os.path.basename(model), "trials": args.trials, "threads": args.threads,
                  "seed": args.seed, "schedulers": {}}
     compiled = {}
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         records = work / f"{sched}.jsonl"
         res = tune_model(part.tasks, TuningRun(spec, args.trials, RecordLog(records), sched, "opevo", args.seed))
         curve = objective_curve(records, res.tasks)
-        compiled[sched] = compile_partition(imported, part, spec, res.best_configs)
+        compiled[sched] = stages.build(lowered, spec, res.best_configs)
         out["schedulers"][sched] = {
             "final_objective_ms": curve[-1][1], "curve": curve,
             "trials_per_task": {t.name: t.trials for t in res.tasks},

@@ -82,14 +82,17 @@ def check_model(path: str, threads: int, runs: int, tolerance: float, workdir: P
     from kerneltune.targets.parse import parse_target
     from graphopt.feeds import sample_feeds
     from pipeline.benchmark import bench
-    from pipeline.compile import compile_partition
-    from pipeline.context import BuildContext
-    from pipeline.partition import partition
-    from pipeline.relax_import import import_model
+    import onnx
 
-    imported = import_model(path, input_shapes)
+    from pipeline import stages
+    from pipeline.chain import ChainRequest, Until, run_chain
+    from pipeline.context import BuildContext
+
     spec = parse_target("llvm", threads)
-    compiled = compile_partition(imported, partition(imported.mod), spec)
+    ctx = BuildContext.create("llvm", threads=threads, skip_graph=True)  # the build optimize-model --skip-graph makes
+    lowered = run_chain(ctx, ChainRequest(onnx.load(path), input_shapes, until=Until.PARTITION)).lowered
+    imported = lowered.imported
+    compiled = stages.build(lowered, spec)
     lib = workdir / (Path(path).stem + ".so")
     compiled.export(lib)
     (workdir / (lib.name + ".inputs.json")).write_text(json.dumps(compiled.input_names))

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.fileio import save_figure, write_text_atomic
-from kerneltune.targets.host import llvm_target, vector_lanes
+from kerneltune.targets.host import llvm_target, num_cores, vector_lanes
 from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 
 OPS: dict[str, dict[str, Any]] = {
@@ -144,7 +144,7 @@ def run_metaschedule(task, target, seed: int, trials: int, work_dir: Path) -> li
                 builder=ms.builder.LocalBuilder(max_workers=2, timeout_sec=600, f_build=_ms_build),
                 runner=ms.runner.LocalRunner(timeout_sec=120),
                 measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), RecordTrials()],
-                num_tuning_cores=int(target.attrs["num-cores"]))
+                num_tuning_cores=num_cores(target))
     best, curve = 0.0, []
     for g in gflops[:trials]:
         best = max(best, g)
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown op/searcher {bad}")
 
     target = llvm_target(args.threads)
-    set_num_threads(tvm_num_threads(int(target.attrs["num-cores"])))
+    set_num_threads(tvm_num_threads(num_cores(target)))
     from peak import fma_peak_gflops
 
     from kerneltune.baseline import numpy_baseline
@@ -280,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The baselines are measured before the Measurer starts: its worker processes import TVM at start-up,
     # and OpenBLAS sharing the two cores with them measured 27 instead of ~180 GFLOP/s.
-    peak = fma_peak_gflops(int(target.attrs["num-cores"]))
+    peak = fma_peak_gflops(num_cores(target))
     tasks = {op: make_op_task(op, vector_lanes(target, "float32")) for op in ops}
-    numpy = {op: numpy_baseline(t.dims["M"], t.dims["K"], t.dims["N"], int(target.attrs["num-cores"])).gflops
+    numpy = {op: numpy_baseline(t.dims["M"], t.dims["K"], t.dims["N"], num_cores(target)).gflops
              for op, t in tasks.items() if t.kind == "matmul"}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-tuners-"))
     results: dict[str, Any] = {}

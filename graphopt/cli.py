@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from graphopt.cost.factory import COST_KINDS, make_cost_model
 from graphopt.cost.runners import GraphRunner
@@ -26,11 +26,18 @@ from graphopt.limits import check_threads
 from graphopt.validate import ModelInput, check_model
 
 
+class RunnerFactory(Protocol):
+    """An engine for the measured cost model: its runner for ``threads`` threads and the ``--target`` text
+    (an engine that compiles, as TVM does, builds for that target, ``-mcpu``/``-mattr`` included)."""
+
+    def __call__(self, threads: int, target: str = "llvm") -> GraphRunner: ...
+
+
 @dataclass(frozen=True)
 class Components:
     """What the composition root plugs into this CLI."""
 
-    runners: Mapping[str, Callable[[int], GraphRunner]]  # --backend NAME -> runner for N threads; first: default
+    runners: Mapping[str, RunnerFactory]  # --backend NAME -> its runner factory; first: default
     target_kinds: Sequence[str]  # the --target values, for its help
     check_target: Callable[[str], str]  # --target -> target kind; a UserError for an unknown one
 
@@ -117,7 +124,7 @@ def _run_optimize(args: argparse.Namespace, components: Components) -> int:
     options.validate()
     check_threads(args.threads)
     model = _checked_model(args)
-    cost = make_cost_model(args.cost, kind, components.runners[args.backend](args.threads))
+    cost = make_cost_model(args.cost, kind, components.runners[args.backend](args.threads, args.target))
     optimized, report = optimize_onnx(model.proto, cost, options, model.input_shapes, args.seed, model.samples)
     if not report["outputs_equal"]:
         raise UserError(f"the optimized graph differs from the input model in onnxruntime ({report['check_failure']}); "

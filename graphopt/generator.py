@@ -264,7 +264,8 @@ class _Enumerator:
                 s1 = next(x for x in domain.inputs if x.name == n1).shape[d1]
                 s2 = next(x for x in domain.inputs if x.name == n2).shape[d2]
                 tree = {ax: (SymDim(s1, f"{n1}.{d1}"), SymDim(s2, f"{n2}.{d2}"))}
-            t = Tensor("in:" + di.name, shape, value, _hash_value(shape, value), tree, True, None, di.role)
+            t = Tensor(key="in:" + di.name, shape=shape, value=value, vhash=_hash_value(shape, value), tree=tree,
+                       is_input=True, op_key=None, role=di.role)
             self.res.tensors[t.key] = t
             self.inputs.append(t.key)
 
@@ -302,7 +303,8 @@ class _Enumerator:
         for i, (shape, value) in enumerate(zip(out_shapes, values)):
             tkey = f"{key}#{i}" if len(out_shapes) > 1 else key
             tree = propagate_tree(op, params, ins, len(shape), i)
-            self.res.tensors[tkey] = Tensor(tkey, shape, value, _hash_value(shape, value), tree, False, key, role)
+            self.res.tensors[tkey] = Tensor(key=tkey, shape=shape, value=value, vhash=_hash_value(shape, value),
+                                            tree=tree, is_input=False, op_key=key, role=role)
             out_keys.append(tkey)
         app = OpApp(key, op, tuple(sorted(params.items())), tuple(in_keys), tuple(out_keys))
         self.res.apps[key] = app

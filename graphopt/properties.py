@@ -80,8 +80,8 @@ class Property:
 
 
 def P(name, lhs, rhs, origin="taso", guard=(), cond=None, tree_vars=(), triggers=(), **ranks) -> Property:
-    return Property(name, lhs, rhs, tuple(sorted(ranks.items())), tuple(guard), cond, tuple(tree_vars), origin,
-                    tuple(triggers))
+    return Property(name=name, lhs=lhs, rhs=rhs, ranks=tuple(sorted(ranks.items())), guard=tuple(guard), cond=cond,
+                    tree_vars=tuple(tree_vars), origin=origin, triggers=tuple(triggers))
 
 
 N = dict(act="none")

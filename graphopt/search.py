@@ -27,6 +27,7 @@ merge that puts a ``Split`` between a kernel and its epilogue pays.
 """
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import time
@@ -40,6 +41,26 @@ from graphopt.ir import Graph
 from graphopt.match import GraphIndex, Match, RuleIndex, ViewCache, with_reverses
 from graphopt.rewrite import Rewrite, RewriteError, apply_match, creates_cycle, target_plan
 from graphopt.rules import Rule
+
+
+class SearchStop(enum.Enum):
+    """Why the search stopped; the value is what report.json's ``stopped_by`` records."""
+
+    QUEUE_EMPTY = "queue empty"  # every graph within alpha of the best was expanded
+    BUDGET = "budget"  # ``budget`` graphs dequeued
+    CONVERGED = "converged"  # ``patience`` dequeued graphs in a row found nothing cheaper
+    TIME_LIMIT = "time limit"  # ``time_limit`` seconds passed
+
+
+@dataclass(frozen=True)
+class SearchLimits:
+    """How wide the search looks and when it stops (one set of knobs: the stage and ``graphopt optimize``
+    set them together, see :class:`graphopt.stage.GraphStageOptions`)."""
+
+    alpha: float = 1.05  # keep graphs up to alpha x the best cost in the queue (1.0 = greedy; TASO: 1.05)
+    budget: int = 1000  # most graphs to dequeue
+    time_limit: float = 60.0  # seconds
+    patience: int | None = None  # stop after this many dequeued graphs without a better one (None: never)
 
 
 @dataclass
@@ -65,7 +86,7 @@ class SearchResult:
     graphs_explored: int
     dequeued: int
     seconds: float
-    stopped_by: str
+    stopped_by: SearchStop
     trace: list[float] = field(default_factory=list)  # best cost after each dequeue
     # the cheapest way to apply each rule on the input graph and what it would change the cost by: the
     # record of why a substitution (e.g. BERT's Q/K/V merge) was not taken on this target
@@ -73,15 +94,11 @@ class SearchResult:
 
 
 class Searcher:
-    def __init__(self, rules: list[Rule], cost: CostModel, alpha: float = 1.05, budget: int = 1000,
-                 time_limit: float = 60.0, progress: bool = False, max_queue: int = 20000,
-                 reverse: bool = True, patience: int | None = None):
+    def __init__(self, rules: list[Rule], cost: CostModel, limits: SearchLimits = SearchLimits(),
+                 progress: bool = False, max_queue: int = 20000, reverse: bool = True):
         self.rules = RuleIndex(with_reverses(rules) if reverse else rules)
         self.cost = cost
-        self.alpha = alpha
-        self.budget = budget
-        self.patience = patience  # stop after this many dequeued graphs without a better one (None: never)
-        self.time_limit = time_limit
+        self.limits = limits
         self.progress = progress
         self.max_queue = max_queue
         self.views = ViewCache()
@@ -155,17 +172,17 @@ class Searcher:
         heap: list[tuple[float, int, State, Match | None]] = []
         explored = dequeued = 0
         trace: list[float] = []
-        stopped_by = "queue empty"
+        stopped_by = SearchStop.QUEUE_EMPTY
         bar = None
         if show_progress(self.progress):
-            bar = progress_bar(total=self.budget, desc="graph search", unit="graph", leave=False)
+            bar = progress_bar(total=self.limits.budget, desc="graph search", unit="graph", leave=False)
 
         # Matches that failed to apply (a cycle through the rest of the graph) fail again in every
         # descendant that inherits them: remember them instead of rebuilding and re-sorting each time.
         failed: set[tuple] = set()
 
         def expand(state: State) -> None:
-            limit = self.alpha * best.cost
+            limit = self.limits.alpha * best.cost
             for m, d in state.matches:
                 c = state.cost + d
                 if c < limit and (m.key, m.bindings) not in failed:
@@ -175,17 +192,12 @@ class Searcher:
         dequeued = 1
         last_better = 1  # the dequeue that found the best graph so far
         while heap:
-            if dequeued >= self.budget:
-                stopped_by = "budget"
-                break
-            if self.patience is not None and dequeued - last_better >= self.patience:
-                stopped_by = "converged"
-                break
-            if time.perf_counter() - start > self.time_limit:
-                stopped_by = "time limit"
+            stop = self._stop(dequeued, last_better, time.perf_counter() - start)
+            if stop is not None:
+                stopped_by = stop
                 break
             est, _, parent, match = heapq.heappop(heap)
-            if est >= self.alpha * best.cost:
+            if est >= self.limits.alpha * best.cost:
                 continue
             try:
                 state = self.child(parent, match)
@@ -202,7 +214,7 @@ class Searcher:
                 best = state
                 last_better = dequeued
             trace.append(best.cost)
-            if state.cost < self.alpha * best.cost:  # the estimate that queued it can be off (fusion)
+            if state.cost < self.limits.alpha * best.cost:  # the estimate that queued it can be off (fusion)
                 expand(state)
             if len(heap) > 2 * self.max_queue:
                 heap = heapq.nsmallest(self.max_queue, heap)
@@ -218,6 +230,17 @@ class Searcher:
             path=list(best.path), graphs_explored=explored + 1, dequeued=dequeued,
             seconds=time.perf_counter() - start, stopped_by=stopped_by, trace=trace,
             root_candidates=_best_per_rule(root))
+
+    def _stop(self, dequeued: int, last_better: int, elapsed: float) -> SearchStop | None:
+        """Whether a limit stops the search before its next dequeue (checked in this order)."""
+        limits = self.limits
+        if dequeued >= limits.budget:
+            return SearchStop.BUDGET
+        if limits.patience is not None and dequeued - last_better >= limits.patience:
+            return SearchStop.CONVERGED
+        if elapsed > limits.time_limit:
+            return SearchStop.TIME_LIMIT
+        return None
 
 
 def _best_per_rule(state: State, limit: int = 8) -> list[dict]:
@@ -247,5 +270,6 @@ def _derive_constants(parent: State, rw: Rewrite, index: GraphIndex) -> set[str]
 def search(graph: Graph, rules: list[Rule], cost: CostModel, alpha: float = 1.05, budget: int = 1000,
            time_limit: float = 60.0, progress: bool = False, patience: int | None = None) -> SearchResult:
     """Best graph found for ``graph`` under ``cost`` using ``rules`` (see module docstring)."""
-    return Searcher(rules, cost, alpha, budget, time_limit, progress, patience=patience).run(graph)
+    limits = SearchLimits(alpha=alpha, budget=budget, time_limit=time_limit, patience=patience)
+    return Searcher(rules, cost, limits, progress).run(graph)
 

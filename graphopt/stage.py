@@ -60,12 +60,13 @@ estimate, logged once, and the stage goes on.
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -82,8 +83,11 @@ from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, import_onnx, load_model
 from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fuse_conv_bias, split_conv_bias
 from graphopt.rules import Rule, merge_rules, verified_library
-from graphopt.search import SearchResult, search
+from graphopt.search import SearchResult, SearchStop, search
 from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
+
+if TYPE_CHECKING:  # graphopt.winograd is loaded by the stage's last step only
+    from graphopt.winograd import ConvSite
 
 PATIENCE = 200  # dequeued graphs without a cheaper one before the search stops (see GraphStageOptions)
 # The stage's default bound (--time-limit), seconds: a bound, not a budget to fill.  With the kernel-price
@@ -139,6 +143,40 @@ class StageClock:
         return max(0.0, (self.end if until is None else until) - time.perf_counter())
 
 
+class StageStop(enum.Enum):
+    """How the stage ended; the value opens report.json's ``stop_reason`` (a time limit's is followed by what
+    it cut short, :class:`StageCut`)."""
+
+    COMPLETE = "complete"
+    TIME_LIMIT = "time limit"
+
+
+class StageCut(enum.Enum):
+    """A step the stage's time limit cut short, in stage order; the value is how report.json's
+    ``stop_reason`` names it (pricing's with the number of operators estimated)."""
+
+    PRICING = "pricing"
+    SEARCH = "search"
+    E2E_CHECK = "end-to-end check (input kept)"
+    MERGE = "merge alternative"
+    MERGE_NOT_TRIED = "merge alternative (not tried)"
+    WINOGRAD = "winograd (layers not priced or not timed: kept direct)"
+
+    def phrase(self, estimated: int) -> str:
+        """The step in report.json's words; ``estimated``: the operators priced by estimate (pricing's)."""
+        return f"pricing ({estimated} operators estimated, not measured)" if self is StageCut.PRICING else self.value
+
+
+@dataclass(frozen=True)
+class E2ESettings:
+    """How a candidate is checked end to end (:func:`check_end_to_end`): whether at all, the margin it must
+    beat, the interleaved runs per timing block.  The stage's come from :attr:`GraphStageOptions.e2e`."""
+
+    enabled: bool = True
+    margin: float = E2E_MARGIN
+    runs: int = E2E_RUNS
+
+
 @dataclass
 class GraphStageOptions:
     """How the stage searches and checks (the cost model, a component, is passed beside it)."""
@@ -170,6 +208,11 @@ class GraphStageOptions:
             raise UserError(f"--e2e-runs {self.e2e_runs} must be at least 1")
         check_margin(self.e2e_margin)
 
+    @property
+    def e2e(self) -> E2ESettings:
+        """The end-to-end check's settings (``e2e_check``, ``e2e_margin``, ``e2e_runs``)."""
+        return E2ESettings(enabled=self.e2e_check, margin=self.e2e_margin, runs=self.e2e_runs)
+
 
 @dataclass
 class E2ECheck:
@@ -194,6 +237,112 @@ class E2ECheck:
                 "kernels_ms_before": self.kernels_ms_before, "kernels_ms_after": self.kernels_ms_after}
 
 
+def _timed_out(status: str, decision: str) -> bool:
+    return status == "skipped: time limit" or "time limit" in decision
+
+
+def _kept(check: E2ECheck | None) -> bool:
+    """Whether an alternative's end-to-end check keeps it: a verdict measured now or recorded before."""
+    return check is not None and check.status in ("measured", "recorded") and check.kept == "optimized"
+
+
+@dataclass(frozen=True)
+class MergeAlternative:
+    """What :func:`merged_alternative` tried and measured (report.json ``merge_all``): nothing (not asked
+    for), why it was ``skipped``, or its search's stop, what it merged and its end-to-end ``check``."""
+
+    skipped: str = ""  # why it was not tried
+    stopped_by: SearchStop | None = None  # its merge search's stop; None: not searched
+    applied: dict[str, int] = field(default_factory=dict)  # the merges of its graph
+    check: E2ECheck | None = None  # its end-to-end check; None: its search merged nothing
+
+    @property
+    def kept(self) -> bool:
+        return _kept(self.check)
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the time limit cut its search or its check short."""
+        return self.stopped_by is SearchStop.TIME_LIMIT or (
+            self.check is not None and _timed_out(self.check.status, self.check.decision))
+
+    def to_json(self) -> dict[str, Any]:
+        if self.skipped:
+            return {"skipped": self.skipped}
+        if self.stopped_by is None:
+            return {}
+        if self.check is None:
+            return {"stopped_by": self.stopped_by.value}
+        check = {k: v for k, v in self.check.report().items() if k not in ("kept", "e2e_margin")}
+        return {"applied": self.applied, "stopped_by": self.stopped_by.value, **check}
+
+
+@dataclass(frozen=True)
+class WinogradLayer:
+    """One distinct 3x3 conv layer :func:`winograd_alternative` considered: its convs (by output tensor),
+    shapes and tile, whether a neighbouring candidate spares each side a transpose, its prices and choice."""
+
+    convs: tuple[str, ...]
+    n: int
+    c: int
+    k: int
+    h: int
+    w: int
+    tile: int
+    neighbours: tuple[bool, bool]  # (fed by, feeding) another candidate layer
+    decision: str = ""  # "direct", "F(mxm,3x3)" or why it was not priced
+    direct_ms: float | None = None  # None: not priced
+    winograd_ms: float | None = None
+
+    @property
+    def chosen_ms(self) -> float:
+        """The price of what was chosen (its ms must be priced)."""
+        return self.direct_ms if self.decision == "direct" else self.winograd_ms
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"convs": list(self.convs), "n": self.n, "c": self.c, "k": self.k, "h": self.h,
+                               "w": self.w, "tile": self.tile, "neighbours": list(self.neighbours)}
+        if self.direct_ms is not None:
+            out.update(direct_ms=self.direct_ms, winograd_ms=self.winograd_ms)
+        out["decision"] = self.decision
+        return out
+
+
+@dataclass(frozen=True)
+class WinogradAlternative:
+    """What :func:`winograd_alternative` priced and measured (report.json ``winograd``): nothing (no layer
+    wide enough, or not asked for), why it was ``skipped``, or its layers, what it rewrote and its check."""
+
+    layers: tuple[WinogradLayer, ...] = ()
+    skipped: str = ""  # why nothing was priced
+    stopped_by: SearchStop | None = None  # TIME_LIMIT: the clock left layers unpriced
+    applied: dict[str, int] = field(default_factory=dict)  # the rewrites, by tile
+    check: E2ECheck | None = None  # its end-to-end check; None: no layer took Winograd
+
+    @property
+    def kept(self) -> bool:
+        return _kept(self.check)
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the time limit left layers unpriced or cut its check short."""
+        return self.stopped_by is SearchStop.TIME_LIMIT or (
+            self.check is not None and _timed_out(self.check.status, self.check.decision))
+
+    def to_json(self) -> dict[str, Any]:
+        if self.skipped:
+            return {"skipped": self.skipped}
+        if not self.layers:
+            return {}
+        out: dict[str, Any] = {"layers": [layer.to_json() for layer in self.layers]}
+        if self.stopped_by is not None:
+            out["stopped_by"] = self.stopped_by.value
+        if self.check is not None:
+            out.update({"applied": self.applied, **self.check.report()})
+            out["kept"] = self.kept  # in the check's "kept" place: whether the Winograd graph was kept
+        return out
+
+
 @dataclass
 class GraphStageResult:
     """What the stage hands on, and the record of how it decided.
@@ -215,18 +364,29 @@ class GraphStageResult:
     nodes_before: int
     rules: int
     cost_model: str
-    merge_all: dict[str, Any] = field(default_factory=dict)  # what merged_alternative tried and measured
-    stop_reason: str = "complete"  # or what the time limit cut short
+    merge_all: MergeAlternative = field(default_factory=MergeAlternative)  # what merged_alternative tried
+    cut: tuple[StageCut, ...] = ()  # what the time limit cut short, in stage order
     seconds: float = 0.0  # the whole stage
     pricing_failures: dict[str, str] = field(default_factory=dict)  # op type -> why it was priced by estimate
     estimated_prices: int = 0  # operators priced by estimate because the pricing deadline had passed
     frozen_weights: int = 0  # initializers listed as inputs, made weights
-    winograd: dict[str, Any] = field(default_factory=dict)  # what winograd_alternative priced and measured
+    winograd: WinogradAlternative = field(default_factory=WinogradAlternative)  # what winograd_alternative did
 
     @property
     def kept(self) -> str:
         """``check.kept``, or "winograd" when the Winograd convolutions were kept on top of it."""
-        return "winograd" if self.winograd.get("kept") else self.check.kept
+        return "winograd" if self.winograd.kept else self.check.kept
+
+    @property
+    def stopped(self) -> StageStop:
+        return StageStop.TIME_LIMIT if self.cut else StageStop.COMPLETE
+
+    @property
+    def stop_reason(self) -> str:
+        """report.json's ``stop_reason``: "complete", or "time limit: " and what it cut short."""
+        if not self.cut:
+            return self.stopped.value
+        return f"{self.stopped.value}: " + "; ".join(c.phrase(self.estimated_prices) for c in self.cut)
 
 
 def check_margin(margin: float) -> None:
@@ -235,11 +395,12 @@ def check_margin(margin: float) -> None:
 
 
 def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, applied: dict[str, int],
-                     enabled: bool = True, margin: float = E2E_MARGIN, runs: int = E2E_RUNS,
-                     deadline: float | None = None, priced: tuple[float, float] | None = None) -> E2ECheck:
+                     settings: E2ESettings = E2ESettings(), deadline: float | None = None,
+                     priced: tuple[float, float] | None = None) -> E2ECheck:
     """Time both whole graphs with the cost model's engine, in blocks until decided
-    (:func:`graphopt.timing.decide`), and keep ``candidate`` only if it is faster by ``margin`` (a fraction of
-    the original's time) by :func:`graphopt.timing.decide`'s sign test on the blocks.  Nothing is timed when the check is disabled, when no substitution
+    (:func:`graphopt.timing.decide`, ``settings.runs`` runs a block), and keep ``candidate`` only if it is
+    faster by ``settings.margin`` (a fraction of the original's time) by :func:`graphopt.timing.decide`'s sign
+    test on the blocks.  Nothing is timed when the check is disabled (``settings.enabled``), when no substitution
     was applied (folding alone never slows a model down), or when the cost model measures nothing (analytic):
     then the candidate is kept, and ``status`` says the check was not made.  Past ``deadline``, or when the
     engine fails to run either graph, the original is kept.  A verdict is recorded with the cost model
@@ -247,34 +408,37 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
     ``priced``: the kernel prices (seconds) of the input and the candidate over the kernels that differ, when the
     caller has them (the gate then takes its share of the input's; default: :meth:`CostModel.kernel_times` of
     both graphs, and the share of the input's operator-sum price)."""
+    margin, runs = settings.margin, settings.runs
     check_margin(margin)
-    if not enabled:
-        return E2ECheck("optimized", "disabled", margin)
+    if not settings.enabled:
+        return E2ECheck(kept="optimized", status="disabled", margin=margin)
     if not any(applied.values()):
-        return E2ECheck("optimized", "skipped: no substitution applied", margin)
+        return E2ECheck(kept="optimized", status="skipped: no substitution applied", margin=margin)
     # "e2e2": whole models timed in the blocked conv layouts the product builds (GraphRunner.prepare_model)
     key = f"e2e2|{margin!r}|{runs}|{original.structural_hash()}|{candidate.structural_hash()}"
     recorded = (cost_model.recall(key, flag), cost_model.recall(key + "|ms_before"),
                 cost_model.recall(key + "|ms_after"))
     if None not in recorded:  # all three valid, or the verdict is measured again
         faster, before, after = recorded
-        return E2ECheck("optimized" if faster else "original", "recorded", margin, before, after,
-                        cost_model.name, "the verdict of an earlier run with this cost cache")
+        return E2ECheck(kept="optimized" if faster else "original", status="recorded", margin=margin,
+                        ms_before=before, ms_after=after, backend=cost_model.name,
+                        decision="the verdict of an earlier run with this cost cache")
     if deadline is not None and time.perf_counter() >= deadline:
-        return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models")
+        return E2ECheck(kept="original", status="skipped: time limit", margin=margin,
+                        decision="no time left to time both models")
     prices = list(priced) if priced is not None else cost_model.kernel_times([original, candidate])
     k_ms = {} if not prices else {"kernels_ms_before": prices[0] * 1e3, "kernels_ms_after": prices[1] * 1e3}
     if prices:
         # the prices cover the kernels the rewrite changed; the margin is a share of the whole input
         whole = searched_cost(original, cost_model) if priced is None else priced[0]
         if prices[1] - prices[0] > -KERNEL_GATE * margin * whole:
-            return E2ECheck("original", "priced", margin, decision=(
+            return E2ECheck(kept="original", status="priced", margin=margin, decision=(
                 f"the kernels it changes price at {prices[1] * 1e3:.3f} ms against the input's "
                 f"{prices[0] * 1e3:.3f}: not {KERNEL_GATE * margin:.1%} of the input's {whole * 1e3:.1f} ms "
                 "cheaper, so the whole models were not timed"), **k_ms)
     if deadline is not None and time.perf_counter() >= deadline:
-        return E2ECheck("original", "skipped: time limit", margin, decision="no time left to time both models",
-                        **k_ms)
+        return E2ECheck(kept="original", status="skipped: time limit", margin=margin,
+                        decision="no time left to time both models", **k_ms)
     backend: list[str] = []
     # the first block's runs from the input's price when there is one (a lower bound on neither model's
     # time, but of its order: VGG-19's priced layers 104 ms of its 155): 20 runs of VGG-19 were 6 s a block
@@ -295,18 +459,20 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
     try:
         verdict = decide(block, margin, MIN_BLOCKS, MAX_BLOCKS, deadline)
     except LookupError:
-        return E2ECheck("optimized", f"skipped: the {cost_model.name} cost model measures nothing", margin)
+        return E2ECheck(kept="optimized", status=f"skipped: the {cost_model.name} cost model measures nothing",
+                        margin=margin)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run a whole model must not end the stage
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")[:160]
-        return E2ECheck("original", f"failed: {type(exc).__name__}: {first}", margin,
+        return E2ECheck(kept="original", status=f"failed: {type(exc).__name__}: {first}", margin=margin,
                         decision="the whole models could not be timed: the input is kept")
     comp = verdict.comparison
     if "time limit" not in verdict.reason:  # measured to a verdict: a rerun with this cache decides the same
         cost_model.record(key + "|ms_before", comp.baseline_ms)
         cost_model.record(key + "|ms_after", comp.candidate_ms)
         cost_model.record(key, 1.0 if verdict.faster else 0.0)
-    return E2ECheck("optimized" if verdict.faster else "original", "measured", margin, comp.baseline_ms,
-                    comp.candidate_ms, backend[0] if backend else None, verdict.reason, comp.ratios, **k_ms)
+    return E2ECheck(kept="optimized" if verdict.faster else "original", status="measured", margin=margin,
+                    ms_before=comp.baseline_ms, ms_after=comp.candidate_ms, backend=backend[0] if backend else None,
+                    decision=verdict.reason, ratios=comp.ratios, **k_ms)
 
 
 def finish(graph: Graph) -> tuple[Graph, int, int]:
@@ -344,30 +510,30 @@ def merges_priced_slower(check: E2ECheck, applied: dict[str, int], rules: list[R
 
 
 def merged_alternative(original: Graph, searched: Graph, rules: list[Rule], cost_model: CostModel,
-                       options: GraphStageOptions, clock: StageClock | None = None) -> tuple[Graph | None, dict[str, Any]]:
+                       options: GraphStageOptions,
+                       clock: StageClock | None = None) -> tuple[Graph | None, MergeAlternative]:
     """The graph with every parallel group the merge rules reach merged (searched under
     :class:`~graphopt.cost.kernel_count.KernelCountCost` from ``searched``, the search's input), if it runs
-    faster than ``original`` end to end by the margin; else ``None``.  The dict says what was tried and
-    measured.  With ``clock``, its search gets ``MERGE_SHARE`` of the time left and its check the rest."""
+    faster than ``original`` end to end by the margin; else ``None``.  The :class:`MergeAlternative` says what
+    was tried and measured.  With ``clock``, its search gets ``MERGE_SHARE`` of the time left and its check the
+    rest."""
     limit = options.time_limit if clock is None else max(clock.left() * MERGE_SHARE, 1e-3)
     res = search(searched, merge_rules(rules), KernelCountCost(), options.alpha, options.budget, limit,
                  patience=options.patience)
     if not any(res.applied.values()):
-        return None, {"stopped_by": res.stopped_by}
+        return None, MergeAlternative(stopped_by=res.stopped_by)
     merged = finish(res.graph)[0]
-    check = check_end_to_end(original, merged, cost_model, res.applied, True, options.e2e_margin, options.e2e_runs,
+    check = check_end_to_end(original, merged, cost_model, res.applied, replace(options.e2e, enabled=True),
                              None if clock is None else clock.end)
-    info = {"applied": res.applied, "stopped_by": res.stopped_by, "e2e_check": check.status,
-            "e2e_ms_before": check.ms_before, "e2e_ms_after": check.ms_after, "e2e_backend": check.backend,
-            "e2e_decision": check.decision, "e2e_ratios": list(check.ratios),
-            "kernels_ms_before": check.kernels_ms_before, "kernels_ms_after": check.kernels_ms_after}
-    return (merged if check.status in ("measured", "recorded") and check.kept == "optimized" else None), info
+    alternative = MergeAlternative(stopped_by=res.stopped_by, applied=res.applied, check=check)
+    return (merged if alternative.kept else None), alternative
 
 
 def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStageOptions,
-                         clock: StageClock | None = None) -> tuple[Graph | None, dict[str, Any]]:
+                         clock: StageClock | None = None) -> tuple[Graph | None, WinogradAlternative]:
     """``graph`` with the 3x3 convolutions that pay computed by Winograd (:mod:`graphopt.winograd`), if it
-    runs faster end to end by the margin; else ``None``.  The dict says what was priced and measured.
+    runs faster end to end by the margin; else ``None``.  The :class:`WinogradAlternative` says what was
+    priced and measured.
 
     Each distinct layer (shapes, padding, bias) wide enough (:data:`WINOGRAD_MIN_WIDTH`) and next to another
     such layer (a chain: no transposes between them) is priced alone, as
@@ -381,58 +547,59 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
 
     sites = [s for s in winograd.conv_sites(graph) if s.c * s.k >= WINOGRAD_MIN_WIDTH * (s.c + s.k)]
     if not sites:
-        return None, {}
+        return None, WinogradAlternative()
     context = winograd.neighbours(graph, sites)  # (fed by, feeding) another candidate: no transposes between
     groups: dict[tuple, list[winograd.ConvSite]] = {}
     for s in sites:
         groups.setdefault((s.signature, context[s.node]), []).append(s)
     order = sorted(groups.values(), key=lambda g: -sum(s.macs for s in g))
-    layers: list[dict[str, Any]] = []
+    layers: list[WinogradLayer] = []
     tiles: dict[str, int] = {}
-    info: dict[str, Any] = {"layers": layers}
+    stopped_by = None
     for group in order:
         site = group[0]
         # "convs": the layer's convs by their output tensors (ConvSite.node)
-        row: dict[str, Any] = {"convs": [s.node for s in group], "n": site.n, "c": site.c, "k": site.k,
-                               "h": site.h, "w": site.w, "tile": site.tile()}
-        layers.append(row)
-        nhwc = context[site.node]
-        row["neighbours"] = list(nhwc)
-        if not any(nhwc):
-            row["decision"] = "not priced: isolated (no candidate layer next to it)"
-            continue
-        if clock is not None and clock.left() <= 0:
-            row["decision"] = "not priced: time limit"
-            info["stopped_by"] = "time limit"
-            continue
-        wino = winograd.rewrite(winograd.layer_graph(graph, site, nhwc), {site.node: site.tile()})
-        prices = cost_model.kernel_times([winograd.layer_graph(graph, site), wino])
-        if prices is None:
-            return None, {"skipped": f"the {cost_model.name} cost model does not price kernels"}
-        row["direct_ms"], row["winograd_ms"] = prices[0] * 1e3, prices[1] * 1e3
-        pays = prices[1] <= (1.0 - WINOGRAD_GAIN) * prices[0]
-        row["decision"] = f"F({site.tile()}x{site.tile()},3x3)" if pays else "direct"
-        if pays:
-            tiles.update({s.node: site.tile() for s in group})
+        layer = WinogradLayer(convs=tuple(s.node for s in group), n=site.n, c=site.c, k=site.k, h=site.h,
+                              w=site.w, tile=site.tile(), neighbours=context[site.node])
+        if not any(layer.neighbours):
+            layer = replace(layer, decision="not priced: isolated (no candidate layer next to it)")
+        elif clock is not None and clock.left() <= 0:
+            layer, stopped_by = replace(layer, decision="not priced: time limit"), SearchStop.TIME_LIMIT
+        else:
+            layer = _price_winograd(graph, site, layer, cost_model)
+            if layer is None:
+                return None, WinogradAlternative(skipped=f"the {cost_model.name} cost model does not price kernels")
+            if layer.decision != "direct":
+                tiles.update({s.node: site.tile() for s in group})
+        layers.append(layer)
     if not tiles:
-        return None, info
+        return None, WinogradAlternative(layers=tuple(layers), stopped_by=stopped_by)
     candidate = winograd.rewrite(graph, tiles)
     applied = dict(Counter(f"winograd F({m}x{m},3x3)" for m in tiles.values()))
     # the layers' prices are the gate's (no second pricing of both whole models): the priced layers, direct
     # and as chosen (the operator-sum price, which times every conv alone in NCHW, says 1029 ms for a VGG-19
     # that runs in 156)
-    before = sum(row["direct_ms"] * len(row["convs"]) for row in layers if "direct_ms" in row) / 1e3
-    after = sum(row["winograd_ms" if row["decision"] != "direct" else "direct_ms"] * len(row["convs"])
-                for row in layers if "direct_ms" in row) / 1e3
-    check = check_end_to_end(graph, candidate, cost_model, applied, True, options.e2e_margin, options.e2e_runs,
+    priced = [layer for layer in layers if layer.direct_ms is not None]
+    before = sum(layer.direct_ms * len(layer.convs) for layer in priced) / 1e3
+    after = sum(layer.chosen_ms * len(layer.convs) for layer in priced) / 1e3
+    check = check_end_to_end(graph, candidate, cost_model, applied, replace(options.e2e, enabled=True),
                              None if clock is None else clock.end, priced=(before, after))
-    info.update({"applied": applied, **check.report()})
-    info["kept"] = check.status in ("measured", "recorded") and check.kept == "optimized"
-    return (candidate if info["kept"] else None), info
+    alternative = WinogradAlternative(layers=tuple(layers), stopped_by=stopped_by, applied=applied, check=check)
+    return (candidate if alternative.kept else None), alternative
 
 
-def _timed_out(status: str, decision: str) -> bool:
-    return status == "skipped: time limit" or "time limit" in decision
+def _price_winograd(graph: Graph, site: ConvSite, layer: WinogradLayer, cost_model: CostModel) -> WinogradLayer | None:
+    """``layer`` priced alone, direct and as Winograd (its neighbours' transposes cancelled), and its choice:
+    Winograd where that is :data:`WINOGRAD_GAIN` cheaper; None when the cost model prices no kernels."""
+    from graphopt import winograd
+
+    wino = winograd.rewrite(winograd.layer_graph(graph, site, layer.neighbours), {site.node: site.tile()})
+    prices = cost_model.kernel_times([winograd.layer_graph(graph, site), wino])
+    if prices is None:
+        return None
+    pays = prices[1] <= (1.0 - WINOGRAD_GAIN) * prices[0]
+    return replace(layer, direct_ms=prices[0] * 1e3, winograd_ms=prices[1] * 1e3,
+                   decision=f"F({site.tile()}x{site.tile()},3x3)" if pays else "direct")
 
 
 def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | None = None) -> GraphStageResult:
@@ -458,54 +625,57 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     finally:
         guarded.set_deadline(None)
     estimated = getattr(cost, "estimated", 0) - estimated_before
-    cut: list[str] = []  # what the time limit cut short, in stage order
+    cut: list[StageCut] = []  # what the time limit cut short, in stage order
     if estimated:
-        cut.append(f"pricing ({estimated} operators estimated, not measured)")
-    if result.stopped_by == "time limit":
-        cut.append("search")
-    check = check_end_to_end(original, best, guarded, result.applied, options.e2e_check, options.e2e_margin,
-                             options.e2e_runs, clock.end)
+        cut.append(StageCut.PRICING)
+    if result.stopped_by is SearchStop.TIME_LIMIT:
+        cut.append(StageCut.SEARCH)
+    check = check_end_to_end(original, best, guarded, result.applied, options.e2e, clock.end)
     if _timed_out(check.status, check.decision):
-        cut.append("end-to-end check (input kept)")
-    merged, merge_info = None, {}
+        cut.append(StageCut.E2E_CHECK)
+    merged, merge_all = None, MergeAlternative()
     if options.e2e_check and (check.kept == "original" or not any(result.applied.values())):
-        lost = merges_priced_slower(check, result.applied, rules)
-        if lost:
-            merge_info = {"skipped": lost}
-        elif clock.left() > 0:
-            merged, merge_info = merged_alternative(original, searched, rules, guarded, options, clock)
-            if merge_info.get("stopped_by") == "time limit" or _timed_out(merge_info.get("e2e_check", ""),
-                                                                         merge_info.get("e2e_decision", "")):
-                cut.append("merge alternative")
-        else:
-            merge_info = {"skipped": "time limit"}
-            cut.append("merge alternative (not tried)")
+        merged, merge_all, merge_cut = _merge_step(original, searched, rules, guarded, options, clock, check,
+                                                   result.applied)
+        cut.extend(merge_cut)
     if merged is not None:
-        check = E2ECheck("merged", merge_info["e2e_check"], options.e2e_margin, merge_info["e2e_ms_before"],
-                         merge_info["e2e_ms_after"], merge_info["e2e_backend"], merge_info["e2e_decision"],
-                         tuple(merge_info["e2e_ratios"]), merge_info["kernels_ms_before"],
-                         merge_info["kernels_ms_after"])
-        out, cost_after, applied = merged, searched_cost(merged, guarded), merge_info["applied"]
+        check = replace(merge_all.check, kept="merged")
+        out, cost_after, applied = merged, searched_cost(merged, guarded), merge_all.applied
     elif check.kept == "optimized":
         out, cost_after, applied = best, candidate_cost, result.applied
     else:
         out, cost_after, applied = original, cost_before, {}
-    wino, wino_info = None, {}
+    wino, wino_info = None, WinogradAlternative()
     if options.e2e_check and options.winograd:
         wino, wino_info = winograd_alternative(out, guarded, options, clock)
-        if wino_info.get("stopped_by") == "time limit" or _timed_out(wino_info.get("e2e_check", ""),
-                                                                    wino_info.get("e2e_decision", "")):
-            cut.append("winograd (layers not priced or not timed: kept direct)")
+        if wino_info.timed_out:
+            cut.append(StageCut.WINOGRAD)
     if wino is not None:
         # cost_after stays the operator-sum price of the graph before the rewrite: that price cannot see
         # Winograd (its transforms are priced as the kernels they fuse into: wino_info), and pricing each new
         # operator alone would cost seconds per layer
-        out, applied = wino, {**applied, **wino_info["applied"]}
-    stop_reason = "time limit: " + "; ".join(cut) if cut else "complete"
-    return GraphStageResult(out, check, result, cost_before, cost_after, applied, candidate_cost, folded,
-                            deduplicated, len(graph.nodes), len(rules), cost.name, merge_info, stop_reason,
-                            time.perf_counter() - clock.start, dict(guarded.failures), estimated, len(frozen),
-                            wino_info)
+        out, applied = wino, {**applied, **wino_info.applied}
+    return GraphStageResult(
+        graph=out, check=check, search=result, cost_before=cost_before, cost_after=cost_after, applied=applied,
+        candidate_cost_after=candidate_cost, folded_nodes=folded, deduplicated_nodes=deduplicated,
+        nodes_before=len(graph.nodes), rules=len(rules), cost_model=cost.name, merge_all=merge_all, cut=tuple(cut),
+        seconds=time.perf_counter() - clock.start, pricing_failures=dict(guarded.failures),
+        estimated_prices=estimated, frozen_weights=len(frozen), winograd=wino_info)
+
+
+def _merge_step(original: Graph, searched: Graph, rules: list[Rule], cost: CostModel, options: GraphStageOptions,
+                clock: StageClock, check: E2ECheck,
+                applied: dict[str, int]) -> tuple[Graph | None, MergeAlternative, tuple[StageCut, ...]]:
+    """The merge-everything alternative where the search's result was not kept: skipped when the search's
+    merges priced slower (:func:`merges_priced_slower`) or no time is left, else :func:`merged_alternative`;
+    with what the time limit cut short of it."""
+    lost = merges_priced_slower(check, applied, rules)
+    if lost:
+        return None, MergeAlternative(skipped=lost), ()
+    if clock.left() <= 0:
+        return None, MergeAlternative(skipped="time limit"), (StageCut.MERGE_NOT_TRIED,)
+    merged, alternative = merged_alternative(original, searched, rules, cost, options, clock)
+    return merged, alternative, (StageCut.MERGE,) if alternative.timed_out else ()
 
 
 def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
@@ -536,7 +706,7 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "graphs_explored": res.search.graphs_explored,
         "seconds": time.perf_counter() - start,
         "search_seconds": res.search.seconds,
-        "stopped_by": res.search.stopped_by,
+        "stopped_by": res.search.stopped_by.value,
         **check.to_dict(),
         "outputs_equal": check.ok,
         "check_failure": check.reason(),
@@ -546,8 +716,8 @@ def optimize_onnx(model: onnx.ModelProto | str | os.PathLike, cost: CostModel,
         "deduplicated_nodes": res.deduplicated_nodes,
         "cost_model": res.cost_model,
         "root_candidates": res.search.root_candidates,
-        "merge_all": res.merge_all,
-        "winograd": res.winograd,
+        "merge_all": res.merge_all.to_json(),
+        "winograd": res.winograd.to_json(),
         "rules": res.rules,
         "stage_seconds": res.seconds,
         "stop_reason": res.stop_reason,

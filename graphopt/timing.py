@@ -266,5 +266,5 @@ def latency_of(samples_ms: Sequence[float], timed_s: float | None = None) -> Lat
     xs = np.asarray(samples_ms, dtype=np.float64)
     p50, p90, p99 = (float(v) for v in np.percentile(xs, [50, 90, 99]))
     wall = timed_s if timed_s else float(xs.sum()) / 1e3
-    return Latency(p50, p90, p99, float(xs.mean()), float(xs.min()), len(xs), len(xs) / wall if wall > 0 else 0.0,
-                   wall)
+    return Latency(p50_ms=p50, p90_ms=p90, p99_ms=p99, mean_ms=float(xs.mean()), min_ms=float(xs.min()), runs=len(xs),
+                   throughput=len(xs) / wall if wall > 0 else 0.0, timed_s=wall)

@@ -215,7 +215,8 @@ def conv_sites(graph: Graph) -> list[ConvSite]:
         if bias and (not graph.is_constant(n.inputs[2]) or graph.initializers[n.inputs[2]].ndim != 1):
             continue
         pads = tuple(int(p) for p in n.attr("pads", [0, 0, 0, 0]))
-        site = ConvSite(n.outputs[0], shape[0], shape[1], int(weight.shape[0]), shape[2], shape[3], pads, bias)
+        site = ConvSite(node=n.outputs[0], n=shape[0], c=shape[1], k=int(weight.shape[0]), h=shape[2], w=shape[3],
+                        pads=pads, bias=bias)
         if min(site.out_hw) >= 1:
             sites.append(site)
     return sites

@@ -26,10 +26,11 @@ def runs_here(target) -> bool:
 
 def target_key(target) -> str:
     """What a measurement depends on besides the host CPU: the code's CPU and features and the threads."""
+    from kerneltune.targets.host import num_cores
+
     attrs = target.attrs
     mattr = ",".join(str(a) for a in attrs["mattr"]) if "mattr" in attrs else ""
-    cores = int(attrs["num-cores"]) if "num-cores" in attrs else 1
-    return f"{attrs['mcpu'] if 'mcpu' in attrs else ''}|{mattr}|t{cores}"
+    return f"{attrs['mcpu'] if 'mcpu' in attrs else ''}|{mattr}|t{num_cores(target)}"
 
 
 # (fact, target key) -> value, for this process: default configs are asked for thousands of times.

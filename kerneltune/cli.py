@@ -36,7 +36,7 @@ from kerneltune.records import RecordLog
 from kerneltune.searchers import FACTOR_ONLY, SEARCHERS, check_searcher, make_searcher
 from kerneltune.opkinds import KINDS, OP_KINDS, op_kind, operand_shapes, parse_shape
 from kerneltune.stopping import StopReason, StopRule
-from kerneltune.targets.host import default_threads
+from kerneltune.targets.host import default_threads, num_cores
 from kerneltune.targets.parse import TARGET_HELP, build_spec, check_name
 from kerneltune.targets.registry import TargetRequest, gflops_ceiling
 from kerneltune.tune import TaskRecords, TaskTuner, run_task
@@ -177,7 +177,7 @@ def run_operator(args: argparse.Namespace) -> dict[str, Any]:
     searcher = make_searcher(args.searcher, space, args.seed, fixed=fixed)
     # numpy's matmul with the kernel's threads, timed now: no tuner worker runs yet (the measurer starts at
     # the first batch).  Not with --rpc: the kernels run on another machine than numpy would.
-    threads = int(spec.target.attrs.get("num-cores", 0)) or default_threads()
+    threads = num_cores(spec.target, default=0) or default_threads()
     baseline = (numpy_baseline(task.dims["M"], task.dims["K"], task.dims["N"], threads)
                 if task.kind == "matmul" and not args.rpc else None)
     np_gflops = baseline.gflops if baseline else None

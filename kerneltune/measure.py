@@ -57,6 +57,7 @@ import tvm
 
 from kerneltune.builder import Builder, BuilderInput, LocalBuilder
 from kerneltune.runner import RunConfig, Runner, RunnerInput, RunnerResult, SessionRunner, check_rpc
+from kerneltune.targets.host import num_cores
 from kerneltune.targets.registry import kind_of
 from kerneltune.targets.threads import tvm_num_threads
 
@@ -122,7 +123,7 @@ class MeasureOptions:
 def worker_env(target) -> dict[str, str]:
     """The environment of the build and run workers: ``TVM_NUM_THREADS`` from the environment, else the
     target's ``num-cores`` (TVM would use one thread on this VM otherwise)."""
-    cores = int(target.attrs["num-cores"]) if "num-cores" in target.attrs else (os.cpu_count() or 1)
+    cores = num_cores(target, default=os.cpu_count() or 1)
     return {"TVM_NUM_THREADS": str(tvm_num_threads(cores))}
 
 

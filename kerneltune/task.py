@@ -269,7 +269,8 @@ def classify_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
     key = f"{kind}_{shape_part}_{dtype}_{'+'.join(epi) or 'none'}_{shash:08x}"
     names = tuple(b.name_hint for b in blocks)
     weights = tuple(func.params[i].name for i in layout_free_params(func))
-    return Task(name, kind, func, flops, key, anchor.name_hint, axes, dims, dtype, epi, names, ins, outs, weights)
+    return Task(name=name, kind=kind, func=func, flops=flops, key=key, anchor=anchor.name_hint, axes=axes, dims=dims,
+                dtype=dtype, epilogue=epi, block_names=names, inputs=ins, outputs=outs, weights=weights)
 
 
 def _classify_matmul(xv, yv, out_vars, k, ext):

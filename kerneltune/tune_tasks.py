@@ -205,8 +205,9 @@ def tune_tasks(tasks: list[TuningTask], run: TuningRun, measure_factory: Callabl
                                   lambda cs, task=t.task: m.measure(task, cs),
                                   TaskRecords(t.task.key, target_key, log, timing, t.flops, ceiling),
                                   stored=stored.get(t.task.key, []), guard=guard, stop=run.stop)
-                states.append(_State(t, tuner, default,
-                                     TaskTuning(t.index, t.name, t.task.key, t.kind, t.weight, t.flops, None, None)))
+                report = TaskTuning(index=t.index, name=t.name, key=t.task.key, kind=t.kind, weight=t.weight,
+                                    flops=t.flops, default_ms=None, best_ms=None)
+                states.append(_State(t, tuner, default, report))
             stopped, objective = _run_rounds(states, run, deadline)
     finally:
         log.close()
@@ -220,9 +221,10 @@ def tune_tasks(tasks: list[TuningTask], run: TuningRun, measure_factory: Callabl
         if s.report.default_ms is None or s.report.best_ms < s.report.default_ms:
             best[s.report.key] = config
             s.report.config = s.tuner.space.as_dict(config)
-    return TuningResult(best, [s.report for s in states], stopped.spent, objective, run.scheduler, run.searcher,
-                        time.perf_counter() - t0, sum(s.tuner.measured_now for s in states), stopped.reason,
-                        run.stop)
+    return TuningResult(best_configs=best, tasks=[s.report for s in states], trials=stopped.spent,
+                        objective=objective, scheduler=run.scheduler, searcher=run.searcher,
+                        seconds=time.perf_counter() - t0, measured_now=sum(s.tuner.measured_now for s in states),
+                        stop_reason=stopped.reason, stop=run.stop)
 
 
 class _ModelRounds(Rounds):

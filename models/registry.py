@@ -16,7 +16,7 @@ from models.inception import build_inception
 from models.mlp import build_mlp
 from models.nasrnn import build_nasrnn
 from models.resnet import RESNET50, RESNEXT50, build_resnet
-from models.rnn_lm import build_rnn_lm
+from models.rnn_lm import RnnLmConfig, build_rnn_lm
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("lstm-lm", "word-level LSTM LM: embedding, 2 ONNX LSTM layers of hidden 256, vocab 1000 head; "
               "seq 32, batch 1", lambda seed: build_rnn_lm(seed)),
     ModelSpec("gru-lm", "the same LM with bidirectional GRU layers (linear_before_reset, as torch exports)",
-              lambda seed: build_rnn_lm(seed, "GRU", bidirectional=True, name="gru-lm")),
+              lambda seed: build_rnn_lm(seed, RnnLmConfig(cell="GRU", bidirectional=True), name="gru-lm")),
     ModelSpec("mlp", "MLP 784-1024-1024-1024-10, batch 64 (Gemm+Relu layers, MatMul+Add head)",
               lambda seed: build_mlp(seed)),
 ]}

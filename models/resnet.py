@@ -31,14 +31,25 @@ _EXPANSION = 4
 _BRANCH_GAIN = 0.2
 
 
-def _conv(b: GraphBuilder, x: str, path: str, c_in: int, c_out: int, k: int, stride: int = 1,
-          groups: int = 1, relu: bool = True, gain: float = 1.0) -> str:
+@dataclass(frozen=True)
+class _Conv:
+    """A convolution's shape: channels in and out, a square ``k`` x ``k`` kernel, its stride and groups."""
+
+    c_in: int
+    c_out: int
+    k: int
+    stride: int = 1
+    groups: int = 1
+
+
+def _conv(b: GraphBuilder, x: str, path: str, conv: _Conv, relu: bool = True, gain: float = 1.0) -> str:
+    c_in, c_out, k, groups = conv.c_in, conv.c_out, conv.k, conv.groups
     fan_in = c_in // groups * k * k
     w = b.he(f"{path}.weight", (c_out, c_in // groups, k, k), fan_in, gain)
     bias = b.normal(f"{path}.bias", (c_out,), 0.05)
     pad = k // 2
     y = b.op("Conv", [x, w, bias], f"{path.replace('.', '/')}/Conv", dilations=[1, 1], group=groups,
-             kernel_shape=[k, k], pads=[pad] * 4, strides=[stride, stride])
+             kernel_shape=[k, k], pads=[pad] * 4, strides=[conv.stride, conv.stride])
     return b.op("Relu", [y], f"{path.replace('.', '/')}/Relu") if relu else y
 
 
@@ -46,11 +57,11 @@ def _bottleneck(b: GraphBuilder, x: str, path: str, c_in: int, planes: int, stri
                 cfg: ResNetConfig) -> str:
     width = int(planes * (cfg.width_per_group / 64.0)) * cfg.groups
     c_out = planes * _EXPANSION
-    y = _conv(b, x, f"{path}.conv1", c_in, width, 1)
-    y = _conv(b, y, f"{path}.conv2", width, width, 3, stride, cfg.groups)
-    y = _conv(b, y, f"{path}.conv3", width, c_out, 1, relu=False, gain=_BRANCH_GAIN)
+    y = _conv(b, x, f"{path}.conv1", _Conv(c_in, width, 1))
+    y = _conv(b, y, f"{path}.conv2", _Conv(width, width, 3, stride=stride, groups=cfg.groups))
+    y = _conv(b, y, f"{path}.conv3", _Conv(width, c_out, 1), relu=False, gain=_BRANCH_GAIN)
     if stride != 1 or c_in != c_out:
-        x = _conv(b, x, f"{path}.downsample.0", c_in, c_out, 1, stride, relu=False)
+        x = _conv(b, x, f"{path}.downsample.0", _Conv(c_in, c_out, 1, stride=stride), relu=False)
     y = b.op("Add", [y, x], f"{path.replace('.', '/')}/Add")
     return b.op("Relu", [y], f"{path.replace('.', '/')}/Relu_1")
 
@@ -58,7 +69,7 @@ def _bottleneck(b: GraphBuilder, x: str, path: str, c_in: int, planes: int, stri
 def build_resnet(cfg: ResNetConfig = RESNET50, seed: int = 0, name: str = "resnet50") -> onnx.ModelProto:
     b = GraphBuilder(name, seed, opset=17)
     x = b.input("input", (cfg.batch, 3, cfg.image, cfg.image))
-    x = _conv(b, x, "conv1", 3, 64, 7, stride=2)
+    x = _conv(b, x, "conv1", _Conv(3, 64, 7, stride=2))
     x = b.op("MaxPool", [x], "maxpool/MaxPool", ceil_mode=0, dilations=[1, 1], kernel_shape=[3, 3],
              pads=[1, 1, 1, 1], strides=[2, 2])
     c_in = 64

@@ -137,9 +137,10 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
             inputs = path
         shapes = {str(k): tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
         out = Path(output) if output is not None else scratch / "built"
-        tuning = TuneOptions(int(trials), kernels, scheduler, searcher, str(records) if records else None, rpc,
-                             skip_tune, progress, None if tuning_timeout is None else float(tuning_timeout),
-                             None if early_stop is None else int(early_stop))
+        tuning = TuneOptions(trials=int(trials), kernels=kernels, scheduler=scheduler, searcher=searcher,
+                             records=str(records) if records else None, rpc=rpc, skip=skip_tune, progress=progress,
+                             timeout=None if tuning_timeout is None else float(tuning_timeout),
+                             early_stop=None if early_stop is None else int(early_stop))
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
                                   input_shapes=ShapeRequest(shapes, sizes, ranges),
                                   inputs=str(inputs) if inputs is not None else None,

@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,11 +33,12 @@ from graphopt.validate import ModelInput, check_model
 from graphopt.timing import WARMUP, Plan, Timing, time_blocks
 from kerneltune.targets.host import host_cpu, host_model_name
 from kerneltune.targets.registry import device_for
-from pipeline import metaschedule, stages, tuning
+from pipeline import metaschedule, tuning
+from pipeline.chain import Built, ChainRequest, run_chain
 from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_device
 from pipeline.context import BuildContext
 from pipeline.frontend import BRANCH_BLOCKERS
-from pipeline.partition import partition, select_tasks
+from pipeline.partition import partition
 from pipeline.profile import KernelTime, profile_kernels
 from pipeline.report import RATIO_MEANING, time_ratio
 
@@ -158,8 +159,9 @@ def bench(imported, compiled: dict, ctx: BuildContext, runs: int | Plan, model_n
         engines[key] = model_runner(cm, feeds)
     plan = runs if isinstance(runs, Plan) else Plan(runs)
     times = time_plan(engines, plan)
-    return BenchResult(model_name, spec.kind if spec else "", threads, plan.runs, times, checks, ctx.tuning.trials,
-                       tuned_choice, warmup=plan.warmup, duration_s=plan.duration_s, skipped=skipped)
+    return BenchResult(model=model_name, target=spec.kind if spec else "", threads=threads, runs=plan.runs,
+                       timings=times, checks=checks, trials=ctx.tuning.trials, tuned_choice=tuned_choice,
+                       warmup=plan.warmup, duration_s=plan.duration_s, skipped=skipped)
 
 
 def time_plan(runners: dict[str, Callable[[], object]], plan: Plan) -> dict[str, Timing]:
@@ -317,53 +319,43 @@ def compile_engines(model: ModelInput | str, ctx: BuildContext, opts: BenchOptio
     tuned schedules if they are faster end to end, else the default schedules - a benchmark of the product
     reports what the user gets, and the choice (with its timings) says whether tuning won.
 
-    The TVM default build is compiled once and reused; the graph-optimized model is partitioned once and
-    serves both the graphopt engine and (with its tuned configs) the tuned engine.  ``model`` is a checked
-    model (:func:`graphopt.validate.check_model`) or a path, checked here; every engine compiles it specialized
-    on the control inputs whose value a build needs, as optimize-model does (:mod:`graphopt.specialize`).
-    The stages are :mod:`pipeline.stages`'; the graph stage prices for the context's target as given (its
-    ``-mcpu``/``-mattr`` too), as optimize-model's does.
+    Each engine is a run of the one chain (:func:`pipeline.chain.run_chain`): without the graph stage, with
+    it, and tuned, which starts from the graph-staged run's lowering instead of redoing it.  ``model`` is a
+    checked model (:func:`graphopt.validate.check_model`) or a path, checked here; every engine compiles it
+    specialized on the control inputs whose value a build needs, as optimize-model does
+    (:mod:`graphopt.specialize`); onnxruntime runs it as given.  The graph stage prices for the context's
+    target as given (its ``-mcpu``/``-mattr`` too), as optimize-model's does.
     """
     if not isinstance(model, ModelInput):
         model = check_model(model, ctx.input_shapes)
-    input_shapes = model.input_shapes
-    spec = ctx.spec
+    proto = specialize_model(model, BRANCH_BLOCKERS)[0]
     seconds: dict[str, float] = {}
 
-    def timed(stage: str, fn, *args, **kw):
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - t0, 2)
-        return out
+    def chain(variant: BuildContext, request: ChainRequest) -> Built:
+        built = run_chain(variant, request)
+        for stage, facts in built.log.stages.items():
+            seconds[stage] = round(seconds.get(stage, 0.0) + facts["time_s"], 2)
+        seconds["compile"] = round(seconds.get("compile", 0.0) + (built.compiled.build_s if built.compiled else 0), 2)
+        return built
 
-    def lower(proto, shapes=None) -> stages.Lowered:
-        lowered = stages.lower(proto, spec, ctx.layout, shapes)
-        for stage, s in (("import", lowered.import_s), ("layout_partition", lowered.partition_s)):
-            seconds[stage] = round(seconds.get(stage, 0.0) + s, 2)
-        return lowered
-
-    proto = timed("import", specialize_model, model, BRANCH_BLOCKERS)[0]
-    base = lower(proto, input_shapes)
-    imported = base.imported
-    untuned = lambda lowered: stages.build_untuned(lowered, ctx)[0]  # noqa: E731 - held to the sanity floor
-    engines = {"tvm": timed("compile", untuned, base)}
-    graph, graph_proto = base, proto
-    choice = None
+    request = ChainRequest(proto, model.input_shapes)
+    base = chain(ctx.without_graph_stage(), request)
+    imported = replace(base.lowered.imported, onnx_model=proto)  # onnxruntime runs the model as given
+    engines = {"tvm": base.compiled}
+    graph = base
     if not ctx.skip_graph:
-        optimized = timed("graph", stages.graph_stage, ctx, proto, input_shapes, stages.StageLog()).model
-        graph, graph_proto = lower(optimized), optimized
-        engines["graphopt"] = timed("compile", untuned, graph)
+        graph = chain(ctx, request)
+        engines["graphopt"] = graph.compiled
+    choice = None
     if ctx.tuning.trials > 0:
         work = Path(opts.work_dir or tempfile.mkdtemp(prefix="bench-model-"))
-        ctx = ctx.with_records(work / "records.jsonl")
-        run = tuning.tuning_run(ctx)
-        result = timed("tuning", tuning.tune_model, select_tasks(graph.part.tasks, ctx.tuning.kernels), run)
-        engines["tuned"], choice = timed("tuning", tuning.pick_build,
-                                         timed("compile", stages.build, graph, spec, result.best_configs), graph,
-                                         ctx, result.best_configs, graph_proto.SerializeToString())
+        tuned_ctx = ctx.with_records(work / "records.jsonl")
+        tuned = chain(tuned_ctx, replace(request, tuning=tuning.tuning_run(tuned_ctx), reuse=graph))
+        engines["tuned"], choice = tuned.compiled, tuned.choice
         if not opts.skip_metaschedule:  # TVM's own tuner on the model as imported (no layout stage)
             plain = partition(imported.mod)
-            ms_mod = timed("metaschedule", metaschedule.tune, plain, spec, ctx.tuning.trials, work / "metaschedule",
-                           ctx.seed)
-            engines["metaschedule"] = timed("compile", compile_partition, imported, plain, spec, base=ms_mod)
+            t0 = time.perf_counter()
+            ms_mod = metaschedule.tune(plain, ctx.spec, ctx.tuning.trials, work / "metaschedule", ctx.seed)
+            engines["metaschedule"] = compile_partition(imported, plain, ctx.spec, base=ms_mod)
+            seconds["metaschedule"] = round(time.perf_counter() - t0, 2)
     return imported, engines, choice, seconds

@@ -117,8 +117,9 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
     t.add_argument("--skip-tune", action="store_true", help="no tuning even with --trials: default schedules")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    tuning = TuneOptions(args.trials, args.kernels, args.scheduler, args.searcher, args.records, args.rpc,
-                         args.skip_tune, not args.no_progress, args.timeout, args.early_stop).validate()
+    tuning = TuneOptions(trials=args.trials, kernels=args.kernels, scheduler=args.scheduler, searcher=args.searcher,
+                         records=args.records, rpc=args.rpc, skip=args.skip_tune, progress=not args.no_progress,
+                         timeout=args.timeout, early_stop=args.early_stop).validate()
     threads = set_threads(args.threads)
     ctx = BuildContext.create(args.target, threads=threads, seed=args.seed, tuning=tuning, layout=args.layout,
                               skip_graph=args.skip_graph, graph_time_limit=args.time_limit,
@@ -430,16 +431,25 @@ def _latency_words(stats, warmup: int, threads: int | None, rpc: str | None) -> 
             f"after {warmup} warm-up, {threads} threads{where})")
 
 
-def _tvm_runner(threads: int) -> GraphRunner:
+def _tvm_runner(threads: int, target: str = "llvm") -> GraphRunner:
+    """``graphopt optimize --backend tvm``'s runner: it builds for ``--target`` as parsed (``-mcpu``/``-mattr``
+    included), its spec made from that request when first needed, as optimize-model's BuildContext makes
+    its own."""
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
     from pipeline.graph_runner import TvmRunner
     from pipeline.stages import compile_graph, compile_model, kernel_times
 
-    return TvmRunner(compile_graph, threads, price_kernels=kernel_times, compile_model=compile_model)
+    return TvmRunner(compile_graph, threads, price_kernels=kernel_times, compile_model=compile_model,
+                     request=check_name(target))
+
+
+def _ort_runner(threads: int, target: str = "llvm") -> GraphRunner:
+    """onnxruntime's runner: it runs on this CPU whatever ``--target`` names."""
+    return OrtRunner(threads)
 
 
 GRAPHOPT_COMPONENTS = graphopt_cli.Components(
-    runners={"tvm": _tvm_runner, "ort": OrtRunner},
+    runners={"tvm": _tvm_runner, "ort": _ort_runner},
     target_kinds=KINDS,
     check_target=lambda name: check_name(name).cost_kind,
 )

@@ -19,7 +19,7 @@ import os
 import struct
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,23 +27,21 @@ import numpy as np
 import onnx
 import tvm
 from tvm import relax
-from tvm.s_tir import dlight as dl
 
 from graphopt.compare import Comparison, compare_runs
 from graphopt.quant_tolerance import model_tolerance
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
-from kerneltune import templates
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
 from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline import cpu_pool
-from pipeline.cpu_rules import Injective, LaneReduction, ParallelFallback, RowReduction
 from pipeline.partition import FusedTask, Partition
 from pipeline.int8 import SCHEDULED_BY
 from pipeline.relax_import import ImportedModel
+from pipeline.schedule_sources import ScheduleSource, schedule_sources
 
 log = logging.getLogger(__name__)
 
@@ -99,51 +97,20 @@ def amdgpu_code_objects(blob: bytes) -> list[bytes]:
     return out
 
 
-def _cpu_rules() -> list:
-    # Injective first: it declines any kernel with a reduction, and dlight's rules start by inlining every
-    # block (try_inline), which recomputes reused values exponentially before they decline an elementwise
-    # kernel (see pipeline.cpu_rules).
-    return [Injective(), LaneReduction(), RowReduction(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
-
-
-def _gpu_rules() -> list:
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-
-
-def _apply_rules(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rules: list) -> tvm.tirx.PrimFunc | None:
-    """First rule that schedules ``func`` without a schedule error wins; None when none applies."""
-    for rule in rules:
-        try:
-            sch = rule.apply(func, target, False)
-        except RuntimeError:  # ScheduleError and TVM's internal errors (tvm.error.TVMError is gone in 0.27)
-            continue  # a rule that matched the pattern but could not transform it: try the next one
-        if sch is None:
-            continue
-        sch = sch[0] if isinstance(sch, list) else sch
-        return sch.mod["main"]
-    return None
-
-
-def _template_schedule(task: FusedTask, config: Any | None, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
-    """The template's schedule of ``config`` (None: its default), chosen on the task; a kernel with a symbolic
-    extent is scheduled itself with the config of its instance (:mod:`pipeline.symbolic`)."""
-    cfg = config if config is not None else templates.default_config(task.task, target)
-    return templates.apply(replace(task.task, func=task.func) if task.symbolic else task.task, cfg, target)
-
-
 def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = None,
-             base: tvm.IRModule | None = None) -> tuple[tvm.IRModule, dict[str, str]]:
-    """Return the fused module with every kernel scheduled, and how each task was scheduled.
+             base: tvm.IRModule | None = None, replaced: dict[str, Any] | None = None,
+             ) -> tuple[tvm.IRModule, dict[str, str]]:
+    """Return the fused module with every kernel scheduled, and how each task was scheduled: by the first of
+    :func:`pipeline.schedule_sources.schedule_sources` that has a schedule for it (``tuned``: the tuner's best
+    configs by kerneltune task key; ``replaced``: the sanity floor's; the template defaults, the rules).
 
-    ``tuned`` maps a kerneltune task key to its best config; tasks without an entry get the defaults.
     ``base`` replaces the partition's module (e.g. with MetaSchedule's schedules applied); kernels it
-    already marks as scheduled are kept.
+    already marks as scheduled are kept, as are those a pass scheduled when it wrote them.
     """
-    tuned = tuned or {}
+    sources = schedule_sources(spec, tuned, replaced)
     target = spec.target
     mod = (base or part.mod).clone()  # never schedule the partition's own module in place
     how: dict[str, str] = {}
-    rules = _gpu_rules() if spec.is_gpu else _cpu_rules()
     for task in part.tasks:
         current = mod[task.names[0]]
         if "tirx.is_scheduled" in current.attrs and bool(current.attrs["tirx.is_scheduled"]):
@@ -151,25 +118,7 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
             # themselves), else MetaSchedule's database
             how[task.name] = str(current.attrs.get(SCHEDULED_BY, "metaschedule"))
             continue
-        func, source, note = None, "none", ""
-        key = getattr(task.task, "key", None)
-        attempts = []
-        if task.task is not None and key in tuned:
-            attempts.append(("tuned", tuned[key]))
-        if task.task is not None and not spec.is_gpu:
-            attempts.append(("template", None))
-        for label, config in attempts:
-            try:
-                func, source = _template_schedule(task, config, target), label
-                break
-            except Exception as exc:  # noqa: BLE001 - a template bug must cost speed, not the build
-                note += f" ({label} failed: {type(exc).__name__}: {str(exc).strip()[:120]})"
-                log.warning("warning: %s schedule of %s failed (%s); falling back", label, task.name, exc)
-        if func is None:
-            with target:
-                func = _apply_rules(task.func, target, rules)
-            source = ("dlight" if spec.is_gpu else "cpu-rule") if func is not None else "none"
-        how[task.name] = source + note
+        func, how[task.name] = _first_schedule(task, target, sources)
         if func is None:
             continue
         func = func.with_attr("tirx.is_scheduled", True)
@@ -177,6 +126,23 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
             gv = mod.get_global_var(name)
             mod[gv] = func.with_attr("global_symbol", name) if "global_symbol" in task.func.attrs else func
     return mod, how
+
+
+def _first_schedule(task: FusedTask, target: tvm.target.Target,
+                    sources: Sequence[ScheduleSource]) -> tuple[tvm.tirx.PrimFunc | None, str]:
+    """(the first source's schedule of ``task``, its label with the failures before it noted); a source that
+    fails costs speed, not the build: the next one is asked."""
+    note = ""
+    for source in sources:
+        try:
+            func = source.schedule(task, target)
+        except Exception as exc:  # noqa: BLE001 - a template bug must cost speed, not the build
+            note += f" ({source.label} failed: {type(exc).__name__}: {str(exc).strip()[:120]})"
+            log.warning("warning: %s schedule of %s failed (%s); falling back", source.label, task.name, exc)
+            continue
+        if func is not None:
+            return func, source.label + note
+    return None, "none" + note
 
 
 def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
@@ -187,9 +153,10 @@ def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
 
 
 def compile_partition(imported: ImportedModel, part: Partition, spec: TargetSpec,
-                      tuned: dict[str, Any] | None = None, base: tvm.IRModule | None = None) -> CompiledModel:
+                      tuned: dict[str, Any] | None = None, base: tvm.IRModule | None = None,
+                      replaced: dict[str, Any] | None = None) -> CompiledModel:
     t0 = time.perf_counter()
-    mod, how = schedule(part, spec, tuned, base)
+    mod, how = schedule(part, spec, tuned, base, replaced)
     ex = build(mod, spec)
     return CompiledModel(ex, spec, imported.input_names, how, time.perf_counter() - t0)
 

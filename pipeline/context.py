@@ -156,6 +156,10 @@ class BuildContext:
         """This context with the records file ``path`` (opened for the run: one :class:`RecordLog`)."""
         return self._replace(records=RecordLog(path))
 
+    def without_graph_stage(self) -> BuildContext:
+        """This context with ``--skip-graph``: bench-model's default engine, the model as imported."""
+        return self._replace(skip_graph=True)
+
     def _replace(self, **changes: Any) -> BuildContext:
         new = replace(self, **changes)
         if "spec" in self.__dict__:  # built already: the new context keeps it (the target is built once)

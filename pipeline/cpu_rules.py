@@ -23,7 +23,7 @@ from tvm.s_tir.dlight.base.utils import get_extent
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
-from kerneltune.targets.host import vector_bits
+from kerneltune.targets.host import num_cores, vector_bits
 
 # Below this many output elements per thread the fork/join of the pool costs more than it saves.
 MIN_PARALLEL_ELEMS = 4096
@@ -167,7 +167,7 @@ class Injective(CPUScheduleRule):
         if not infos or not all(b.is_injective() for b in infos):
             return None
         infos = inline_without_blowup(sch, infos)
-        cores = int(target.attrs.get("num-cores", 1))
+        cores = num_cores(target)
         for info in infos:
             _parallel_vectorize(sch, info.block_rv, max(vector_bits(target) // _out_bits(sch, info.block_rv), 1), cores)
         return sch
@@ -184,7 +184,7 @@ class ParallelFallback(CPUScheduleRule):
         if infos is None:
             return None
         infos = inline_without_blowup(sch, infos)
-        if int(target.attrs.get("num-cores", 1)) < 2:
+        if num_cores(target) < 2:
             return sch
         for info in infos:
             loops = sch.get_loops(info.block_rv)
@@ -249,7 +249,7 @@ class RowReduction(CPUScheduleRule):
         row = sch.fuse(*loops[:n - 1]) if n > 2 else loops[0]
         elements = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS
                              for e in rows + [get_extent(sch, loops[-1])])
-        if int(target.attrs.get("num-cores", 1)) > 1 and elements >= MIN_PARALLEL_ELEMS:
+        if num_cores(target) > 1 and elements >= MIN_PARALLEL_ELEMS:
             sch.parallel(row)
         root = sch.get_sblock(sch.mod["main"].body.block.name_hint)
         names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
@@ -315,7 +315,7 @@ class LaneReduction(CPUScheduleRule):
         sch.reorder(*spatial, *reduce_loops, lane)
         outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
         total = get_extent(sch, outer)
-        if int(target.attrs.get("num-cores", 1)) > 1 and isinstance(total, int) and total * lanes >= 64:
+        if num_cores(target) > 1 and isinstance(total, int) and total * lanes >= 64:
             sch.parallel(outer)
         for info in infos[1:]:  # the epilogue (the mean's division) per output chunk, vectorized
             sch.reverse_compute_at(info.block_rv, outer)

@@ -17,8 +17,8 @@ import onnx
 from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
-from kerneltune.targets.parse import parse_target
-from kerneltune.targets.registry import TargetSpec, device_for
+from kerneltune.targets.parse import build_spec, check_name
+from kerneltune.targets.registry import TargetRequest, TargetSpec, device_for
 from kerneltune.targets.threads import set_num_threads, tvm_num_threads
 from pipeline.compile import CompiledModel, to_device
 
@@ -31,26 +31,29 @@ class TvmRunner(GraphRunner):
     def __init__(self, compile_graph: Callable[[onnx.ModelProto, TargetSpec], CompiledModel], threads: int = 1,
                  spec: TargetSpec | None = None,
                  price_kernels: Callable[[list[tuple[onnx.ModelProto, Graph]], TargetSpec], list[float]] | None = None,
-                 compile_model: Callable[[onnx.ModelProto, TargetSpec], CompiledModel] | None = None):
+                 compile_model: Callable[[onnx.ModelProto, TargetSpec], CompiledModel] | None = None,
+                 request: TargetRequest | None = None):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
         self.compile_graph = compile_graph  # one operator, as imported
         self.compile_model = compile_model or compile_graph  # a whole model, as the product builds it
         self.price_kernels = price_kernels  # the fusion-aware price (pipeline.kernel_price), None: none
-        self._spec = spec  # None: this machine's llvm, built when the first graph is prepared
+        self._spec = spec  # None: built from the request when the first graph is prepared (loads TVM)
+        # the --target it prices for (``-mcpu``/``-mattr`` included); None: this machine's llvm
+        self._request = spec.request if spec is not None and request is None else request
 
     @property
     def cache_tag(self) -> str:
         """``tvm``, plus the CPU options of ``--target`` (``-mcpu``, ``-mattr``): code built for another CPU
         model runs at another speed on this one, so its timings are cached apart."""
-        request = self._spec.request if self._spec is not None else None
+        request = self._request
         options = [f"{k}-{v}" for k, v in (request.attrs if request else ()) if k in ("mcpu", "mattr")]
         tag = "-".join([self.name, *options])
         return re.sub(r"[^A-Za-z0-9.=_-]+", "_", tag)[:80]
 
     def _target(self) -> TargetSpec:
         set_num_threads(self.threads)
-        if self._spec is None:
-            self._spec = parse_target("llvm", self.threads)
+        if self._spec is None:  # built as optimize-model's BuildContext builds its spec: from the parsed request
+            self._spec = build_spec(self._request or check_name("llvm"), self.threads)
         return self._spec
 
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:

@@ -25,15 +25,13 @@ from typing import TYPE_CHECKING, Any
 from graphopt.dims import DIM_HELP, shape_request
 from graphopt.errors import UserError
 from graphopt.fileio import check_output_dir, check_output_file, display_path, write_text_atomic
-from graphopt.limits import check_threads
 from graphopt.validate import check_model
 from kerneltune.cli import ModelMode
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.scheduler import SCHEDULERS
 from kerneltune.stopping import StopReason
-from kerneltune.targets.host import default_threads
 from kerneltune.targets.parse import check_name
-from kerneltune.targets.threads import set_num_threads
+from kerneltune.targets.threads import use_threads
 from pipeline.context import BuildContext, TuneOptions
 from pipeline.layout.modes import LAYOUT_HELP, LAYOUTS
 
@@ -118,14 +116,18 @@ def run_model(args: argparse.Namespace) -> int:
         check_export(args)
     ctx, model = model_context(args, tuning)
     # Deferred: TVM loads (seconds) only after the cheap checks, and never for tune-kernels --help.
-    from pipeline import stages
+    from pipeline.chain import ChainRequest, Until, run_chain
 
+    run = None
     if tuning is not None:
         from pipeline.tuning import tuning_run
 
         run = tuning_run(ctx)  # a target that cannot be tuned here: refused before the model is lowered
-        return tune_tasks_of(stages.lower(model.proto, ctx.spec, ctx.layout, model.input_shapes).part, run, args)
-    lowered = stages.lower(model.proto, ctx.spec, ctx.layout, model.input_shapes)
+    # the model's kernels as optimize-model --skip-graph builds them: its records serve that build
+    request = ChainRequest(model.proto, model.input_shapes, until=Until.PARTITION)
+    lowered = run_chain(ctx.without_graph_stage(), request).lowered
+    if run is not None:
+        return tune_tasks_of(lowered.part, run, args)
     if mode == "export":
         from pipeline.ms_export import export_metaschedule
 
@@ -176,8 +178,7 @@ def model_context(args: argparse.Namespace, tuning: TuneOptions | None) -> tuple
     file, checked free of another tuner); no TVM yet."""
     request = check_name(args.target)
     model = check_model(args.model, shape_request(args.input_shape, args.dim))  # a model we would refuse is not listed
-    threads = check_threads(args.threads) or default_threads()
-    set_num_threads(threads)  # before TVM's pool starts: the layout stage times kernels with it
+    threads = use_threads(args.threads)  # before TVM's pool starts: the layout stage times kernels with it
     ctx = BuildContext.create(request, threads=threads, layout=args.layout, seed=args.seed,
                               tuning=tuning or TuneOptions())
     if tuning is not None:

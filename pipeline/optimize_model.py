@@ -19,7 +19,6 @@ import onnx
 
 from graphopt import rlimits
 from graphopt.compare import Comparison, compare_runs
-from graphopt.dynamic import OPTIMIZED, dynamic_model
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import (check_output_dir, check_output_file, display_path, lock_output_dir, write_bytes_atomic,
@@ -90,13 +89,11 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         raise UserError(refusal)
     with lock_output_dir(out, "-o") as folder:  # one writer per folder until the end, also on an error
         # Deferred: these load TVM (seconds), after every cheap check above has passed.
-        from pipeline import stages
+        from pipeline.chain import ChainRequest, restored_sizes, run_chain
         from pipeline.compile import check_outputs
-        from pipeline.partition import select_tasks
         from pipeline.profile import task_times
         from pipeline.symbolic import Served, input_ranges
-        from pipeline.tuning import (NO_TEMPLATE, NOT_SELECTED, pick_build, plot_tuning, shipped_title, stop_fields,
-                                     tune_model, tuning_run)
+        from pipeline.tuning import NO_TEMPLATE, NOT_SELECTED, plot_tuning, shipped_title, tuning_run
 
         original = model.proto
         spec = ctx.spec
@@ -105,48 +102,14 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
             from kerneltune.runner import check_device  # stage; a resume checks when it first needs the device
 
             check_device(tuning.rpc)
-        log = stages.StageLog()
-        staged = stages.graph_stage(ctx, source, model.input_shapes, log)
-        optimized = staged.model
         served = Served.of(original, model.input_shapes, model.ranges)  # --dim NAME=LO:HI (pipeline.symbolic)
-        dynamic = None
-        if served is None:
-            lowered = stages.lower(optimized, spec, ctx.layout,
-                                   built_values=specialized.values if specialized else None)
-        else:  # compiled from optimized.onnx with its symbolic sizes restored and checked, else the input model
-            shipped, dynamic, dynamic_s = _dynamic(original, staged, ctx)
-            compiled_from = shipped if dynamic.form == OPTIMIZED else source
-            lowered = stages.lower(compiled_from, spec, None, model.input_shapes,
-                                   built_values=specialized.values if specialized else None, served=served)
-        imported, part = lowered.imported, lowered.part
-        log.add("partition", lowered.import_s + lowered.partition_s, tasks=len(part.tasks),
-                tunable=sum(t.task is not None for t in part.tasks), gflop=round(part.total_flops() / 1e9, 4),
-                layout=part.layout)
-
-        tuned: dict[str, Any] = {}
-        tune_result = None
-        if run is not None:
-            tune_result = tune_model(select_tasks(part.tasks, tuning.kernels), run)
-            tuned = tune_result.best_configs
-            before = sum(t.weight * (t.default_ms or 0) for t in tune_result.tasks)
-            after = sum(t.weight * (t.final_ms or 0) for t in tune_result.tasks)
-            log.add("tune", tune_result.seconds, trials=tune_result.trials, measured_now=tune_result.measured_now,
-                    scheduler=tune_result.scheduler, searcher=tune_result.searcher, records=display_path(records),
-                    kernel_ms_before=round(before, 4),
-                    kernel_ms_after=round(after, 4), **stop_fields(tune_result),
-                    tasks=[{"index": t.index, "name": t.name, "trials": t.trials, "default_ms": t.default_ms,
-                            "best_ms": t.best_ms, "weight": t.weight, "early_stopped": t.early_stopped}
-                           for t in tune_result.tasks])
-        else:
-            log.add("tune", 0.0, skipped=True, reason="--skip-tune" if tuning.skip else "--trials 0")
-
-        if tune_result is None:  # default schedules, none of them pathological (pipeline.sanity)
-            compiled, floor = stages.build_untuned(lowered, ctx)
-            log.add("sanity", floor.pop("seconds", 0.0), **floor)
-        else:  # the tuned build ships only if it is faster end to end (pipeline.tuning)
-            compiled, choice = pick_build(stages.build(lowered, spec, tuned), lowered, ctx, tuned,
-                                          optimized.SerializeToString())
-            log.stages["tune"]["e2e"] = choice.to_json()
+        built = run_chain(ctx, ChainRequest(source, model.input_shapes,
+                                            built_values=specialized.values if specialized else None,
+                                            served=served, original=original, tuning=run))
+        log, staged, compiled = built.log, built.staged, built.compiled
+        choice, tune_result = built.choice, built.tuning
+        optimized, imported, part = staged.model, built.lowered.imported, built.lowered.part
+        shipped, dynamic, dynamic_s = built.shipped, built.dynamic, built.dynamic_s
         facts: dict[str, Any] = {"schedules": compiled.schedules}
         if spec.can_run:
             # The reference is onnxruntime on the *original* model, so graph rewrites are checked too.
@@ -167,7 +130,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
             facts["served"] = check_served(compiled, original, model.input_shapes, served, ctx.seed)
         log.add("compile", compiled.build_s, **facts)
         t0 = time.perf_counter()
-        pool = int(ctx.threads or spec.target.attrs.get("num-cores", 0) or 1)
+        pool = int(ctx.threads or spec.threads or 1)
         latency = (end_to_end_latency(compiled, imported.graph, original, pool, ctx)
                    if spec.can_run else {"measured": False, "reason": spec.note})
         if latency["measured"]:
@@ -176,7 +139,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         in_model = (task_times(compiled, imported, part.tasks, seed=ctx.seed, samples=ctx.samples)
                     if spec.can_run and not spec.is_gpu else {})
         if dynamic is None:
-            shipped, dynamic, dynamic_s = _dynamic(original, staged, ctx)
+            shipped, dynamic, dynamic_s = restored_sizes(ctx, original, staged)
         log.add("dynamic_shapes", dynamic_s, optimized_onnx=dynamic.form, restored_nodes=dynamic.restored_nodes)
 
         with folder.replace(BUILD_FILES) as new:  # DIR's contents change in one step, once all is written
@@ -198,7 +161,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
                 **build_facts(),  # schema version, time, versions, CPU: pipeline/report_schema.json
                 "model": display_path(model_path), "target": spec.kind, "target_request": ctx.target.text,
                 "target_detail": str(spec.target),
-                "threads": int(spec.target.attrs.get("num-cores", 0)) if spec.kind == "llvm" else None,
+                "threads": spec.threads,
                 "inputs": display_path(ctx.inputs) if ctx.inputs else None,
                 "dims": ctx.dims,  # --dim: the symbolic dimensions fixed by name ({} when none)
                 "deploy": deployment(spec, tensor_specs([i for i in imported.graph.inputs
@@ -220,14 +183,6 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
             write_text_atomic(new / "report.md", report_markdown(report))
             write_text_atomic(new / "report.json", json.dumps(report, indent=2) + "\n")
         return OptimizeResult(out, report)
-
-
-def _dynamic(original: onnx.ModelProto, staged: Any, ctx: BuildContext):
-    """optimized.onnx with the input's symbolic sizes (:func:`graphopt.dynamic.dynamic_model`), its report and
-    the seconds it took."""
-    t0 = time.perf_counter()
-    shipped, dynamic = dynamic_model(original, staged.graph, staged.unfolded, ctx.seed, ctx.samples)
-    return shipped, dynamic, time.perf_counter() - t0
 
 
 def check_served(compiled: Any, original: onnx.ModelProto, shapes: dict, served: Any, seed: int) -> list[dict]:

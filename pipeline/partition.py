@@ -162,8 +162,8 @@ def list_tasks(fused: tvm.IRModule, at: Mapping[str, int] | None = None) -> list
         kt = templates.task_for(gv.name_hint, instance)
         kind = getattr(kt, "kind", None) or "other"
         flops = float(getattr(kt, "flops", 0) or 0) or _flops(instance)
-        task = FusedTask(len(tasks), gv.name_hint, kind, shapes, str(dtype), 1, flops, func, [gv.name_hint], kt,
-                         symbolic)
+        task = FusedTask(index=len(tasks), name=gv.name_hint, kind=kind, shapes=shapes, dtype=str(dtype), weight=1,
+                         flops=flops, func=func, names=[gv.name_hint], task=kt, symbolic=symbolic)
         by_hash[key] = task
         tasks.append(task)
     return tasks

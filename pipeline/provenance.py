@@ -8,7 +8,7 @@ node name travels in two carriers, each where it survives:
 1. **Spans, from the importer to the fusion.**  :func:`tagged_import` wraps the importer's per-node converter
    (and the BlockBuilder's ``emit`` and ``normalize`` while it runs, for what a converter binds itself) and
    gives every call it builds a span whose source name is the ONNX node's name.  Our Relax rewrites carry a
-   call's span into what replaces it (:func:`tag_bound`); TVM's ConvertLayout drops them, and
+   call's span into what replaces it (:func:`tag_normalized`); TVM's ConvertLayout drops them, and
    :func:`carry_spans` restores them.  A binding without a span (FastMathTransform's) is credited to the node
    its variable had before, else to that of the call that consumes it (:func:`binding_nodes`).
 2. **Binding variables, through LegalizeOps and FuseOps.**  LegalizeOps keeps the variables it binds.  A
@@ -51,38 +51,32 @@ class CallSite:
         return cls(str(d["kernel"]), tuple(str(n) for n in d.get("nodes") or ()))
 
 
-def tag(expr: relax.Expr, span: tvm.ir.Span) -> relax.Expr:
-    """``expr`` with every call it builds (not yet bound to a variable, and without a span) carrying ``span``;
-    ``expr`` itself when ``span`` is None."""
+def tag_normalized(bb: relax.BlockBuilder, expr: relax.Expr, span: tvm.ir.Span | None,
+                   normalize=None, memo: dict | None = None) -> relax.Expr:
+    """``expr`` normalized by ``bb`` (``normalize``: how; default the builder's own) with every call it builds
+    carrying ``span``.  Bottom up: normalizing a call binds its nested calls, and a call whose arguments that
+    changes is rebuilt without its span; so the arguments are normalized first, and a call that still lost
+    its span gets it back in a second normalization, which keeps a call whose arguments are bound.  A call
+    reached twice is done once (``memo``, by object): the builder binds an expression used twice once."""
     if span is None:
         return expr
+    normalize = normalize or relax.BlockBuilder.normalize
+    memo = {} if memo is None else memo
+    key = expr.__chandle__()
+    if key in memo:
+        return memo[key]
+    out = expr
     if isinstance(expr, relax.Call) and expr.span is None:
-        return relax.Call(expr.op, [tag(a, span) for a in expr.args], expr.attrs, expr.ty_args, span)
-    if isinstance(expr, relax.Tuple):
-        return relax.Tuple([tag(f, span) for f in expr.fields])
-    return expr
-
-
-def tag_bound(bb: relax.BlockBuilder, expr: relax.Expr, span: tvm.ir.Span | None, emit=None) -> relax.Expr:
-    """:func:`tag`, its nested calls bound to variables first (``emit``).  Why: when normalizing a call
-    changes its arguments (binds a nested call), the normalizer rebuilds it without its span; a call whose
-    arguments are already variables is kept as it is.  ``emit``: how to bind (default ``BlockBuilder.emit``)."""
-    if span is None:
-        return expr
-    emit = emit or relax.BlockBuilder.emit
-
-    def bound(arg):
-        if isinstance(arg, relax.Call):
-            return emit(bb, tag_bound(bb, arg, span, emit), "")
-        if isinstance(arg, relax.Tuple):
-            return relax.Tuple([bound(f) for f in arg.fields])
-        return arg
-
-    if isinstance(expr, relax.Call) and expr.span is None:
-        return relax.Call(expr.op, [bound(a) for a in expr.args], expr.attrs, expr.ty_args, span)
-    if isinstance(expr, relax.Tuple):
-        return relax.Tuple([tag_bound(bb, f, span, emit) for f in expr.fields])
-    return expr
+        args = [tag_normalized(bb, a, span, normalize, memo) for a in expr.args]
+        out = normalize(bb, relax.Call(expr.op, args, expr.attrs, expr.ty_args, span))
+        if isinstance(out, relax.Call) and out.span is None:
+            out = normalize(bb, relax.Call(out.op, out.args, out.attrs, out.ty_args, span))
+    elif isinstance(expr, relax.Tuple):
+        fields = [tag_normalized(bb, f, span, normalize, memo) for f in expr.fields]
+        out = normalize(bb, relax.Tuple(fields) if any(not f.same_as(g) for f, g in zip(fields, expr.fields))
+                        else expr)
+    memo[key] = out
+    return out
 
 
 @contextlib.contextmanager
@@ -117,20 +111,18 @@ def _tagging(model: onnx.ModelProto) -> Iterator[None]:
             out = convert(self, op_name, inputs, attr, opset)
         finally:
             current.pop()
-        if not isinstance(out, relax.Expr):
+        if not isinstance(out, relax.Expr) or isinstance(out, relax.Var):
             return out
-        marked = tag(out, _span(str(name)))
-        return out if marked.same_as(out) else normalize(self.bb, marked)
-
-    def mark(bb, expr):
-        return tag_bound(bb, expr, current[-1], emit) if current and isinstance(expr, relax.Expr) else expr
+        return tag_normalized(self.bb, out, _span(str(name)), normalize)
 
     # What a converter binds itself (a Conv's conv2d before its bias add) goes through these two
-    def emit_tagged(bb, expr, name_hint=""):
-        return emit(bb, mark(bb, expr), name_hint)
-
     def normalize_tagged(bb, expr):
-        return normalize(bb, mark(bb, expr))
+        if not current or not isinstance(expr, relax.Expr):
+            return normalize(bb, expr)
+        return tag_normalized(bb, expr, current[-1], normalize)
+
+    def emit_tagged(bb, expr, name_hint=""):
+        return emit(bb, normalize_tagged(bb, expr), name_hint)
 
     unnamed = [(n, name) for n, name in zip(model.graph.node, node_names(model.graph)) if name and not n.name]
     for n, name in unnamed:
@@ -192,7 +184,7 @@ class _Retag(PyExprMutator):
         value = self.visit_expr(binding.value)
         node = self.nodes.get(binding.var)
         if node is not None and isinstance(value, relax.Call):
-            value = self.builder_.normalize(tag(value, _span(node)))
+            value = tag_normalized(self.builder_, value, _span(node))
         self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
 
 

@@ -463,7 +463,9 @@ def checked_model(model_path: str, ctx: BuildContext) -> tuple[ModelInput, Preci
                             "--precision int8")
         threads = int(ctx.threads or 0)
         acc = accuracy(run_ort_sets(str(src), sets, threads), run_ort_sets(str(dst), sets, threads))
-    precision = Precision(choice.method, choice.why, measured_on if choice.method == STATIC else None, measured_on,
-                          pre, dict(sorted(ops.items())), acc, time.perf_counter() - t0)
+    precision = Precision(method=choice.method, why=choice.why,
+                          calibration=measured_on if choice.method == STATIC else None, measured_on=measured_on,
+                          pre_processed=pre, quantized_ops=dict(sorted(ops.items())), accuracy=acc,
+                          seconds=time.perf_counter() - t0)
     return replace(int8, path=fp32.path, upgrade=fp32.upgrade, input_shapes=fp32.input_shapes,
                    samples=fp32.samples, ranges=fp32.ranges), precision

@@ -42,7 +42,7 @@ from kerneltune.native_log import quiet_native_stderr
 from pipeline.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
 from pipeline.int8 import integer_compute
-from pipeline.provenance import tag_bound, tagged_import
+from pipeline.provenance import tag_normalized, tagged_import
 from pipeline.sink_slices import MIN_KEPT, sink_padding_slices
 from pipeline.symbolic import Served, bound, symbolic_model
 
@@ -204,8 +204,8 @@ def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
     if wide is None:
         return None
     padded = np.pad(w.value.numpy(), ((0, 0), (0, wide - n)))
-    y = builder.emit(tag_bound(builder, relax.op.matmul(call.args[0], relax.const(padded), out_dtype=call.attrs.out_dtype),
-                               call.span))
+    y = builder.emit(tag_normalized(builder, relax.op.matmul(call.args[0], relax.const(padded),
+                                                             out_dtype=call.attrs.out_dtype), call.span))
     return relax.op.strided_slice(y, axes=[-1], begin=[0], end=[n])
 
 
@@ -279,7 +279,7 @@ class _ImportRewrites(PyExprMutator):
         else:
             rewrite = _REWRITES.get(name)
             out = rewrite(call, self.builder_) if rewrite is not None else None
-        return call if out is None else tag_bound(self.builder_, out, call.span)  # the same ONNX node
+        return call if out is None else tag_normalized(self.builder_, out, call.span)  # the same ONNX node
 
 
 def import_rewrites(mod: tvm.IRModule) -> tvm.IRModule:

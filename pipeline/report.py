@@ -246,7 +246,8 @@ def _kernels(report: dict[str, Any]) -> list[str]:
     head = ("| idx | kind | calls | work per call | schedule |" + (" ms per inference | share |" if timed else "")
             + " ONNX nodes (first call) | name |")
     lines = ["## Kernels", "", "calls: times one inference runs the kernel; schedule: `template` (our tiling "
-             "template's default), `tuned` (a tuned config), `cpu-rule` (TVM's rules and ours)"
+             "template's default), `tuned` (a tuned config), `sanity` (a config replacing a default far under this "
+             "CPU's roofline), `cpu-rule` (TVM's rules and ours)"
              + ("; ms per inference: all its calls, timed one by one inside the shipped build" if timed else "")
              + "; ONNX nodes: of optimized.onnx (`run-model DIR --profile` shows every call, beside onnxruntime's "
                "profile of the same nodes).", "", head, "|---" * head.count(" |") + "|"]

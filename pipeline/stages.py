@@ -93,12 +93,12 @@ def graph_stage(ctx: BuildContext, model: onnx.ModelProto, input_shapes: InputSh
     result = optimize_graph(graph, cost, GraphStageOptions(progress=ctx.tuning.progress,
                                                            time_limit=ctx.graph_time_limit))
     facts = {"cost_before": result.cost_before, "cost_after": result.cost_after, "applied": result.applied,
-             "stopped_by": result.search.stopped_by, "kept": result.kept,  # with the end-to-end verdict:
+             "stopped_by": result.search.stopped_by.value, "kept": result.kept,  # with the end-to-end verdict:
              "e2e_ms_before": result.check.ms_before, "e2e_ms_after": result.check.ms_after,
              "e2e_check": result.check.status, "e2e_decision": result.check.decision,
              "stop_reason": result.stop_reason, "pricing_failures": result.pricing_failures,
              "estimated_prices": result.estimated_prices, "frozen_weights": result.frozen_weights,
-             "winograd": result.winograd}
+             "winograd": result.winograd.to_json()}
     log.add("graph", time.perf_counter() - t0, skipped=False, nodes_before=len(graph.nodes),
             nodes_after=len(result.graph.nodes), **facts)
     return StagedGraph(export_onnx(result.graph), result.graph, unfolded)
@@ -136,10 +136,11 @@ def lower(model: onnx.ModelProto | str, spec: TargetSpec, layout: str | None,
 
 
 def build(lowered: Lowered, spec: TargetSpec, tuned: dict[str, Any] | None = None,
-          base: tvm.IRModule | None = None) -> CompiledModel:
-    """The partition compiled: each task by its tuned config (``tuned``: task key -> config), else its
-    default schedule; ``base`` a module scheduled already (MetaSchedule's)."""
-    return compile_partition(lowered.imported, lowered.part, spec, tuned, base=base)
+          base: tvm.IRModule | None = None, replaced: dict[str, Any] | None = None) -> CompiledModel:
+    """The partition compiled: each task by its tuned config (``tuned``: task key -> config), else the sanity
+    floor's replacement (``replaced``), else its default schedule; ``base`` a module scheduled already
+    (MetaSchedule's).  The order is :func:`pipeline.schedule_sources.schedule_sources`'."""
+    return compile_partition(lowered.imported, lowered.part, spec, tuned, base=base, replaced=replaced)
 
 
 def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, dict[str, Any]]:
@@ -159,7 +160,7 @@ def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, d
     rates = sanity.kernel_rates(lowered.part, profile, peak, bandwidth)
     replaced = sanity.replace_slow(lowered.part, rates, spec.target, ctx.seed)
     if replaced:
-        compiled = build(lowered, spec, replaced)
+        compiled = build(lowered, spec, replaced=replaced)
     flagged = [r.to_json() for r in rates if r.flagged]
     return compiled, {"checked": True, "seconds": round(time.perf_counter() - t0, 2), "floor": sanity.FLOOR,
                       "peak_gflops": peak, "bandwidth_gbs": bandwidth, "kernels": len(rates),

@@ -55,8 +55,8 @@ def tuning_run(ctx: BuildContext) -> TuningRun:
     """The context's tuning options as kerneltune's :class:`~kerneltune.tune_tasks.TuningRun` (its records file
     the context's); made before any long work, it refuses a target that cannot be tuned here without ``--rpc``."""
     opts = ctx.tuning
-    return TuningRun(ctx.spec, opts.trials, ctx.records, opts.scheduler, opts.searcher, ctx.seed, opts.rpc,
-                     opts.progress, opts.stop_rule)
+    return TuningRun(spec=ctx.spec, trials=opts.trials, records=ctx.records, scheduler=opts.scheduler,
+                     searcher=opts.searcher, seed=ctx.seed, rpc=opts.rpc, progress=opts.progress, stop=opts.stop_rule)
 
 
 def tune_model(tasks: list[FusedTask], run: TuningRun, measure_factory: Callable | None = None) -> TuningResult:

@@ -45,7 +45,8 @@ def test_onnxruntime_nodes_are_credited_to_the_node_producing_their_output():
 
 
 def test_both_profiles_are_summed_over_the_nodes_each_call_computes():
-    rows = [KernelRow("k", 2, 3.0, 1.0, None, None, ["a", "b"], [["a", "b"], ["c"]], [2.0, 1.0])]
+    rows = [KernelRow(kernel="k", calls=2, ms=3.0, share=1.0, gflops=None, roofline_pct=None, nodes=["a", "b"],
+                      sites=[["a", "b"], ["c"]], site_ms=[2.0, 1.0])]
     got = side_by_side(rows, {"a": 0.5, "b": 0.25, "c": 4.0, "reshape": 0.1})
     assert got == [Comparison(["c"], 1.0, 4.0, "k"), Comparison(["a", "b"], 2.0, 0.75, "k"),
                    Comparison(["reshape"], 0.0, 0.1, None)]

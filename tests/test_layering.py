@@ -160,3 +160,93 @@ def test_the_single_operator_tuner_loads_no_onnx():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# The functions that sequence a build: called by the one chain (pipeline/chain.py) alone, so optimize-model,
+# bench-model, tune-kernels MODEL and the bench scripts cannot drift apart (issue 42).
+SEQUENCING = {"graph_stage", "stages.lower", "build_untuned", "pick_build"}
+
+
+def _calls(src: str) -> set[str]:
+    """The functions ``src`` calls: ``f`` for ``f(...)`` and ``x.f(...)``, and ``module.f`` for the latter."""
+    out = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name):
+                out.add(f.id)
+            elif isinstance(f, ast.Attribute):
+                out.add(f.attr)
+                if isinstance(f.value, ast.Name):
+                    out.add(f"{f.value.id}.{f.attr}")
+    return out
+
+
+def test_the_commands_build_through_the_one_chain():
+    callers = {m: src for m, src in project_sources().items() if m.startswith("pipeline.")}
+    callers.update({f"bench.{p.stem}": p.read_text() for p in sorted((ROOT / "bench").glob("*.py"))})
+    own = {"pipeline.chain", "pipeline.stages", "pipeline.tuning"}  # the chain and the stages themselves
+    strays = {m: sorted(_calls(src) & SEQUENCING) for m, src in callers.items() if m not in own}
+    assert {m: c for m, c in strays.items() if c} == {}
+    for command in ("pipeline.optimize_model", "pipeline.benchmark", "pipeline.model_mode"):
+        assert "run_chain" in _calls(callers[command]), command
+
+
+# ---- what owns what ----------------------------------------------------------------------------------------
+MAX_PARAMETERS = 8  # below the API, a function taking more wants an options object (a frozen dataclass)
+WIDE_ALLOWED = {"pipeline.api.optimize"}  # the Python API: one keyword per command-line option, documented there
+
+
+def parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> int:
+    """Named parameters, ``self``/``cls`` left out (``*args``/``**kwargs`` are no named parameters)."""
+    a = fn.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    return len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def wide_functions(sources: dict[str, str]) -> list[str]:
+    """``module.function:line (n)`` for every function with more than MAX_PARAMETERS parameters."""
+    out = []
+    for mod, src in sources.items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parameter_count(node) > MAX_PARAMETERS:
+                if f"{mod}.{node.name}" not in WIDE_ALLOWED:
+                    out.append(f"{mod}.{node.name}:{node.lineno} ({parameter_count(node)})")
+    return sorted(out)
+
+
+def thread_count_readers(sources: dict[str, str]) -> list[str]:
+    """``module:line`` of every ``"num-cores"`` string outside kerneltune.targets: a target's thread count is
+    read there alone (``host.num_cores``, ``TargetSpec.threads``), so its default and meaning are one."""
+    out = []
+    for mod, src in sources.items():
+        if mod == "kerneltune.targets" or mod.startswith("kerneltune.targets."):
+            continue
+        out += [f"{mod}:{node.lineno}" for node in ast.walk(ast.parse(src))
+                if isinstance(node, ast.Constant) and node.value == "num-cores"]
+    return sorted(out)
+
+
+def bench_sources(root: Path = ROOT) -> dict[str, str]:
+    return {module_name(path, root): path.read_text() for path in sorted((root / "bench").rglob("*.py"))}
+
+
+def test_no_function_below_the_api_takes_more_than_eight_parameters():
+    assert wide_functions(project_sources()) == []
+
+
+def test_only_the_target_package_reads_the_thread_count():
+    """The project's packages and bench/ (tests build targets of a given thread count, and may)."""
+    assert thread_count_readers({**project_sources(), **bench_sources()}) == []
+
+
+def test_the_ownership_checks_catch_a_wide_function_and_a_stray_thread_count():
+    sources = {
+        "graphopt.a": "class C:\n    def m(self, a, b, c, d, e, f, g, h, *args, **kw):\n        pass\n"
+                      "def wide(a, b, c, d, e, f, g, h, *, i=0):\n    pass\n",
+        "pipeline.api": "def optimize(a, b, c, d, e, f, g, h, i, j):\n    pass\n",
+        "pipeline.x": "def f(target):\n    '''its ``num-cores``'''\n    return target.attrs['num-cores']\n",
+        "kerneltune.targets.host": "def num_cores(t):\n    return t.attrs.get(\"num-cores\", 1)\n",
+    }
+    assert wide_functions(sources) == ["graphopt.a.wide:4 (9)"]
+    assert thread_count_readers(sources) == ["pipeline.x:3"]

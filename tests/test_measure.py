@@ -215,3 +215,18 @@ def test_measurer_composes_an_injected_builder_and_runner():
     assert results[4].gflops == 0 and results[4].latency_s == 3e-6 and results[2].build_s == 0.25
     assert [s[2] for s in runner.seen] == [None, g[0], g[1], g[1]]
     assert all(s[1] == ("p",) for s in runner.seen)
+
+
+def test_the_target_owns_its_thread_count(monkeypatch):
+    """A target's thread count is read by kerneltune.targets alone (``num_cores``, ``TargetSpec.threads``):
+    each caller gives what a target without one means to it, and the measurer's workers run with it."""
+    from kerneltune.measure import worker_env
+    from kerneltune.targets.host import num_cores
+    from kerneltune.targets.parse import parse_target
+
+    two, bare = llvm_target(2), tvm.target.Target({"kind": "llvm"})
+    assert num_cores(two) == 2 and num_cores(bare) == 1 and num_cores(bare, default=0) == 0
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    assert worker_env(two) == {"TVM_NUM_THREADS": "2"}
+    assert worker_env(bare) == {"TVM_NUM_THREADS": str(os.cpu_count() or 1)}
+    assert parse_target("llvm", 3).threads == 3 and parse_target("cuda", 3).threads is None  # report.json's

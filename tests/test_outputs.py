@@ -199,11 +199,16 @@ def test_tuning_plot_names_every_task_and_marks_the_untuned():
     from pipeline.tuning import NO_TEMPLATE, NOT_SELECTED, BuildChoice, shipped_title, task_label, tuning_figure
 
     long = "fused_matmul_add_gelu_" + "x" * 60
-    tasks = [TaskTuning(0, long, "k0", "matmul", 12, 1e9, 1.2, 0.6, 30, [(10, 0.9), (40, 0.6)]),
-             TaskTuning(2, "fused_batch_matmul", "k2", "batch_matmul", 24, 1e8, 0.3, 0.3, 1, []),
-             TaskTuning(3, "matmul11", "k3", "matmul", 1, 1e8, 0.05, 0.06, 5, []),
-             TaskTuning(5, "fused_conv2d", "k5", "conv2d", 2, 1e8, None, None, 0, [])]
-    result = TuningResult({}, tasks, 64, [(4, 30.0), (64, 20.0)], "gradient", "opevo", 10.0)
+    tasks = [TaskTuning(index=0, name=long, key="k0", kind="matmul", weight=12, flops=1e9, default_ms=1.2, best_ms=0.6,
+                        trials=30, curve=[(10, 0.9), (40, 0.6)]),
+             TaskTuning(index=2, name="fused_batch_matmul", key="k2", kind="batch_matmul", weight=24, flops=1e8,
+                        default_ms=0.3, best_ms=0.3, trials=1, curve=[]),
+             TaskTuning(index=3, name="matmul11", key="k3", kind="matmul", weight=1, flops=1e8, default_ms=0.05,
+                        best_ms=0.06, trials=5, curve=[]),
+             TaskTuning(index=5, name="fused_conv2d", key="k5", kind="conv2d", weight=2, flops=1e8, default_ms=None,
+                        best_ms=None, trials=0, curve=[])]
+    result = TuningResult(best_configs={}, tasks=tasks, trials=64, objective=[(4, 30.0), (64, 20.0)],
+                          scheduler="gradient", searcher="opevo", seconds=10.0)
     shipped = shipped_title(BuildChoice("default", "measured", 10.0, 10.1))
     assert shipped == ("shipped: the default build (end to end 10.100 ms tuned vs 10.000 ms default, margin 2%; "
                        "measured)")

@@ -200,7 +200,8 @@ def test_elementwise_dag_is_not_inlined_into_an_exponential_tree(llvm):
     copies, 29 MB of TIR and a 607 s build on NASRNN with merged matmuls); the result still matches ORT."""
     import tvm
 
-    from pipeline.compile import _apply_rules, _cpu_rules, check_outputs, compile_partition
+    from pipeline.compile import check_outputs, compile_partition
+    from pipeline.schedule_sources import apply_rules, cpu_rules
     from pipeline.partition import partition
     from pipeline.relax_import import import_model
 
@@ -208,7 +209,7 @@ def test_elementwise_dag_is_not_inlined_into_an_exponential_tree(llvm):
     part = partition(imported.mod)
     kernels = [f for f in part.mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     assert len(kernels) == 1  # the whole chain is one fused kernel
-    scheduled = _apply_rules(kernels[0], llvm.target, _cpu_rules())
+    scheduled = apply_rules(kernels[0], llvm.target, cpu_rules())
     assert scheduled is not None and len(str(scheduled)) < 2 * len(str(kernels[0]))
     res = check_outputs(compile_partition(imported, part, llvm), imported.graph, imported.onnx_model, seed=1)
     assert res.max_abs_err <= 1e-4
@@ -281,11 +282,12 @@ def test_prepacked_weights_are_packed_at_build_time(bert, llvm):
 
 def test_template_failure_falls_back_to_default_rules(conv, llvm, monkeypatch):
     import pipeline.compile as C
+    import pipeline.schedule_sources as S
 
     def broken(task, config, target):
         raise RuntimeError("template bug")
 
-    monkeypatch.setattr(C, "_template_schedule", broken)
+    monkeypatch.setattr(S, "_template_schedule", broken)
     imported, part, _ = conv
     compiled = C.compile_partition(imported, part, llvm)
     convs = [t for t in part.tasks if t.kind == "conv2d"]
@@ -362,7 +364,7 @@ def test_bench_engines_tuned_with_fake_measurer(bert, llvm, tmp_path, monkeypatc
     opts = benchmark.BenchOptions(skip_metaschedule=True, work_dir=str(tmp_path))
     imported, engines, choice, seconds = benchmark.compile_engines(str(BERT_TINY), ctx, opts)
     assert set(engines) == {"tvm", "tuned"}
-    assert set(seconds) == {"import", "layout_partition", "compile", "tuning"} and min(seconds.values()) >= 0
+    assert set(seconds) == {"graph", "partition", "tune", "sanity", "compile"} and min(seconds.values()) >= 0
     # the tuned engine is the build optimize-model ships: tuned schedules only if they won end to end
     assert ("tuned" in engines["tuned"].schedules.values()) == (choice.kept == "tuned")
     assert choice.status == "measured" and 3 <= len(choice.ratios) <= 7
@@ -375,7 +377,7 @@ def test_bench_models_graph_stage_prices_for_the_target_given_with_its_mcpu(monk
     """bench-model's graph stage is handed --target as given (its -mcpu too, in the build context), as
     optimize-model's is; it was handed the kind alone ("llvm"), so it priced the host CPU whatever -mcpu the
     user asked for."""
-    from pipeline import benchmark
+    from pipeline import stages
     from pipeline.cli import bench_model_main
 
     seen = []
@@ -387,7 +389,7 @@ def test_bench_models_graph_stage_prices_for_the_target_given_with_its_mcpu(monk
         seen.append(ctx.target.text)
         raise Stop()
 
-    monkeypatch.setattr(benchmark.stages, "graph_stage", spy)
+    monkeypatch.setattr(stages, "graph_stage", spy)
     target = '{"kind": "llvm", "mcpu": "x86-64-v3"}'
     # the spy stops the run at the graph stage (bench-model reports that as an internal error)
     assert bench_model_main([str(BERT_TINY), "--target", target, "--skip-metaschedule", "--runs", "2", "-q"]) != 0

@@ -36,8 +36,10 @@ def synthetic(configs):
 def test_append_load_roundtrip_and_filter(tmp_path):
     path = tmp_path / "r.jsonl"
     with RecordLog(path) as log:
-        log.append([Record("t1", "llvm", {"i": [4, 4, 4]}, 10.0, 0.1, None, 1.0, {"build_s": 0.5}),
-                    Record("t2", "llvm", {"i": [64, 1, 1]}, 0.0, None, "build failed: x", 2.0)])
+        log.append([Record(task="t1", target="llvm", config={"i": [4, 4, 4]}, gflops=10.0, latency_s=0.1, error=None,
+                           time=1.0, extra={"build_s": 0.5}),
+                    Record(task="t2", target="llvm", config={"i": [64, 1, 1]}, gflops=0.0, latency_s=None,
+                           error="build failed: x", time=2.0)])
     recs = RecordLog(path).load()
     assert [r.task for r in recs] == ["t1", "t2"] and recs[0].extra == {"build_s": 0.5}
     assert recs[1].error == "build failed: x"

@@ -16,7 +16,7 @@ from graphopt.feeds import random_inputs, run_ort
 from graphopt.match import GraphIndex
 from graphopt.onnx_io import export_onnx, import_onnx
 from graphopt.cleanup import fold_constants
-from graphopt.search import Searcher, search
+from graphopt.search import SearchLimits, Searcher, SearchStop, search
 from models.bert import BertConfig, build_bert
 from test_match import merge_bias, merge_matmul, three_projections
 
@@ -56,7 +56,7 @@ def test_backtracking_passes_a_worse_graph_to_reach_a_better_one():
     res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.05, budget=50)
     assert res.cost_after == pytest.approx(2.8)
     assert res.applied == {"merge_matmul_r2": 2} and _matmuls(res.graph) == 1
-    assert res.graphs_explored >= 2 and res.stopped_by == "queue empty"
+    assert res.graphs_explored >= 2 and res.stopped_by is SearchStop.QUEUE_EMPTY
     out = res.graph.copy()
     fold_constants(out)
     feeds = random_inputs(g)
@@ -66,9 +66,9 @@ def test_backtracking_passes_a_worse_graph_to_reach_a_better_one():
 def test_budget_and_time_limit_stop_the_search():
     g = import_onnx(three_projections())
     res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, budget=2)
-    assert res.stopped_by == "budget" and res.dequeued == 2
+    assert res.stopped_by is SearchStop.BUDGET and res.dequeued == 2
     res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, time_limit=0.0)
-    assert res.stopped_by == "time limit" and res.graphs_explored == 1
+    assert res.stopped_by is SearchStop.TIME_LIMIT and res.graphs_explored == 1
 
 
 def test_patience_stops_a_search_that_finds_nothing_cheaper():
@@ -76,7 +76,7 @@ def test_patience_stops_a_search_that_finds_nothing_cheaper():
     without a cheaper graph stops at the first pair ("converged"), one allowed three reaches the triple."""
     g = import_onnx(three_projections())
     res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, budget=50, patience=1)
-    assert res.stopped_by == "converged" and res.dequeued == 2 and res.applied == {}
+    assert res.stopped_by is SearchStop.CONVERGED and res.dequeued == 2 and res.applied == {}
     res = search(g, [merge_matmul(2)], LaunchCost(), alpha=1.5, budget=50, patience=3)
     assert res.applied == {"merge_matmul_r2": 2} and res.cost_after < res.cost_before
 
@@ -168,8 +168,8 @@ def test_rules_also_apply_right_to_left():
     distribute = Rule("distribute_bias", merge.dst, merge.src, True)
     g = import_onnx(three_projections())
     cost = LaunchCost(1.0, 1.5, 2.0)
-    one_way = Searcher([merge_matmul(2), distribute], cost, budget=100, reverse=False).run(g)
-    both = Searcher([merge_matmul(2), distribute], cost, budget=100).run(g)
+    one_way = Searcher([merge_matmul(2), distribute], cost, SearchLimits(budget=100), reverse=False).run(g)
+    both = Searcher([merge_matmul(2), distribute], cost, SearchLimits(budget=100)).run(g)
     assert "distribute_bias~rev" not in one_way.applied
     assert both.applied.get("distribute_bias~rev") == 2 and both.cost_after < one_way.cost_after
 

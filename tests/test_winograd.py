@@ -13,6 +13,7 @@ from graphopt import winograd as wg
 from graphopt.cost.base import CostModel, ModelTimes
 from graphopt.feeds import run_ort
 from graphopt.onnx_io import export_onnx, import_onnx
+from graphopt.search import SearchStop
 from graphopt.stage import GraphStageOptions, StageClock, winograd_alternative
 from models.builder import GraphBuilder
 
@@ -167,40 +168,50 @@ def _wide_chain() -> onnx.ModelProto:
 def test_stage_keeps_winograd_where_its_layers_price_cheaper_and_it_runs_faster():
     g = import_onnx(_wide_chain())
     cost = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
-    out, info = winograd_alternative(g, cost, GraphStageOptions(), StageClock(60.0))
-    assert out is not None and info["kept"] and info["e2e_check"] == "measured"
-    assert info["applied"] == {"winograd F(4x4,3x3)": 2}
-    assert [(r["c"], r["k"], r["h"], r["w"], r["tile"]) for r in info["layers"]] == [(128, 128, 8, 8, 4)] * 2
+    out, alt = winograd_alternative(g, cost, GraphStageOptions(), StageClock(60.0))
+    assert out is not None and alt.kept and alt.check.status == "measured"
+    assert alt.applied == {"winograd F(4x4,3x3)": 2}
+    assert [(r.c, r.k, r.h, r.w, r.tile) for r in alt.layers] == [(128, 128, 8, 8, 4)] * 2
     # both convs are 128 -> 128 on 8x8, one feeding the other: priced apart (each has one transpose the pair
     # cancels); their prices are the gate's (no second pricing of the whole models)
-    assert [(r["decision"], r["neighbours"]) for r in info["layers"]] == [
-        ("F(4x4,3x3)", [False, True]), ("F(4x4,3x3)", [True, False])] and cost.priced == 2
-    assert (info["kernels_ms_before"], info["kernels_ms_after"]) == (20.0, 12.0)
+    assert [(r.decision, r.neighbours) for r in alt.layers] == [
+        ("F(4x4,3x3)", (False, True)), ("F(4x4,3x3)", (True, False))] and cost.priced == 2
+    assert (alt.check.kernels_ms_before, alt.check.kernels_ms_after) == (20.0, 12.0)
+    # report.json's form: the layers' rows, then the check's fields, "kept" saying whether Winograd was kept
+    info = alt.to_json()
+    assert list(info) == ["layers", "applied", "kept", "e2e_check", "e2e_ms_before", "e2e_ms_after", "e2e_backend",
+                          "e2e_margin", "e2e_decision", "e2e_ratios", "kernels_ms_before", "kernels_ms_after"]
+    assert info["kept"] is True and info["layers"][0] == {
+        "convs": [alt.layers[0].convs[0]], "n": 1, "c": 128, "k": 128, "h": 8, "w": 8, "tile": 4,
+        "neighbours": [False, True], "direct_ms": 10.0, "winograd_ms": 6.0, "decision": "F(4x4,3x3)"}
 
 
 def test_stage_keeps_the_direct_convs_where_winograd_prices_dearer_or_runs_slower():
     g = import_onnx(_wide_chain())
     dear = PricedCost(conv=5.0, matmul=2.0, before_ms=10.0, after_ms=8.0)  # 3 matmuls = 6 ms > 5
-    out, info = winograd_alternative(g, dear, GraphStageOptions(), StageClock(60.0))
-    assert out is None and dear.timed == 0 and {r["decision"] for r in info["layers"]} == {"direct"}
+    out, alt = winograd_alternative(g, dear, GraphStageOptions(), StageClock(60.0))
+    assert out is None and dear.timed == 0 and {r.decision for r in alt.layers} == {"direct"}
+    assert alt.check is None and list(alt.to_json()) == ["layers"]
     slow = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=12.0)
-    out, info = winograd_alternative(g, slow, GraphStageOptions(), StageClock(60.0))
-    assert out is None and not info["kept"] and slow.timed > 0 and info["e2e_ms_after"] > info["e2e_ms_before"]
+    out, alt = winograd_alternative(g, slow, GraphStageOptions(), StageClock(60.0))
+    assert out is None and not alt.kept and slow.timed > 0 and alt.check.ms_after > alt.check.ms_before
+    assert alt.to_json()["kept"] is False
 
 
 def test_stage_prices_no_thin_layer_and_nothing_past_its_time_limit():
     thin = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
-    out, info = winograd_alternative(import_onnx(_chain()), thin, GraphStageOptions(), StageClock(60.0))
-    assert out is None and info == {} and thin.priced == 0  # 16/24 channels: C*K/(C+K) < 48
+    out, alt = winograd_alternative(import_onnx(_chain()), thin, GraphStageOptions(), StageClock(60.0))
+    assert out is None and alt.to_json() == {} and thin.priced == 0  # 16/24 channels: C*K/(C+K) < 48
     alone = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)  # one wide conv: two transposes
     b = GraphBuilder("alone", seed=1)
     b.output(b.op("Relu", [_conv(b, b.input("x", [1, 128, 8, 8]), 128, 128, 3, True)]), [1, 128, 8, 8])
-    out, info = winograd_alternative(import_onnx(b.model()), alone, GraphStageOptions(), StageClock(60.0))
-    assert out is None and alone.priced == 0 and [r["decision"] for r in info["layers"]] == [
+    out, alt = winograd_alternative(import_onnx(b.model()), alone, GraphStageOptions(), StageClock(60.0))
+    assert out is None and alone.priced == 0 and [r.decision for r in alt.layers] == [
         "not priced: isolated (no candidate layer next to it)"]
     late = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
-    out, info = winograd_alternative(import_onnx(_wide_chain()), late, GraphStageOptions(), StageClock(0.0))
-    assert out is None and late.priced == 0 and info["stopped_by"] == "time limit"
+    out, alt = winograd_alternative(import_onnx(_wide_chain()), late, GraphStageOptions(), StageClock(0.0))
+    assert out is None and late.priced == 0 and alt.stopped_by is SearchStop.TIME_LIMIT and alt.timed_out
+    assert alt.to_json()["stopped_by"] == "time limit"
 
 
 def test_stage_prices_layers_with_the_tvm_runner(tmp_path):
@@ -214,12 +225,12 @@ def test_stage_prices_layers_with_the_tvm_runner(tmp_path):
     g = import_onnx(proto)
     cost = MeasuredCost(TvmRunner(compile_graph, 1, price_kernels=kernel_times, compile_model=compile_model),
                         path=tmp_path / "cost.json")
-    out, info = winograd_alternative(g, cost, GraphStageOptions(e2e_runs=3), StageClock(600.0))
-    assert [r["neighbours"] for r in info["layers"]] == [[False, True], [True, False]]
-    assert all(r["direct_ms"] > 0 and r["winograd_ms"] > 0 and r["decision"] in ("direct", "F(4x4,3x3)")
-               for r in info["layers"])
-    chosen = sum(r["decision"] != "direct" for r in info["layers"])
-    assert (out is not None) == bool(info.get("kept")) and (chosen > 0 or out is None)
+    out, alt = winograd_alternative(g, cost, GraphStageOptions(e2e_runs=3), StageClock(600.0))
+    assert [r.neighbours for r in alt.layers] == [(False, True), (True, False)]
+    assert all(r.direct_ms > 0 and r.winograd_ms > 0 and r.decision in ("direct", "F(4x4,3x3)")
+               for r in alt.layers)
+    chosen = sum(r.decision != "direct" for r in alt.layers)
+    assert (out is not None) == alt.kept and (chosen > 0 or out is None)
     if out is not None:
         x = {"x": np.random.default_rng(0).standard_normal((1, 128, 8, 8)).astype(np.float32)}
         ref, got = run_ort(proto, x)[0], run_ort(export_onnx(out), x)[0]

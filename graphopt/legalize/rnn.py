@@ -166,9 +166,11 @@ def parse(node: Node, b: Builder) -> Recurrence:
                 raise fail(f"input {what} has shape {None if got is None else list(got)}, expected {shape}")
     clip = node.attr("clip")
     acts = _activations(node, cell, len(dirs), fail)
-    return Recurrence(node, cell, steps, batch, hidden, dtype, dirs, acts, layout,
-                      None if clip is None else float(clip), bool(node.attr("linear_before_reset", 0)),
-                      bool(node.attr("input_forget", 0)), list(node.inputs) + [""] * (8 - len(node.inputs)))
+    return Recurrence(node=node, cell=cell, steps=steps, batch=batch, hidden=hidden, dtype=dtype, directions=dirs,
+                      activations=acts, layout=layout, clip=None if clip is None else float(clip),
+                      linear_before_reset=bool(node.attr("linear_before_reset", 0)),
+                      input_forget=bool(node.attr("input_forget", 0)),
+                      inputs=list(node.inputs) + [""] * (8 - len(node.inputs)))
 
 
 def _activations(node: Node, cell: Cell, n_dirs: int, fail) -> list[list[Activation]]:

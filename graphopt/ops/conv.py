@@ -196,9 +196,9 @@ class _NpFloat:
 
 _NP_FLOAT = _NpFloat()
 
-CONV2D = OpSpec("conv2d", 2, 1, _conv_shape, _conv_ref,
-                ("stride", "pad", "act", "groups"),
-                _conv_emit, ("Conv",), _conv_parse, doc="conv2d[stride,pad,act,groups](x, w)", fusion="anchor")
+CONV2D = OpSpec(name="conv2d", n_inputs=2, n_outputs=1, shape=_conv_shape, ref=_conv_ref,
+                z3_params=("stride", "pad", "act", "groups"), emit=_conv_emit, onnx_types=("Conv",), parse=_conv_parse,
+                doc="conv2d[stride,pad,act,groups](x, w)", fusion="anchor")
 ENLARGE = OpSpec("enlarge", 2, 1, _enlarge_shape, _enlarge_ref, (), _enlarge_emit, shape_inputs=(1,),
                  doc="zero-pad kernel w (centred) to the size of kernel ref")
 ICONV = OpSpec("Iconv", 1, 1, _iconv_shape, lambda p, i, ar: [_iconv_value(i[0].shape, ar)], (),

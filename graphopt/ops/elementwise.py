@@ -74,16 +74,21 @@ def _iewmul_emit(params, inputs, outputs, graph):
     return []
 
 
-RELU = OpSpec("relu", 1, 1, _unary_shape, lambda p, i, ar: [ar.relu(i[0])], (), _emit("Relu"), ("Relu",),
-              lambda n, g: {} if len(n.inputs) == 1 else None, fusion="elementwise")
-EWADD = OpSpec("ewadd", 2, 1, _same_shape, lambda p, i, ar: [i[0] + i[1]], (), _emit("Add"), ("Add",),
-               _binary_parse(True, "equal"), commutative=True, fusion="elementwise")
-EWMUL = OpSpec("ewmul", 2, 1, _same_shape, lambda p, i, ar: [i[0] * i[1]], (), _emit("Mul"), ("Mul",),
-               _binary_parse(True, "equal"), commutative=True, fusion="elementwise")
-SMUL = OpSpec("smul", 2, 1, _smul_shape, lambda p, i, ar: [i[0] * i[1]], (), _emit("Mul"), ("Mul",),
-              _binary_parse(False, "scalar"), doc="x * s, s rank 0", fusion="elementwise")
-BIAS_ADD = OpSpec("bias_add", 2, 1, _bias_shape, lambda p, i, ar: [i[0] + i[1]], (), _emit("Add"), ("Add",),
-                  _binary_parse(False, "bias"), doc="x + b, b broadcast to x's shape", fusion="elementwise")
+RELU = OpSpec(name="relu", n_inputs=1, n_outputs=1, shape=_unary_shape, ref=lambda p, i, ar: [ar.relu(i[0])],
+              z3_params=(), emit=_emit("Relu"), onnx_types=("Relu",),
+              parse=lambda n, g: {} if len(n.inputs) == 1 else None, fusion="elementwise")
+EWADD = OpSpec(name="ewadd", n_inputs=2, n_outputs=1, shape=_same_shape, ref=lambda p, i, ar: [i[0] + i[1]],
+               z3_params=(), emit=_emit("Add"), onnx_types=("Add",), parse=_binary_parse(True, "equal"),
+               commutative=True, fusion="elementwise")
+EWMUL = OpSpec(name="ewmul", n_inputs=2, n_outputs=1, shape=_same_shape, ref=lambda p, i, ar: [i[0] * i[1]],
+               z3_params=(), emit=_emit("Mul"), onnx_types=("Mul",), parse=_binary_parse(True, "equal"),
+               commutative=True, fusion="elementwise")
+SMUL = OpSpec(name="smul", n_inputs=2, n_outputs=1, shape=_smul_shape, ref=lambda p, i, ar: [i[0] * i[1]], z3_params=(),
+              emit=_emit("Mul"), onnx_types=("Mul",), parse=_binary_parse(False, "scalar"), doc="x * s, s rank 0",
+              fusion="elementwise")
+BIAS_ADD = OpSpec(name="bias_add", n_inputs=2, n_outputs=1, shape=_bias_shape, ref=lambda p, i, ar: [i[0] + i[1]],
+                  z3_params=(), emit=_emit("Add"), onnx_types=("Add",), parse=_binary_parse(False, "bias"),
+                  doc="x + b, b broadcast to x's shape", fusion="elementwise")
 IEWMUL = OpSpec("Iewmul", 1, 1, _unary_shape, lambda p, i, ar: [ar.full(i[0].shape, 1)], (), _iewmul_emit,
                 shape_inputs=(0,), doc="ones shaped like the reference; emitted as a weight")
 SPECS = [RELU, EWADD, EWMUL, SMUL, BIAS_ADD, IEWMUL]

@@ -129,15 +129,17 @@ def _reshape_parse(n, graph):
     return {"shape": ys}
 
 
-CONCAT = OpSpec("concat", 2, 1, _concat_shape, lambda p, i, ar: [np.concatenate(i, axis=p["axis"])],
-                ("axis",), lambda p, i, o, g: [node(g, "Concat", i, o, axis=p["axis"])],
-                ("Concat",), _concat_parse, variadic=True)
-SPLIT = OpSpec("split", 1, 2, _split_shape, _split_ref, ("axis",), _split_emit, ("Split",),
-               _split_parse, variadic=True)
-TRANSPOSE = OpSpec("transpose", 1, 1, _transpose_shape, lambda p, i, ar: [np.transpose(i[0], p["perm"]).copy()],
-                   ("perm",),
-                   lambda p, i, o, g: [node(g, "Transpose", i, o, perm=list(p["perm"]))], ("Transpose",),
-                   _transpose_parse)
-RESHAPE = OpSpec("reshape", 1, 1, _reshape_shape, lambda p, i, ar: [i[0].reshape(p["shape"])],
-                 ("shape",), _reshape_emit, ("Reshape",), _reshape_parse)
+CONCAT = OpSpec(name="concat", n_inputs=2, n_outputs=1, shape=_concat_shape,
+                ref=lambda p, i, ar: [np.concatenate(i, axis=p["axis"])], z3_params=("axis",),
+                emit=lambda p, i, o, g: [node(g, "Concat", i, o, axis=p["axis"])], onnx_types=("Concat",),
+                parse=_concat_parse, variadic=True)
+SPLIT = OpSpec(name="split", n_inputs=1, n_outputs=2, shape=_split_shape, ref=_split_ref, z3_params=("axis",),
+               emit=_split_emit, onnx_types=("Split",), parse=_split_parse, variadic=True)
+TRANSPOSE = OpSpec(name="transpose", n_inputs=1, n_outputs=1, shape=_transpose_shape,
+                   ref=lambda p, i, ar: [np.transpose(i[0], p["perm"]).copy()], z3_params=("perm",),
+                   emit=lambda p, i, o, g: [node(g, "Transpose", i, o, perm=list(p["perm"]))],
+                   onnx_types=("Transpose",), parse=_transpose_parse)
+RESHAPE = OpSpec(name="reshape", n_inputs=1, n_outputs=1, shape=_reshape_shape,
+                 ref=lambda p, i, ar: [i[0].reshape(p["shape"])], z3_params=("shape",), emit=_reshape_emit,
+                 onnx_types=("Reshape",), parse=_reshape_parse)
 SPECS = [CONCAT, SPLIT, TRANSPOSE, RESHAPE]

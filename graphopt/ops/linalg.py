@@ -68,9 +68,10 @@ def _imatmul_emit(params, inputs, outputs, graph):
     return []
 
 
-MATMUL = OpSpec("matmul", 2, 1, _matmul_shape, _mm_ref, (), _mm_emit, ("MatMul",), _mm_parse("matmul"),
-                doc="x[...,M,K] @ w[K,N]", fusion="anchor")
-BMATMUL = OpSpec("bmatmul", 2, 1, _bmatmul_shape, _mm_ref, (), _mm_emit, ("MatMul",), _mm_parse("bmatmul"),
+MATMUL = OpSpec(name="matmul", n_inputs=2, n_outputs=1, shape=_matmul_shape, ref=_mm_ref, z3_params=(), emit=_mm_emit,
+                onnx_types=("MatMul",), parse=_mm_parse("matmul"), doc="x[...,M,K] @ w[K,N]", fusion="anchor")
+BMATMUL = OpSpec(name="bmatmul", n_inputs=2, n_outputs=1, shape=_bmatmul_shape, ref=_mm_ref, z3_params=(),
+                 emit=_mm_emit, onnx_types=("MatMul",), parse=_mm_parse("bmatmul"),
                  doc="x[...,M,K] @ y[...,K,N], equal batch dims", fusion="anchor")
 IMATMUL = OpSpec("Imatmul", 1, 1, _imatmul_shape, _imatmul_ref, (), _imatmul_emit, shape_inputs=(0,),
                  doc="identity matrix shaped like the square reference; emitted as a weight")

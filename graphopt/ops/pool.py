@@ -90,6 +90,9 @@ def _parse(n, graph):
     return params
 
 
-POOL_MAX = OpSpec("pool2d_max", 1, 1, _pool_shape, _max_ref, ("kernel", "stride", "pad"), _emit("MaxPool"), ("MaxPool",), _parse)
-POOL_AVG = OpSpec("pool2d_avg", 1, 1, _pool_shape, _avg_ref, ("kernel", "stride", "pad"), _emit("AveragePool"), ("AveragePool",), _parse)
+POOL_MAX = OpSpec(name="pool2d_max", n_inputs=1, n_outputs=1, shape=_pool_shape, ref=_max_ref,
+                  z3_params=("kernel", "stride", "pad"), emit=_emit("MaxPool"), onnx_types=("MaxPool",), parse=_parse)
+POOL_AVG = OpSpec(name="pool2d_avg", n_inputs=1, n_outputs=1, shape=_pool_shape, ref=_avg_ref,
+                  z3_params=("kernel", "stride", "pad"), emit=_emit("AveragePool"), onnx_types=("AveragePool",),
+                  parse=_parse)
 SPECS = [POOL_MAX, POOL_AVG]

@@ -69,9 +69,11 @@ def llvm_target(threads: int | None = None) -> "tvm.target.Target":
     return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": int(threads or default_threads())})
 
 
-def num_cores(target: "tvm.target.Target") -> int:
-    """The target's ``num-cores`` (1 when unset)."""
-    return int(target.attrs["num-cores"]) if "num-cores" in target.attrs else 1
+def num_cores(target: "tvm.target.Target", default: int = 1) -> int:
+    """The target's thread count, its ``num-cores`` (``default`` when unset): the one place it is read, so
+    the threads a build runs with are the target's wherever they are asked for.  Callers differ only in
+    what an unset count means to them (1: a schedule that parallelizes nothing; 0: "ask the machine")."""
+    return int(target.attrs["num-cores"]) if "num-cores" in target.attrs else default
 
 
 def vector_bits(target: "tvm.target.Target") -> int:

@@ -114,6 +114,12 @@ class TargetSpec:
         """The LLVM triple the host code is built for (this machine's unless cross-compiling)."""
         return self.cross.triple if self.cross else host_triple()
 
+    @property
+    def threads(self) -> int | None:
+        """The CPU threads the target's code runs with (its ``num-cores``; 0 when unset); None for a GPU
+        target, whose kernels do not run on the host's thread pool (report.json ``threads``)."""
+        return num_cores(self.target, default=0) if self.kind == "llvm" else None
+
 
 def _cuda_spec(attrs: dict) -> TargetSpec:
     import tvm

@@ -121,8 +121,9 @@ def clamp_padded_reads(func: tvm.tirx.PrimFunc, blocks: set[str]) -> tvm.tirx.Pr
         if isinstance(stmt, s_tir.SBlockRealize):
             b = stmt.block
             body = _clamped(b.body) if b.name_hint in blocks else rewrite(b.body)
-            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init, b.alloc_buffers,
-                                 b.match_buffers, b.annotations)
+            block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint,
+                                 body=body, init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
+                                 annotations=b.annotations)
             return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
         return stmt
 

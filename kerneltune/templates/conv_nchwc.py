@@ -373,8 +373,9 @@ def classify(name: str, func: tirx.PrimFunc) -> Task | None:
     shape_part = "x".join(f"{k}{v}" for k, v in dims.items() if k != "useful_flops")
     key = f"{KIND}_{shape_part}_{spec.dtype}_{'+'.join(epi) or 'none'}_{shash:08x}"
     weights = tuple(func.params[i].name for i in layout_free_params(func))
-    return Task(name, KIND, func, executed, key, anchor.name_hint, axes, dims, spec.dtype, epi,
-                tuple(b.name_hint for b in blocks), ins, outs, weights)
+    return Task(name=name, kind=KIND, func=func, flops=executed, key=key, anchor=anchor.name_hint, axes=axes,
+                dims=dims, dtype=spec.dtype, epilogue=epi, block_names=tuple(b.name_hint for b in blocks),
+                inputs=ins, outputs=outs, weights=weights)
 
 
 # ------------------------------------------------------------------------------------- standalone tasks

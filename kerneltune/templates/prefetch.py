@@ -121,8 +121,9 @@ def _prepend_in_loop(stmt, var: tirx.Var, first):
         body, found = _prepend_in_loop(b.body, var, first)
         if not found:
             return stmt, False
-        block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init, b.alloc_buffers,
-                             b.match_buffers, b.annotations)
+        block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint, body=body,
+                             init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
+                             annotations=b.annotations)
         return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block), True
     return stmt, False
 

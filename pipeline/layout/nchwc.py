@@ -617,7 +617,7 @@ class _LowerBlockedConvs(_Rewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
         if _is_op(call, CONV) and str(call.attrs.data_layout) != "NCHW":
-            return provenance.tag_bound(self.builder_, conv_nchwc.legalize(self.builder_, call), call.span)
+            return provenance.tag_normalized(self.builder_, conv_nchwc.legalize(self.builder_, call), call.span)
         return call
 
 
