@@ -247,14 +247,14 @@ def _kept(check: E2ECheck | None) -> bool:
 
 
 @dataclass(frozen=True)
-class MergeAlternative:
-    """What :func:`merged_alternative` tried and measured (report.json ``merge_all``): nothing (not asked
-    for), why it was ``skipped``, or its search's stop, what it merged and its end-to-end ``check``."""
+class _Alternative:
+    """What an alternative to the search's graph (the merge-everything graph, the Winograd rewrites) did: why
+    it was ``skipped``, or how its search stopped, what it rewrote and its end-to-end ``check``."""
 
     skipped: str = ""  # why it was not tried
-    stopped_by: SearchStop | None = None  # its merge search's stop; None: not searched
-    applied: dict[str, int] = field(default_factory=dict)  # the merges of its graph
-    check: E2ECheck | None = None  # its end-to-end check; None: its search merged nothing
+    stopped_by: SearchStop | None = None  # its search's stop (TIME_LIMIT: the clock cut it); None: not searched
+    applied: dict[str, int] = field(default_factory=dict)  # the rewrites of its graph
+    check: E2ECheck | None = None  # its end-to-end check; None: it rewrote nothing
 
     @property
     def kept(self) -> bool:
@@ -262,9 +262,15 @@ class MergeAlternative:
 
     @property
     def timed_out(self) -> bool:
-        """Whether the time limit cut its search or its check short."""
+        """Whether the time limit cut its search (or pricing) or its check short."""
         return self.stopped_by is SearchStop.TIME_LIMIT or (
             self.check is not None and _timed_out(self.check.status, self.check.decision))
+
+
+@dataclass(frozen=True)
+class MergeAlternative(_Alternative):
+    """What :func:`merged_alternative` tried and measured (report.json ``merge_all``): nothing (not asked
+    for), why it was ``skipped``, or its search's stop, what it merged and its end-to-end ``check``."""
 
     def to_json(self) -> dict[str, Any]:
         if self.skipped:
@@ -309,25 +315,12 @@ class WinogradLayer:
 
 
 @dataclass(frozen=True)
-class WinogradAlternative:
+class WinogradAlternative(_Alternative):
     """What :func:`winograd_alternative` priced and measured (report.json ``winograd``): nothing (no layer
-    wide enough, or not asked for), why it was ``skipped``, or its layers, what it rewrote and its check."""
+    wide enough, or not asked for), why it was ``skipped``, or its layers (TIME_LIMIT: the clock left some
+    unpriced), what it rewrote (by tile) and its check."""
 
     layers: tuple[WinogradLayer, ...] = ()
-    skipped: str = ""  # why nothing was priced
-    stopped_by: SearchStop | None = None  # TIME_LIMIT: the clock left layers unpriced
-    applied: dict[str, int] = field(default_factory=dict)  # the rewrites, by tile
-    check: E2ECheck | None = None  # its end-to-end check; None: no layer took Winograd
-
-    @property
-    def kept(self) -> bool:
-        return _kept(self.check)
-
-    @property
-    def timed_out(self) -> bool:
-        """Whether the time limit left layers unpriced or cut its check short."""
-        return self.stopped_by is SearchStop.TIME_LIMIT or (
-            self.check is not None and _timed_out(self.check.status, self.check.decision))
 
     def to_json(self) -> dict[str, Any]:
         if self.skipped:
