@@ -41,6 +41,7 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates.int8_intrin import MAX_DEPTH
+from pipeline.provenance import tag_normalized
 
 INT8_TYPES = ("uint8", "int8")
 # the attribute of a kernel this pass scheduled itself: its name in report.json's schedules (pipeline.compile)
@@ -117,8 +118,10 @@ class _IntegerCompute(PyExprMutator):
             return _Dequantized(self.emit(self.nchw(e.args[0], nhwc)), scale, zp.astype(np.int32), 1)
         return _Dequantized(e.args[0], scale, zp.astype(np.int32), int(e.attrs.axis))
 
+    span = None  # the span of the call being rewritten: the ONNX node what it emits computes (pipeline.provenance)
+
     def emit(self, expr: relax.Expr) -> relax.Var:
-        return self.builder_.emit(expr)
+        return self.builder_.emit(tag_normalized(self.builder_, expr, self.span))
 
     # -- operands in the form the dot-product instructions take ---------------------------------------------
 
@@ -144,6 +147,7 @@ class _IntegerCompute(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
         call = super().visit_call_(call)
+        self.span = call.span
         name = _op_name(call)
         out = None
         if name == "relax.nn.conv2d" and _dtype(call).startswith("float"):
@@ -162,7 +166,7 @@ class _IntegerCompute(PyExprMutator):
             out = self.two_stage_extreme(call)
         if out is None and name in ELEMENTWISE:  # not a product's epilogue: still kept on a conv's NHWC result
             out = self.on_flat(call)
-        return call if out is None else out
+        return call if out is None else tag_normalized(self.builder_, out, call.span)
 
     def two_stage_extreme(self, call: relax.Call) -> relax.Expr | None:
         """``max(x)`` / ``min(x)`` over a whole tensor (DynamicQuantizeLinear's range, once per quantized

@@ -200,18 +200,22 @@ def _bindings(func: relax.Function) -> list:
 
 def binding_nodes(func: relax.Function, known: dict[relax.Var, str] | None = None) -> dict[relax.Var, str]:
     """The ONNX node each binding of ``func`` belongs to: its call's span, else what ``known`` (the same
-    function before a pass rebuilt the call without its span) says, else (a binding a converter emitted
-    itself) the node of the first later binding that reads it."""
+    function before a pass rebuilt the call without its span) says, else the node of the first later binding
+    that reads it and has one of those two itself."""
     from tvm.relax.analysis import free_vars
 
     known = known or {}
     out: dict[relax.Var, str] = {}
     consumer: dict[relax.Var, str] = {}
     for binding in reversed(_bindings(func)):
-        node = _node_of(binding.value) or known.get(binding.var) or consumer.get(binding.var)
+        own = _node_of(binding.value) or known.get(binding.var)
+        node = own or consumer.get(binding.var)
         if node is None:
             continue
         out[binding.var] = node
+        if own is None:
+            continue  # credited by its reader only: it passes nothing on (a run of untraced bindings is not
+            # all pinned on the one traced binding after it)
         for var in free_vars(binding.value):
             consumer[var] = node  # walking backwards, the last to set it is its earliest reader
     return out

@@ -67,3 +67,19 @@ def test_conv_calls_name_the_conv_and_its_relu_through_the_layout_stage(layout):
     assert convs == [("Conv_0", "Relu_1"), ("Conv_2", "Relu_3")]
     assert any(s.nodes == ("Gemm_6",) for s in sites)
     assert {n for s in sites for n in s.nodes} >= {"Conv_0", "Relu_1", "Conv_2", "Relu_3", "Gemm_6"}
+
+
+def test_int8_kernels_name_the_conv_they_compute(tmp_path):
+    """The integer pass (pipeline.int8) rebuilds a quantized conv into a u8 x s8 product and its requantizing
+    epilogue: each kernel still names its Conv, and the run of helper bindings it emits is not pinned on
+    one node downstream."""
+    from tests.test_int8 import _quantize, conv_net
+
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
+    model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
+    sites = _lowered(model, None).part.sites
+    anchors = {n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm")}
+    products = [s.nodes for s in sites if "matmul" in s.kernel]  # the u8 x s8 products and their epilogues
+    assert len(products) == 3 and all(nodes[0] in anchors for nodes in products)
+    assert anchors <= {n for s in sites for n in s.nodes}  # the depthwise conv has a kernel of its own
