@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -143,8 +144,8 @@ def profile_shipped(model, feeds: Mapping[str, np.ndarray], runs: int = 10) -> L
 
 def _anchors(optimized: onnx.GraphProto, original: onnx.GraphProto) -> dict[str, str | None]:
     """onnxruntime's optimized node name -> the node of ``original`` it is credited to: by its name where
-    onnxruntime derived it from one (the node's own, ``NODE/MatMulAddFusion``, or ``TENSOR_nchwc`` for a
-    blocked conv writing that tensor), else by the output it writes, else (its outputs all its own: a
+    onnxruntime derived it from one (the node's own, ``NODE_token_N``, ``NODE/MatMulAddFusion``, or
+    ``TENSOR_nchwc`` for a blocked conv writing that tensor), else by the output it writes, else (its outputs all its own: a
     reorder, a reshape around a Gemm) by the first later node credited so."""
     produced: dict[str, str] = {}
     names = set()
@@ -160,6 +161,9 @@ def _anchors(optimized: onnx.GraphProto, original: onnx.GraphProto) -> dict[str,
     def by_name(name: str) -> str | None:
         if name in names:
             return name
+        untokened = re.sub(r"_token_\d+$", "", name)  # a node onnxruntime made from one (a fused QLinearConv)
+        if untokened in names:
+            return untokened
         if name.endswith("_nchwc") and name.removesuffix("_nchwc") in produced:
             return produced[name.removesuffix("_nchwc")]
         prefixes = [n for n in names if name.startswith(n + "/")]

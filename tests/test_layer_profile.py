@@ -39,9 +39,11 @@ def test_onnxruntime_nodes_are_credited_to_the_node_producing_their_output():
     # names onnxruntime derives from the original: a fusion named after its first node, a blocked op after the
     # tensor it computes (its own output a reordered tensor, which would otherwise credit the node after it)
     renamed = helper.make_graph([node("Gemm", ["x", "w", "b"], ["a"], "mm/MatMulAddFusion"),
+                                 node("QLinearAdd", ["a", "b"], ["made_up"], "add_token_7"),
                                  node("Relu", ["a"], ["blocked"], "y_nchwc"),
                                  node("ReorderOutput", ["blocked"], ["y"], "reorder")], "g", info, info)
-    assert _anchors(renamed, original) == {"mm/MatMulAddFusion": "mm", "y_nchwc": "relu", "reorder": "relu"}
+    assert _anchors(renamed, original) == {"mm/MatMulAddFusion": "mm", "add_token_7": "add", "y_nchwc": "relu",
+                                           "reorder": "relu"}
 
 
 def test_both_profiles_are_summed_over_the_nodes_each_call_computes():
