@@ -28,7 +28,8 @@ from kerneltune.scheduler import SCHEDULERS
 from kerneltune.searchers import SEARCHERS
 from kerneltune.targets.threads import fork_safe, use_threads
 from pipeline.artifact import Model, read_report
-from pipeline.context import PRECISIONS, BuildContext, TuneOptions
+from pipeline.context import PRECISIONS, TIME_LIMIT, BuildContext, TuneOptions
+from pipeline.layout.modes import LAYOUTS
 
 _PATH, _OPTIONAL_PATH = (str, os.PathLike), (str, os.PathLike, type(None))
 _INT, _OPTIONAL_INT = (numbers.Integral,), (numbers.Integral, type(None))
@@ -58,6 +59,8 @@ ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
     "progress": ((bool,), "True or False"),
     "precision": ((str,), f"one of {', '.join(PRECISIONS)}"),
     "calibration": (_OPTIONAL_PATH, "an .npz path of stacked sample sets, or None"),
+    "layout": ((str,), f"one of {', '.join(LAYOUTS)}"),
+    "time_limit": ((numbers.Real,), "a positive number of seconds for the graph stage"),
 }
 
 
@@ -82,6 +85,10 @@ def _valid_value(name: str, value: Any) -> bool:
         return value >= 0
     if name == "precision":
         return value in PRECISIONS
+    if name == "layout":
+        return value in LAYOUTS
+    if name == "time_limit":
+        return 0 < value < float("inf")
     if name == "dims" and value is not None:  # the sizes themselves: check_dims, which words a range's refusal
         return all(isinstance(k, str) for k in value)
     if name == "input_shapes" and value is not None:
@@ -108,7 +115,7 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
              searcher: str = "opevo", records: str | os.PathLike | None = None, rpc: str | None = None,
              skip_tune: bool = False, progress: bool = False, precision: str = "fp32",
              calibration: str | os.PathLike | None = None, tuning_timeout: float | None = None,
-             early_stop: int | None = None) -> Model:
+             early_stop: int | None = None, layout: str = "auto", time_limit: float = TIME_LIMIT) -> Model:
     """Optimize and compile ``model`` (a path or an ``onnx.ModelProto``) for ``target`` as optimize-model
     does, into ``output`` (a temporary folder, removed with the returned model, when None: use
     ``.save(DIR)`` to keep it).  ``inputs`` are sample inputs (an .npz path or a dict of arrays) for the
@@ -119,7 +126,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
     of sample sets stacked on a first axis) or ``inputs`` (:mod:`pipeline.quantize`; the accuracy vs fp32 in
     report.json's ``precision``).  ``tuning_timeout`` (seconds) and ``early_stop`` (trials without a gain, per
     task) end kernel tuning before ``trials`` are spent, as optimize-model's ``--timeout`` and ``--early-stop``
-    do (report.json's ``stages.tune.stop_reason`` says what ended it)."""
+    do (report.json's ``stages.tune.stop_reason`` says what ended it).  ``layout`` is ``--layout`` (the conv
+    layouts: ``auto``, ``nchwc``, ``nchw``) and ``time_limit`` ``--time-limit`` (the graph stage's seconds)."""
     check_arguments(dict(locals()))  # first: locals() holds the arguments only
     sizes, ranges = check_dims(dims or {}, lambda name, value: f"dims={{{name!r}: {value!r}}}")
     from pipeline.optimize_model import optimize_model  # deferred: loads TVM
@@ -142,6 +150,7 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, target: str = "llvm", t
                              timeout=None if tuning_timeout is None else float(tuning_timeout),
                              early_stop=None if early_stop is None else int(early_stop))
         ctx = BuildContext.create(target, threads=n, seed=int(seed), tuning=tuning, skip_graph=skip_graph,
+                                  layout=layout, graph_time_limit=float(time_limit),
                                   input_shapes=ShapeRequest(shapes, sizes, ranges),
                                   inputs=str(inputs) if inputs is not None else None,
                                   precision=precision, calibration=str(calibration) if calibration else None)

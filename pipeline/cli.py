@@ -87,9 +87,8 @@ def set_threads(threads: int | None) -> int:
     return use_threads(threads)
 
 
-@console_script
-@cli_entry
-def optimize_model_main(argv: list[str] | None = None) -> int:
+def build_optimize_parser() -> ArgumentParser:
+    """optimize-model's options (pipeline.optimize takes each of them too: tests/test_deploy.py checks)."""
     p = ArgumentParser(prog="optimize-model", description="Optimize an ONNX model and compile it with TVM.")
     _common(p, ranges=True)
     p.add_argument("-o", "--output", metavar="DIR",
@@ -116,7 +115,13 @@ def optimize_model_main(argv: list[str] | None = None) -> int:
                                       "its remaining trials go to the other tasks")
     t.add_argument("--skip-tune", action="store_true", help="no tuning even with --trials: default schedules")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
+    return p
+
+
+@console_script
+@cli_entry
+def optimize_model_main(argv: list[str] | None = None) -> int:
+    args = build_optimize_parser().parse_args(argv)
     tuning = TuneOptions(trials=args.trials, kernels=args.kernels, scheduler=args.scheduler, searcher=args.searcher,
                          records=args.records, rpc=args.rpc, skip=args.skip_tune, progress=not args.no_progress,
                          timeout=args.timeout, early_stop=args.early_stop).validate()

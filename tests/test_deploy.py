@@ -368,6 +368,7 @@ def test_edited_dtypes_in_report_json_are_one_line_and_old_folders_still_load(sc
     ({"skip_graph": "yes"}, "skip_graph='yes'"), ({"input_shapes": {"x": "2,16"}}, "input_shapes"),
     ({"target": None}, "target=None"), ({"scheduler": "fifo"}, "scheduler='fifo'"),
     ({"searcher": "anneal"}, "searcher='anneal'"), ({"inputs": 3}, "inputs=3"), ({"output": 1}, "output=1"),
+    ({"layout": "nhwc"}, "layout='nhwc'"), ({"time_limit": 0}, "time_limit=0"),
 ])
 def test_api_arguments_of_a_wrong_type_or_value_are_one_line(kwargs, words, tmp_path):
     with pytest.raises(UserError, match=re.escape(words)) as info:
@@ -414,3 +415,20 @@ def test_metaschedule_engine_without_xgboost_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgboost" else real(name, *a))
     with pytest.raises(UserError, match=r"optimize-model\[metaschedule\].*--skip-metaschedule"):
         metaschedule.check_installed()
+
+
+# The command-line options the API spells differently, or leaves to the caller (where output goes, the log).
+API_NAMES = {"model": "model", "input_shape": "input_shapes", "dim": "dims", "skip_tune": "skip_tune",
+             "timeout": "tuning_timeout", "no_progress": "progress", "output": "output"}
+NOT_IN_API = {"help", "version", "verbose", "quiet", "debug"}
+
+
+def test_every_optimize_model_option_is_an_api_argument():
+    """API parity (issue 42): what optimize-model takes, pipeline.optimize takes."""
+    import inspect
+
+    from pipeline.cli import build_optimize_parser
+
+    options = {a.dest for a in build_optimize_parser()._actions} - NOT_IN_API
+    params = set(inspect.signature(pipeline.optimize).parameters)
+    assert {API_NAMES.get(o, o) for o in options} - params == set()

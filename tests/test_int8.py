@@ -193,3 +193,28 @@ def test_int8_template_schedules_u8_s8_matmuls_with_each_instruction_exactly(mcp
         kernel, packings = strip(apply(task, config, target))
         got = run_func(build_func(kernel, target), task, pack_inputs(inputs, packings), tvm.cpu())
         np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_quantize_rounds_half_to_even_as_onnx_does():
+    """Ties: ONNX (and onnxruntime) round x / scale half to even (0.5 -> 0, 2.5 -> 2).  A quantize left to
+    TVM's legalization computes ``round``, which TVM's LLVM codegen lowers to ``nearbyint``: the same, and
+    vectorized; this holds the build to it on every tie."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kerneltune.targets.parse import parse_target
+    from pipeline.compile import compile_partition, device_for, run, to_device
+    from pipeline.partition import partition
+
+    scale, zp = numpy_helper.from_array(np.array(0.5, np.float32), "s"), numpy_helper.from_array(np.array(3, np.uint8), "z")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"])]  # a quantized output: left as it is
+    g = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                          [helper.make_tensor_value_info("q", TensorProto.UINT8, [2, 16])], [scale, zp])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = (np.arange(32, dtype=np.float32).reshape(2, 16) - 10) * 0.25  # every other value a tie (k + 0.5 steps)
+    (ref,) = run_ort_sets(model, [{"x": x}], 1)[0]
+    llvm = parse_target("llvm", 1)
+    imported = import_model(model)
+    compiled = compile_partition(imported, partition(imported.mod), llvm)
+    (got,) = run(compiled.vm(), to_device({"x": x}, compiled.input_names, device_for(llvm)))
+    np.testing.assert_array_equal(got, ref)
