@@ -9,7 +9,7 @@ is priced three ways:
 * ``op_sum``: the search's own price, the sum of one-operator timings with element-wise epilogues taken as
   fused (:class:`graphopt.cost.measured.MeasuredCost` with the pipeline's TVM runner);
 * ``kernels``: the fusion-aware price, the fused kernels the pipeline builds for the graph, each timed alone
-  (:mod:`pipeline.kernel_price`);
+  (:mod:`pipeline.pricing.kernel_price`);
 * ``e2e``: the whole graph compiled by the pipeline (the heuristic blocked conv layouts, default schedules,
   :func:`pipeline.stages.compile_model`) and timed end to end,
   all graphs of a model interleaved (:meth:`MeasuredCost.time_models`), in two blocks of opposite order.
@@ -44,7 +44,7 @@ from kerneltune.targets.host import host_model_name
 from kerneltune.targets.parse import parse_target
 from kerneltune.targets.threads import set_num_threads
 from pipeline.frontend import legalize_for_tvm
-from pipeline.graph_runner import TvmRunner
+from pipeline.pricing.graph_runner import TvmRunner
 from pipeline.stages import compile_graph, compile_model, kernel_times
 
 

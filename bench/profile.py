@@ -2,7 +2,7 @@
 
     python bench/profile.py DIR [DIR ...] --out bench/results
 
-For each optimize-model folder: ``run-model DIR --profile`` (pipeline.layer_profile), its JSON and picture
+For each optimize-model folder: ``run-model DIR --profile`` (pipeline.pricing.layer_profile), its JSON and picture
 written as ``profile_<model>.json`` / ``.png``, and one line: the kernels' times summed against the model
 timed whole (issue 43 asks for within 10%), the share of kernel time whose calls name their ONNX nodes,
 and onnxruntime's nodes summed on the same file.  The CPU (and its caches) is recorded in the JSON.

@@ -298,7 +298,7 @@ def _is_constant_value(n: onnx.NodeProto) -> bool:
 def node_names(g: onnx.GraphProto) -> list[str | None]:
     """Each node's name in the graph IR (None: a Constant, which becomes an initializer): its own, or
     ``OpType_k`` (k its index) for an unnamed one, made unique.  One home, because the compiled model names
-    the ONNX nodes its kernels compute the same way (:mod:`pipeline.provenance`)."""
+    the ONNX nodes its kernels compute the same way (:mod:`pipeline.passes.provenance`)."""
     out: list[str | None] = []
     used: set[str] = set()
     for k, n in enumerate(g.node):

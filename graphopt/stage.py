@@ -92,7 +92,7 @@ if TYPE_CHECKING:  # graphopt.winograd is loaded by the stage's last step only
 PATIENCE = 200  # dequeued graphs without a cheaper one before the search stops (see GraphStageOptions)
 # The stage's default bound (--time-limit), seconds: a bound, not a budget to fill.  With the kernel-price
 # gate and the patience, BERT-base and ResNet-50 finished on an empty price cache in 29 and 24 s (2-core Intel
-# Xeon; 25 and 12 s since models are lowered without Relax's FoldConstant builds, pipeline.fold).  Keeping
+# Xeon; 25 and 12 s since models are lowered without Relax's FoldConstant builds, pipeline.passes.fold).  Keeping
 # Winograd on VGG-19 (1.30x end to end) takes about 85 s with its layers' prices cached: a
 # 14 s search, two whole-model compiles of 18 and 25 s, the timing; under a 30 s bound it was never kept.  On
 # an empty price cache it takes 116 s, past this bound: that run keeps the direct convs, the next Winograd.

@@ -329,7 +329,7 @@ class Model:
                 values = outputs_numpy(self._entry()(*args))
         except ValueError as exc:
             raise self._signature_error(exc) from None
-        except AssertionError as exc:  # model.so's own check of a value it is built for (pipeline.value_guard)
+        except AssertionError as exc:  # model.so's own check of a value it is built for (pipeline.passes.value_guard)
             raise UserError(_vm_message(exc)) from None
         return {t.name: v for t, v in zip(self.outputs, values)}
 
@@ -382,7 +382,7 @@ class Model:
 
     def instrumentable(self, feeds: Mapping[str, Any] | Sequence[Any]):
         """(a VM of its own over the loaded library, ``feeds`` on the device, the device): for timing each
-        kernel call (:func:`pipeline.profile.time_calls`), whose instrument must not stay on the VM that
+        kernel call (:func:`pipeline.pricing.profile.time_calls`), whose instrument must not stay on the VM that
         :meth:`run` uses.  This machine only."""
         if self.rpc is not None:
             raise UserError("a per-kernel profile times the network too on an --rpc device: profile on the "

@@ -53,7 +53,7 @@ def bench_shipped(directory: str | os.PathLike, plan: Plan, threads: int, inputs
     engines["shipped"] = model.runner(feeds)
     times = time_plan(engines, plan)
     if profile:  # after the timing: the per-call instrument and onnxruntime's profiler slow what they time
-        from pipeline import layer_profile
+        from pipeline.pricing import layer_profile
 
         layers = layer_profile.profile_shipped(model, feeds)
         layers = layer_profile.with_ort(layers, graph, feeds, int(model.threads or threads))

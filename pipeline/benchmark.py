@@ -39,7 +39,7 @@ from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_
 from pipeline.context import BuildContext
 from pipeline.frontend import BRANCH_BLOCKERS
 from pipeline.partition import partition
-from pipeline.profile import KernelTime, profile_kernels
+from pipeline.pricing.profile import KernelTime, profile_kernels
 from pipeline.report import RATIO_MEANING, time_ratio
 
 
@@ -84,7 +84,7 @@ class BenchResult:
     shipped: str = REBUILT  # the folder whose model.so was timed, or REBUILT
     skipped: dict[str, str] = field(default_factory=dict)  # engine key -> why it did not run
     heading: str = ""  # what was timed against what, in one line (printed first)
-    layers: Any = None  # --profile of a shipped build: pipeline.layer_profile.LayerProfile
+    layers: Any = None  # --profile of a shipped build: pipeline.pricing.layer_profile.LayerProfile
 
     @property
     def errors(self) -> dict[str, float]:

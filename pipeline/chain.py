@@ -42,7 +42,7 @@ class ChainRequest:
 
     model: onnx.ModelProto  # the model as compiled (specialized on the values a build needs)
     input_shapes: InputShapes | None = None
-    built_values: Mapping[str, np.ndarray] | None = None  # a specialized build's values (pipeline.value_guard)
+    built_values: Mapping[str, np.ndarray] | None = None  # a specialized build's values (pipeline.passes.value_guard)
     served: Served | None = None  # the dimensions kept symbolic (--dim NAME=LO:HI), with the input model:
     original: onnx.ModelProto | None = None  # served builds import it where optimized.onnx cannot stay symbolic
     tuning: Any = None  # a kerneltune TuningRun: tune the selected tasks with it (None: default schedules)

@@ -272,7 +272,7 @@ def _bench_folder(args: argparse.Namespace, plan) -> int:
     res = bench_shipped(args.model, plan, threads, args.inputs, args.seed, args.profile)
     _bench_outputs(res, args)
     if res.layers is not None:
-        from pipeline.layer_profile import format_profile
+        from pipeline.pricing.layer_profile import format_profile
 
         print(format_profile(res.layers))
     return 0
@@ -417,7 +417,7 @@ def run_model_main(argv: list[str] | None = None) -> int:
 
 def _profile(model, feeds: dict, runs: int, plot: str | None) -> dict:
     """run-model --profile for one set of inputs: printed, drawn (``plot``) and returned for --json."""
-    from pipeline import layer_profile
+    from pipeline.pricing import layer_profile
 
     runs = max(3, min(runs, 20))  # a profile averages a few runs; the instrument makes each slower
     profile = layer_profile.profile_shipped(model, feeds, runs)
@@ -441,7 +441,7 @@ def _tvm_runner(threads: int, target: str = "llvm") -> GraphRunner:
     included), its spec made from that request when first needed, as optimize-model's BuildContext makes
     its own."""
     # Deferred: importing the TVM runner loads TVM (seconds); `graphopt rules ...` and --help never need it.
-    from pipeline.graph_runner import TvmRunner
+    from pipeline.pricing.graph_runner import TvmRunner
     from pipeline.stages import compile_graph, compile_model, kernel_times
 
     return TvmRunner(compile_graph, threads, price_kernels=kernel_times, compile_model=compile_model,

@@ -39,7 +39,7 @@ from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening o
 from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline import cpu_pool
 from pipeline.partition import FusedTask, Partition
-from pipeline.int8 import SCHEDULED_BY
+from pipeline.passes.int8 import SCHEDULED_BY
 from pipeline.relax_import import ImportedModel
 from pipeline.schedule_sources import ScheduleSource, schedule_sources
 
@@ -114,7 +114,7 @@ def schedule(part: Partition, spec: TargetSpec, tuned: dict[str, Any] | None = N
     for task in part.tasks:
         current = mod[task.names[0]]
         if "tirx.is_scheduled" in current.attrs and bool(current.attrs["tirx.is_scheduled"]):
-            # scheduled before we got here: by a pass that wrote the kernel (pipeline.int8's gathers name
+            # scheduled before we got here: by a pass that wrote the kernel (pipeline.passes.int8's gathers name
             # themselves), else MetaSchedule's database
             how[task.name] = str(current.attrs.get(SCHEDULED_BY, "metaschedule"))
             continue

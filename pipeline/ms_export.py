@@ -11,7 +11,7 @@ their traces are such records.
 
 The workload must be the PrimFunc as *TVM's* flow fuses it (the target's dispatch passes, LegalizeOps,
 AnnotateTIROpPattern, FoldConstant, FuseOps, FuseTIR: :data:`TVM_FUSION`), and our pipeline fuses
-differently (fast math, :mod:`pipeline.fast_sigmoid`, the weights marked for pre-packing, the NCHWc layout),
+differently (fast math, :mod:`pipeline.passes.fast_sigmoid`, the weights marked for pre-packing, the NCHWc layout),
 so our tasks' PrimFuncs are not TVM's.  Each of TVM's anchor kernels (a matmul or conv a template covers) is
 paired with ours by position in the model - the anchor kernels in call order, when both lists have the same
 operator, shape and dtype at every position -, our template is applied to TVM's PrimFunc with our best

@@ -91,7 +91,7 @@ def optimize_model(model_path: str, out_dir: str, ctx: BuildContext) -> Optimize
         # Deferred: these load TVM (seconds), after every cheap check above has passed.
         from pipeline.chain import ChainRequest, restored_sizes, run_chain
         from pipeline.compile import check_outputs
-        from pipeline.profile import task_times
+        from pipeline.pricing.profile import task_times
         from pipeline.symbolic import Served, input_ranges
         from pipeline.tuning import NO_TEMPLATE, NOT_SELECTED, plot_tuning, shipped_title, tuning_run
 

@@ -25,16 +25,16 @@ from kerneltune.describe import describe
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
-from pipeline import provenance
-from pipeline.fast_sigmoid import FastSigmoid
-from pipeline.fold import FoldConstants
-from pipeline.lane_softmax import LaneSoftmax
-from pipeline.provenance import CallSite
+from pipeline.passes import provenance
+from pipeline.passes.fast_sigmoid import FastSigmoid
+from pipeline.passes.fold import FoldConstants
+from pipeline.passes.lane_softmax import LaneSoftmax
+from pipeline.passes.provenance import CallSite
 from pipeline.symbolic import at_sizes, specialize
 
 KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kind, or a kernel no template covers
 
-# FastMathTransform first (with our LaneSoftmax and FastSigmoid, pipeline.lane_softmax and pipeline.fast_sigmoid,
+# FastMathTransform first (with our LaneSoftmax and FastSigmoid, pipeline.passes.lane_softmax and pipeline.passes.fast_sigmoid,
 # just before it): it swaps
 # erf/exp/tanh/softmax for TOPI's polynomial versions, which vectorize;
 # the exact ones lower to scalar libm calls, and on BERT the GELU's erf alone made the FFN1 kernel ~4x
@@ -87,7 +87,7 @@ class Partition:
 
 def fuse(mod: tvm.IRModule, known: dict | None = None) -> tuple[tvm.IRModule, list[CallSite]]:
     """Run the fusion passes (the part of the default CPU pipeline that the VM build leaves out); with the
-    ONNX nodes each kernel call of the result computes (:mod:`pipeline.provenance`: read from the calls' spans
+    ONNX nodes each kernel call of the result computes (:mod:`pipeline.passes.provenance`: read from the calls' spans
     just before LegalizeOps drops them, then carried by the bound variables through FuseOps; ``known``: the
     nodes of ``main``'s variables before a stage that rebuilt calls without their spans, the layout stage's)."""
     passes = [FoldConstants, LaneSoftmax(), FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES]

@@ -39,11 +39,11 @@ from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model, subgraphs
 from kerneltune.templates.cpu import vector_padding, weight_padding
 from kerneltune.native_log import quiet_native_stderr
-from pipeline.fold import fold_constants
+from pipeline.passes.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
-from pipeline.int8 import integer_compute
-from pipeline.provenance import tag_normalized, tagged_import
-from pipeline.sink_slices import MIN_KEPT, sink_padding_slices
+from pipeline.passes.int8 import integer_compute
+from pipeline.passes.provenance import tag_normalized, tagged_import
+from pipeline.passes.sink_slices import MIN_KEPT, sink_padding_slices
 from pipeline.symbolic import Served, bound, symbolic_model
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: 
         raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
     # constants computed in the graph (an unrolled GRU's weights: a transpose of a Gather of an initializer)
     # become constants first, so that the rewrites see them (the weight padding)
-    mod = integer_compute(mod)  # before folding: the int8 weights are still int8 (pipeline.int8)
+    mod = integer_compute(mod)  # before folding: the int8 weights are still int8 (pipeline.passes.int8)
     with quiet_native_stderr():
         mod = fold_constants(mod)
     return sink_padding_slices(import_rewrites(mod))
@@ -211,7 +211,7 @@ def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
 
 def _padded_conv(call: relax.Call, builder, heads: set[int]) -> relax.Expr | None:
     """A conv whose output channels do not split into whole vectors computes zero-weight channels up to a
-    vector multiple, then drops them with a slice that :mod:`pipeline.sink_slices` moves down the graph.
+    vector multiple, then drops them with a slice that :mod:`pipeline.passes.sink_slices` moves down the graph.
 
     * A head conv (one whose output reaches no other conv: SqueezeNet's 1000-class classifier) is padded to
       :func:`kerneltune.templates.cpu.weight_padding`'s count.  1000 channels ran in 8-channel blocks, half
@@ -219,7 +219,7 @@ def _padded_conv(call: relax.Call, builder, heads: set[int]) -> relax.Expr | Non
       1024 channels, 0.79 ms alone (1008: 0.94).
     * Any other conv only when its channels have no divisor of half a vector or more
       (:func:`~kerneltune.templates.cpu.vector_padding`) and the padding is a padding slice
-      (:data:`pipeline.sink_slices.MIN_KEPT`): ShuffleNet-v2's 58 and 116 channels (blocks of 2 and 4, or
+      (:data:`pipeline.passes.sink_slices.MIN_KEPT`): ShuffleNet-v2's 58 and 116 channels (blocks of 2 and 4, or
       register tiles of 2 and 4 filters in NCHW) become 64 and 128.  The slice then moves down through the
       bias and activation, through a depthwise conv (padded too) and into the next conv, which reads the
       zero channels with zero weights; where it stops (a concat), it fuses into that kernel.  58 -> 58 1x1 at

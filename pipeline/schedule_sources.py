@@ -2,7 +2,7 @@
 (as MetaSchedule's ordered union of databases answers a query from the first database that has it).
 
 The default order (:func:`schedule_sources`): the tuned configs; the sanity floor's replacements for a default
-far under its roofline (:mod:`pipeline.sanity`); the template's default config; TVM's rules and ours
+far under its roofline (:mod:`pipeline.pricing.sanity`); the template's default config; TVM's rules and ours
 (:mod:`pipeline.cpu_rules`, dlight on GPUs).  A kernel a pass or MetaSchedule scheduled already is kept before
 any source is asked (:func:`pipeline.compile.schedule`).  Each source names itself in report.json's
 ``schedules`` (``tuned``, ``sanity``, ``template``, ``cpu-rule``, ``dlight``), so a replacement no longer

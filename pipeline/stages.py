@@ -3,7 +3,7 @@ partition -> compile (tuning, between partition and compile, is :mod:`pipeline.t
 
 optimize-model (:mod:`pipeline.optimize_model`), bench-model (:func:`pipeline.benchmark.compile_engines`),
 ``tune-kernels MODEL`` (:mod:`pipeline.model_mode`) and the graph stage's TVM runner
-(:mod:`pipeline.graph_runner`, through :func:`compile_graph` and :func:`compile_model`) all build through these functions:
+(:mod:`pipeline.pricing.graph_runner`, through :func:`compile_graph` and :func:`compile_model`) all build through these functions:
 
 * :func:`graph_stage`: the model legalized for TVM (:func:`pipeline.frontend.legalize_for_tvm`), then
   graphopt's search (:func:`graphopt.stage.optimize_graph`) with the measured cost timed by TVM for the
@@ -12,7 +12,7 @@ optimize-model (:mod:`pipeline.optimize_model`), bench-model (:func:`pipeline.be
   (:func:`pipeline.layout.search.partition_model`; the graph runner's operators: none, its whole models and
   kernel prices: the heuristic blocks) and the partition;
 * :func:`build`: the partition compiled (:func:`pipeline.compile.compile_partition`) with tuned configs or
-  default schedules; :func:`build_untuned` the default build held to the sanity floor (:mod:`pipeline.sanity`).
+  default schedules; :func:`build_untuned` the default build held to the sanity floor (:mod:`pipeline.pricing.sanity`).
 
 Each takes the build context (:class:`pipeline.context.BuildContext`) or the target spec it holds.
 """
@@ -36,12 +36,12 @@ from kerneltune.targets.registry import TargetSpec
 from pipeline.compile import CompiledModel, compile_partition
 from pipeline.context import BuildContext
 from pipeline.frontend import legalize_for_tvm
-from pipeline.kernel_price import KernelPricer
+from pipeline.pricing.kernel_price import KernelPricer
 from pipeline.layout.search import partition_model
 from pipeline.partition import Partition, partition
 from pipeline.relax_import import ImportedModel, import_model
 from pipeline.symbolic import Served
-from pipeline.value_guard import add_value_guards
+from pipeline.passes.value_guard import add_value_guards
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def graph_stage(ctx: BuildContext, model: onnx.ModelProto, input_shapes: InputSh
     if ctx.skip_graph:
         log.add("graph", time.perf_counter() - t0, skipped=True, nodes=len(graph.nodes))
         return StagedGraph(export_onnx(graph), graph, unfolded)
-    from pipeline.graph_runner import TvmRunner
+    from pipeline.pricing.graph_runner import TvmRunner
 
     spec = ctx.spec
     kind = ctx.target.cost_kind if spec.can_run else "not-here"  # a kind other than llvm: analytic cost
@@ -120,7 +120,7 @@ def lower(model: onnx.ModelProto | str, spec: TargetSpec, layout: str | None,
           served: Served | None = None) -> Lowered:
     """Relax import, the layout stage (``layout``: a ``--layout`` choice; None: none, the module as imported)
     and the partition into fused tasks.  ``built_values``: the inputs a specialized build takes one value of,
-    asserted by the compiled code itself (:mod:`pipeline.value_guard`).  ``served``: the dimensions kept
+    asserted by the compiled code itself (:mod:`pipeline.passes.value_guard`).  ``served``: the dimensions kept
     symbolic over their ranges (:mod:`pipeline.symbolic`); the layout stage, whose blocked convs are per
     size, is not run then."""
     t0 = time.perf_counter()
@@ -144,11 +144,11 @@ def build(lowered: Lowered, spec: TargetSpec, tuned: dict[str, Any] | None = Non
 
 
 def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, dict[str, Any]]:
-    """The partition with default schedules, held to the sanity floor (:mod:`pipeline.sanity`) where its
+    """The partition with default schedules, held to the sanity floor (:mod:`pipeline.pricing.sanity`) where its
     kernels run here: a templated kernel far below its roofline on this CPU gets a replacement config and
     the model is rebuilt.  Returns the build and what the floor found (report.json's ``sanity`` stage)."""
-    from pipeline import sanity
-    from pipeline.profile import profile_kernels
+    from pipeline.pricing import sanity
+    from pipeline.pricing.profile import profile_kernels
 
     spec = ctx.spec
     compiled = build(lowered, spec)
@@ -171,7 +171,7 @@ def kernel_times(models: list[tuple[onnx.ModelProto, Graph]], spec: TargetSpec) 
     """What the graph stage prices candidates at before it times them whole (the TVM runner's
     ``price_kernels``; each model with its legalized graph IR): the kernels :func:`compile_model` would
     build for them, each timed alone, over the kernel calls they do not all share
-    (:meth:`pipeline.kernel_price.KernelPricer.compare`)."""
+    (:meth:`pipeline.pricing.kernel_price.KernelPricer.compare`)."""
     pricer = KernelPricer(spec, partition_fn=lambda mod: partition_model(mod, spec, PRICE_LAYOUT))
     return [p.seconds for p in pricer.compare(models)]
 
@@ -189,7 +189,7 @@ def _compile_default(model: onnx.ModelProto, spec: TargetSpec, layout: str | Non
 
 
 def compile_graph(model: onnx.ModelProto, spec: TargetSpec) -> CompiledModel:
-    """What the graph stage times one operator as (:class:`pipeline.graph_runner.TvmRunner`): imported,
+    """What the graph stage times one operator as (:class:`pipeline.pricing.graph_runner.TvmRunner`): imported,
     partitioned as imported (no layout stage) and compiled with default schedules."""
     return _compile_default(model, spec, None)
 

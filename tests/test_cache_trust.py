@@ -142,7 +142,7 @@ def test_poisoned_layout_prices_and_verdicts_are_measured_again(tmp_path, monkey
 
 def test_poisoned_kernel_prices_are_measured_again(tmp_path, monkeypatch):
     from kerneltune.targets.parse import parse_target
-    from pipeline import kernel_price
+    from pipeline.pricing import kernel_price
 
     path = tmp_path / "kernels.json"
     _poison(path)

@@ -140,7 +140,7 @@ def test_nchwc_space_only_holds_register_tiles_that_fit():
 def test_softmax_and_layer_norm_reduce_in_vectors_and_match_numpy(columns):
     """Reductions along the last axis (softmax, layer norm) are summed in vector partials (an ``_rf`` block,
     vectorized) when 16 lanes divide the row, and stay exact either way.  A softmax row that no vector width
-    divides (49, 197) is cut into whole vectors and a tail (pipeline.lane_softmax), its body reduced in
+    divides (49, 197) is cut into whole vectors and a tail (pipeline.passes.lane_softmax), its body reduced in
     vectors too; a layer norm over such a row keeps scalar reductions."""
     from pipeline.compile import schedule
 

@@ -1,4 +1,4 @@
-"""pipeline.fold: numpy's constant folding gives what Relax's FoldConstant gives, bit for bit, and leaves what
+"""pipeline.passes.fold: numpy's constant folding gives what Relax's FoldConstant gives, bit for bit, and leaves what
 it cannot evaluate to FoldConstant."""
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
-from pipeline.fold import fold_constants, fold_numpy  # noqa: E402
+from pipeline.passes.fold import fold_constants, fold_numpy  # noqa: E402
 
 RNG = np.random.default_rng(0)
 

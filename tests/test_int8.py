@@ -1,4 +1,4 @@
-"""Quantized models computed in integers (pipeline.int8), the VNNI template (kerneltune.templates.int8) and
+"""Quantized models computed in integers (pipeline.passes.int8), the VNNI template (kerneltune.templates.int8) and
 the quantized check's tolerance (graphopt.quant_tolerance).
 
 Models are quantized with onnxruntime's own tools, as users do; each is a few thousand weights.

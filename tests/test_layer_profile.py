@@ -1,5 +1,5 @@
 """run-model --profile: each kernel call of the shipped build timed, named by its ONNX nodes, and set beside
-onnxruntime's own profile of the same nodes (pipeline.layer_profile)."""
+onnxruntime's own profile of the same nodes (pipeline.pricing.layer_profile)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from pipeline import cli
-from pipeline.layer_profile import Comparison, KernelRow, _anchors, align, side_by_side
-from pipeline.profile import CallTime
-from pipeline.provenance import CallSite
+from pipeline.pricing.layer_profile import Comparison, KernelRow, _anchors, align, side_by_side
+from pipeline.pricing.profile import CallTime
+from pipeline.passes.provenance import CallSite
 from tests.test_deploy import mlp_built, one_line_error  # noqa: F401 - mlp_built: the shared folder fixture
 
 

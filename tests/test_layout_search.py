@@ -404,7 +404,7 @@ def test_a_blocked_conv_is_priced_on_its_inputs_packed_not_on_garbage(tmp_path, 
     shape and packed again, most of it was uninitialized memory: denormals priced blocked convs 100x too
     slow on an Intel Xeon, and auto ran ResNet-50 1.6x onnxruntime where the heuristic blocks ran 1.2x.)"""
     from kerneltune import prepack
-    from pipeline import kernel_price
+    from pipeline.pricing import kernel_price
 
     seen, pack = [], prepack.pack_inputs
 

@@ -592,7 +592,7 @@ def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
     """The graph stage's fusion-aware price: every fused kernel timed once, cached on disk by its structure;
     a model whose first conv's epilogue changed (Relu -> Sigmoid) times only that kernel again, and the two
     compared are priced over that kernel alone."""
-    from pipeline.kernel_price import KernelPricer
+    from pipeline.pricing.kernel_price import KernelPricer
 
     cache = tmp_path / "kernels.json"
     first = KernelPricer(llvm, cache).price(conv_net())
@@ -617,7 +617,7 @@ def test_padding_slices_move_past_elementwise_ops_and_pools_but_parts_stay(kept)
     import tvm
     from tvm import relax
 
-    from pipeline.sink_slices import sink_padding_slices
+    from pipeline.passes.sink_slices import sink_padding_slices
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 1024, 5, 5)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Which ONNX nodes each kernel call computes (pipeline.provenance): traced through the import, the layout
+"""Which ONNX nodes each kernel call computes (pipeline.passes.provenance): traced through the import, the layout
 stage and the fusion, on the bundled BERT and a conv net in the blocked layout."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_conv_calls_name_the_conv_and_its_relu_through_the_layout_stage(layout):
 
 
 def test_int8_kernels_name_the_conv_they_compute(tmp_path):
-    """The integer pass (pipeline.int8) rebuilds a quantized conv into a u8 x s8 product and its requantizing
+    """The integer pass (pipeline.passes.int8) rebuilds a quantized conv into a u8 x s8 product and its requantizing
     epilogue: each kernel still names its Conv, and the run of helper bindings it emits is not pinned on
     one node downstream."""
     from tests.test_int8 import _quantize, conv_net

@@ -1,4 +1,4 @@
-"""The untuned build's sanity floor (pipeline.sanity): rates against the roofline, and a pathological default
+"""The untuned build's sanity floor (pipeline.pricing.sanity): rates against the roofline, and a pathological default
 caught, replaced and still computing the model."""
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kerneltune import templates
-from pipeline import sanity, stages
+from pipeline import stages
+from pipeline.pricing import sanity
 from pipeline.compile import check_outputs
 from pipeline.context import BuildContext, TuneOptions
-from pipeline.profile import KernelTime
+from pipeline.pricing.profile import KernelTime
 
 
 def _task(index, name, flops, weight, shapes):
@@ -99,7 +100,7 @@ def test_ctrl_c_during_the_profile_run_is_an_interrupt_not_an_internal_error(mon
 
     import pytest
 
-    from pipeline import profile
+    from pipeline.pricing import profile
 
     ctx = BuildContext.create("llvm", threads=1, skip_graph=True, tuning=TuneOptions(skip=True, progress=False))
     lowered = stages.lower(_matmul_model(), ctx.spec, ctx.layout)

@@ -127,7 +127,7 @@ def test_the_value_guard_compiles_for_bool_and_tensor_inputs():
     import tvm
     from tvm import relax
 
-    from pipeline.value_guard import add_value_guards
+    from pipeline.passes.value_guard import add_value_guards
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((2,), "float32"))

@@ -218,7 +218,7 @@ def test_stage_prices_layers_with_the_tvm_runner(tmp_path):
     """The real pricing path: each layer built by the pipeline direct (blocked layout) and as Winograd, priced
     as its kernels; whichever wins, what the stage hands back computes the input's function."""
     from graphopt.cost.measured import MeasuredCost
-    from pipeline.graph_runner import TvmRunner
+    from pipeline.pricing.graph_runner import TvmRunner
     from pipeline.stages import compile_graph, compile_model, kernel_times
 
     proto = _wide_chain()

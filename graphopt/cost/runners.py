@@ -3,7 +3,7 @@
 A :class:`GraphRunner` turns a graph into a callable that runs it once (synchronised, so a timer around
 the call measures the whole run).  The measured cost model times tiny one-operator graphs and whole models
 with it; it never knows which engine is behind it.  graphopt ships the onnxruntime runner; the pipeline
-injects one that compiles with TVM (:mod:`pipeline.graph_runner`), so graphopt never imports TVM or the
+injects one that compiles with TVM (:mod:`pipeline.pricing.graph_runner`), so graphopt never imports TVM or the
 pipeline (the layering rule in docs/architecture.md).
 """
 from __future__ import annotations

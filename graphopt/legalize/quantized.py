@@ -24,7 +24,7 @@ Requantization (QLinear*) is the QDQ form's, in float: ``saturate(round(y / ys) 
 QLinear kernels instead rescale the int32 sum by one float multiplier ``xs * ws / ys``; the two agree except
 where the exact value sits within float rounding of a .5 boundary, where they differ by one quantization step
 (measured, float path: 1 to 2 elements in 20,000-40,000 of a 32-channel conv and a K=256 matmul; 0 once
-``pipeline.int8`` computes the product in integers with onnxruntime's multiplier).
+``pipeline.passes.int8`` computes the product in integers with onnxruntime's multiplier).
 
 A per-axis scale needs DequantizeLinear's ``axis`` (opset 13); in older opsets the same arithmetic is written as
 ``(Cast(x) - zero point) * scale`` with the parameters reshaped to broadcast along the axis, folded into one

@@ -1,7 +1,7 @@
 """CPU template for u8 x s8 -> s32 matmuls by a constant weight: a dot-product instruction as the inner loop.
 
 Which tasks: a matmul (or batch-1 matmul: leading extent-1 axes) whose anchor accumulates
-``int32(A[.., k]) * int32(B[k, j])`` with A uint8 and B an int8 model weight (:mod:`pipeline.int8` puts every
+``int32(A[.., k]) * int32(B[k, j])`` with A uint8 and B an int8 model weight (:mod:`pipeline.passes.int8` puts every
 quantized product of a model in this form), on an x86 CPU: the instruction is the best the target has
 (:func:`~kerneltune.templates.int8_intrin.instruction_for`: AVX-512 VNNI's ``vpdpbusd``, 16 lanes x 4
 bytes; AVX-VNNI's, 8 x 4; exact 16-bit multiply-adds, 16 x 2 on AVX-512BW and 8 x 2 on AVX2).  Other int8

@@ -5,7 +5,7 @@ Each price comes from the code the pipeline really runs: a one-operator Relax mo
 lowering (:mod:`pipeline.layout.nchwc` for blocked convs), fusion (:func:`pipeline.partition.partition`) and
 scheduling (:func:`pipeline.compile.schedule`: the template's default config, or the CPU rules for a
 transform or a kernel no template covers); the scheduled kernel is built in this process (0.1-0.5 s) and
-timed cold by :func:`pipeline.kernel_price.time_cold` (the graph stage's kernel prices use it too): its weight
+timed cold by :func:`pipeline.pricing.kernel_price.time_cold` (the graph stage's kernel prices use it too): its weight
 packed the way the model packs it at build time, one call per timing after every argument but the
 activation was flushed from the caches (inside a model a conv's weights come from DRAM), the median taken.
 
@@ -31,7 +31,7 @@ from kerneltune.targets.registry import TargetSpec
 from kerneltune.targets.threads import tvm_num_threads
 from pipeline.layout import nchwc
 from pipeline.compile import schedule
-from pipeline.kernel_price import time_cold
+from pipeline.pricing.kernel_price import time_cold
 from pipeline.partition import partition
 
 # 3: NCHW depthwise convs inline their padding, stride-2 convs read it as phases (cpu template defaults);

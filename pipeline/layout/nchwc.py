@@ -45,9 +45,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates import conv_nchwc
 from kerneltune.native_log import quiet_native_stderr
-from pipeline import provenance
-from pipeline.fold import FoldConstants
-from pipeline.relax_rewrite import static_shape
+from pipeline.passes import provenance
+from pipeline.passes.fold import FoldConstants
+from pipeline.passes.relax_rewrite import static_shape
 
 CONV = "relax.nn.conv2d"
 

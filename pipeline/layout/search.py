@@ -53,7 +53,7 @@ from pipeline.compile import CompiledModel, build, model_runner, schedule
 from pipeline.layout import nchwc, pbqp
 from pipeline.layout.cost import ConvOption, Pricer
 from pipeline.layout.modes import LAYOUTS
-from pipeline import provenance
+from pipeline.passes import provenance
 from pipeline.partition import Partition, partition
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Per-kernel time inside the compiled model (the Relax VM's instrument hook): what says which kernels
 dominate end to end, cold caches and call overheads included.  bench-model --profile prints it; the
-untuned build's sanity floor (:mod:`pipeline.sanity`) reads it; run-model --profile maps it to the ONNX nodes
-(:mod:`pipeline.layer_profile`)."""
+untuned build's sanity floor (:mod:`pipeline.pricing.sanity`) reads it; run-model --profile maps it to the ONNX nodes
+(:mod:`pipeline.pricing.layer_profile`)."""
 from __future__ import annotations
 
 import time

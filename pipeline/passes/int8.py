@@ -41,7 +41,7 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates.int8_intrin import MAX_DEPTH
-from pipeline.provenance import tag_normalized
+from pipeline.passes.provenance import tag_normalized
 
 INT8_TYPES = ("uint8", "int8")
 # the attribute of a kernel this pass scheduled itself: its name in report.json's schedules (pipeline.compile)
@@ -118,7 +118,7 @@ class _IntegerCompute(PyExprMutator):
             return _Dequantized(self.emit(self.nchw(e.args[0], nhwc)), scale, zp.astype(np.int32), 1)
         return _Dequantized(e.args[0], scale, zp.astype(np.int32), int(e.attrs.axis))
 
-    span = None  # the span of the call being rewritten: the ONNX node what it emits computes (pipeline.provenance)
+    span = None  # the span of the call being rewritten: the ONNX node what it emits computes (pipeline.passes.provenance)
 
     def emit(self, expr: relax.Expr) -> relax.Var:
         return self.builder_.emit(tag_normalized(self.builder_, expr, self.span))

@@ -1,6 +1,6 @@
 """Run one of our Relax call rewrites (a ``PyExprMutator``) over every Relax function of a module: the body
 of the module passes that swap an operator for a vectorizable TE version before LegalizeOps
-(:mod:`pipeline.fast_sigmoid`, :mod:`pipeline.lane_softmax`)."""
+(:mod:`pipeline.passes.fast_sigmoid`, :mod:`pipeline.passes.lane_softmax`)."""
 from __future__ import annotations
 
 import tvm

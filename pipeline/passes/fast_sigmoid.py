@@ -13,7 +13,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from pipeline.relax_rewrite import rewrite_functions
+from pipeline.passes.relax_rewrite import rewrite_functions
 
 
 def fast_sigmoid(x: te.Tensor) -> te.Tensor:

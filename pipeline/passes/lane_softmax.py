@@ -20,7 +20,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from pipeline.relax_rewrite import rewrite_functions
+from pipeline.passes.relax_rewrite import rewrite_functions
 
 # A multiple of every x86 vector width (8 fp32 lanes with AVX2, 16 with AVX-512), as the CPU template's
 # VECTOR_PAD: the kernel is the same whatever the target.

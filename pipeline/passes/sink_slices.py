@@ -28,7 +28,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from pipeline.relax_rewrite import rewrite_functions, static_shape
+from pipeline.passes.relax_rewrite import rewrite_functions, static_shape
 
 # A slice keeping at least this share of its axis is padding (1000 of 1024 classes, 2600 of 2624 gate
 # columns); ShuffleNet's halves and attention's q/k/v parts are parts, and stay where they are.

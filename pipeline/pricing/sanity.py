@@ -3,7 +3,7 @@
 A template's default config is a heuristic, and one that falls to a pathological schedule on a shape no one
 profiled sinks the whole model: ViT-B/16's 197 tokens once gave its MLP matmuls 1-row register tiles, 15
 GFLOP/s of a 466 GFLOP/s CPU, and the model ran 14x onnxruntime.  So after the untuned build every templated
-kernel is timed in place (one profiled run of the model, :mod:`pipeline.profile`) and its rate compared with
+kernel is timed in place (one profiled run of the model, :mod:`pipeline.pricing.profile`) and its rate compared with
 its roofline on this CPU: the lower of the practical FMA peak and the memory bandwidth times the kernel's
 arithmetic intensity (a matrix-vector product streams its weight; its GFLOP/s are the bandwidth's).  A kernel
 under :data:`FLOOR` of its roofline, taking at least :data:`MIN_SHARE` of the model's kernel time, is flagged, and its default raced against :data:`CANDIDATES` configs of
@@ -28,7 +28,7 @@ import numpy as np
 from kerneltune import templates
 from kerneltune.calibrate import calibrated
 from pipeline.partition import Partition
-from pipeline.profile import KernelTime
+from pipeline.pricing.profile import KernelTime
 
 FLOOR, CANDIDATES, ROUNDS, MARGIN = 0.05, 12, 2, 1.5
 # Only a kernel that costs the model something is judged: a 1x256x10 classifier (5 KFLOP) runs at 0.2 GFLOP/s

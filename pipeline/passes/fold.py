@@ -25,7 +25,7 @@ from tvm import relax
 from tvm.ir.prim import expr as prim
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from pipeline.relax_rewrite import rewrite_functions, static_shape
+from pipeline.passes.relax_rewrite import rewrite_functions, static_shape
 
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,

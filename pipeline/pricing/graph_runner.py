@@ -36,7 +36,7 @@ class TvmRunner(GraphRunner):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
         self.compile_graph = compile_graph  # one operator, as imported
         self.compile_model = compile_model or compile_graph  # a whole model, as the product builds it
-        self.price_kernels = price_kernels  # the fusion-aware price (pipeline.kernel_price), None: none
+        self.price_kernels = price_kernels  # the fusion-aware price (pipeline.pricing.kernel_price), None: none
         self._spec = spec  # None: built from the request when the first graph is prepared (loads TVM)
         # the --target it prices for (``-mcpu``/``-mattr`` included); None: this machine's llvm
         self._request = spec.request if spec is not None and request is None else request

@@ -1,10 +1,10 @@
 """``run-model DIR --profile``: where the shipped build spends its time, kernel by kernel, in the ONNX model's
 own terms, beside onnxruntime's profile of the same file.
 
-Each kernel call is timed inside the VM (:func:`pipeline.profile.time_calls`) and named by the ONNX nodes it
-computes (report.json's ``call_sites``, :mod:`pipeline.provenance`).  A kernel's rate is set against this
+Each kernel call is timed inside the VM (:func:`pipeline.pricing.profile.time_calls`) and named by the ONNX nodes it
+computes (report.json's ``call_sites``, :mod:`pipeline.passes.provenance`).  A kernel's rate is set against this
 CPU's roofline: the lower of the practical FMA peak and its bytes over the read bandwidth, both measured once
-per CPU (:func:`pipeline.sanity.cpu_facts`).
+per CPU (:func:`pipeline.pricing.sanity.cpu_facts`).
 
 onnxruntime's profile (``SessionOptions.enable_profiling``) names its own nodes, many of them fused or made
 up ("gemm_input_reshape_token_21").  Each is credited to the ONNX node of the file that produces one of its
@@ -27,8 +27,8 @@ import numpy as np
 import onnx
 
 from graphopt.onnx_io import node_names
-from pipeline.profile import PREPACKED, CallTime, time_calls
-from pipeline.provenance import CallSite
+from pipeline.pricing.profile import PREPACKED, CallTime, time_calls
+from pipeline.passes.provenance import CallSite
 
 BUILTIN = "vm.builtin."  # the VM's own calls (allocation, shape checks): not kernels
 
@@ -102,7 +102,7 @@ def _task_costs(report: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
 
 def kernel_rows(aligned, report: Mapping[str, Any], peak: float, bandwidth: float) -> list[KernelRow]:
     """The calls summed per kernel, slowest first, with their rates against the roofline."""
-    from pipeline.sanity import roofline
+    from pipeline.pricing.sanity import roofline
 
     costs = _task_costs(report)
     rows: dict[str, KernelRow] = {}
@@ -125,7 +125,7 @@ def kernel_rows(aligned, report: Mapping[str, Any], peak: float, bandwidth: floa
 def profile_shipped(model, feeds: Mapping[str, np.ndarray], runs: int = 10) -> LayerProfile:
     """The per-kernel profile of a loaded :class:`pipeline.artifact.Model` on ``feeds``."""
     from graphopt.timing import latency
-    from pipeline.sanity import cpu_facts
+    from pipeline.pricing.sanity import cpu_facts
     import tvm
 
     vm, args, dev = model.instrumentable(feeds)
