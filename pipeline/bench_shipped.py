@@ -30,11 +30,11 @@ from pipeline.benchmark import BenchResult, Peer, add_peer, first_line, openvino
 
 
 def bench_shipped(directory: str | os.PathLike, plan: Plan, threads: int, inputs: str | None = None,
-                  seed: int = 0, profile: bool = False) -> BenchResult:
+                  seed: int = 0, profile: bool = False, sizes: dict[str, int] | None = None) -> BenchResult:
     """model.so in ``directory`` against onnxruntime and OpenVINO on its optimized.onnx (module docstring), on
     ``inputs`` (an .npz, checked against the signature) or seeded random inputs of the compiled shapes."""
     model = Model(directory, read_report(directory), threads)
-    feeds = model.read_inputs(inputs, seed) if inputs else model.random_feeds(seed)
+    feeds = model.read_inputs(inputs, seed) if inputs else model.random_feeds(seed, sizes)  # sizes: --dim
     graph = model.graph_path()
     ort, reference = ort_peer(graph, threads, feeds)
     engines: dict = {}
@@ -61,7 +61,7 @@ def bench_shipped(directory: str | os.PathLike, plan: Plan, threads: int, inputs
                        int(model.threads or threads), plan.runs, times, checks, warmup=plan.warmup,
                        duration_s=plan.duration_s, shipped=str(directory), skipped=skipped,
                        heading=heading(model.directory, model.report),
-                       layers=layers if profile else None)
+                       layers=layers if profile else None, sizes=dict(sizes or {}))
 
 
 def ort_peer(path: Path, threads: int, feeds: dict[str, np.ndarray]) -> tuple[Peer, list[np.ndarray] | None]:

@@ -85,6 +85,7 @@ class BenchResult:
     skipped: dict[str, str] = field(default_factory=dict)  # engine key -> why it did not run
     heading: str = ""  # what was timed against what, in one line (printed first)
     layers: Any = None  # --profile of a shipped build: pipeline.pricing.layer_profile.LayerProfile
+    sizes: dict[str, int] = field(default_factory=dict)  # a build serving a range: the sizes the inputs had
 
     @property
     def errors(self) -> dict[str, float]:
@@ -112,6 +113,8 @@ class BenchResult:
                    ratios={k: self.ratio(k) for k in self.timings if k != "ort"})
         if self.layers is not None:
             out["profile"] = self.layers.to_json()
+        if self.sizes:
+            out["sizes"] = dict(self.sizes)
         return out
 
     def ratio(self, key: str, baseline: str = "ort") -> float | None:
@@ -295,6 +298,45 @@ def plot(res: BenchResult, path: str | os.PathLike) -> None:
     ax.set_title(f"{res.model}, {res.target}, {res.threads} threads" + (f", {res.trials} trials" if res.trials else ""))
     for i, v in enumerate(med):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)
+
+
+def format_lengths(results: list[BenchResult]) -> str:
+    """bench-model DIR --dim NAME=N,N,...: one row per size, each engine's median and our time ratio to it."""
+    keys = [k for k in ENGINES if any(k in r.timings for r in results)]
+    head = f"{'sizes':<20}" + "".join(f"{ENGINES[k][:22]:>24}" for k in keys)
+    lines = [head]
+    for r in results:
+        cells = []
+        for k in keys:
+            t = r.timings.get(k)
+            ratio = r.ratio("shipped", k) if k != "shipped" else None
+            cells.append(f"{'-':>24}" if t is None else
+                         f"{t.median_ms:>12.3f} ms" + (f" ({ratio:.2f}x)" if ratio is not None else " " * 8))
+        lines.append(f"{', '.join(f'{n}={v}' for n, v in r.sizes.items()):<20}" + "".join(cells))
+    return "\n".join(lines + [f"ms: medians; (x): model.so's time over that engine's ({RATIO_MEANING})"])
+
+
+def plot_lengths(results: list[BenchResult], path: str | os.PathLike) -> None:
+    """Latency over the served size, one line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = next(iter(results[0].sizes))
+    xs = [r.sizes[name] for r in results]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for k in ENGINES:
+        ys = [r.timings[k].median_ms if k in r.timings else None for r in results]
+        if any(y is not None for y in ys):
+            ax.plot(xs, [y if y is not None else float("nan") for y in ys], marker="o", label=ENGINES[k])
+    ax.set_xlabel(name)
+    ax.set_ylabel("latency, ms (median)")
+    ax.set_title(f"{results[0].model}, {results[0].threads} threads: one build, every {name}")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)

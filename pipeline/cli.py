@@ -207,7 +207,7 @@ def check_figure_path(path: str, option: str) -> None:
 
 # bench-model's options that only a rebuild uses, with their defaults: given with a folder, they are refused
 REBUILD_ONLY = {"trials": 0, "kernels": None, "work_dir": None, "skip_graph": False, "skip_metaschedule": False,
-                "target": "llvm", "input_shape": None, "dim": None, "layout": "auto"}
+                "target": "llvm", "input_shape": None, "layout": "auto"}
 
 
 @console_script
@@ -224,6 +224,10 @@ def bench_model_main(argv: list[str] | None = None) -> int:
     positional = next(a for a in p._actions if a.dest == "model")  # _common's, worded for bench-model
     positional.metavar, positional.help = "DIR|MODEL", ("the -o folder of optimize-model (times its model.so as "
                                                         "shipped), or an ONNX model file (rebuilds it)")
+    dim = next(a for a in p._actions if a.dest == "dim")
+    dim.metavar, dim.help = "NAME=N[,N...]", (f"with MODEL: {DIM_HELP}; with DIR of a build serving a range "
+                                               "(--dim NAME=LO:HI): the sizes to time it at, a table each and one "
+                                               "row per size (--dim sequence=16,128,384)")
     _timing_options(p, "--runs", f"timed runs per engine (default {RUNS_DEFAULT})",
                     "untimed calls at the start of each engine's block of runs", "each engine")
     p.add_argument("--trials", type=int, default=0,
@@ -269,13 +273,36 @@ def _bench_folder(args: argparse.Namespace, plan) -> int:
     threads = set_threads(args.threads)
     from pipeline.bench_shipped import bench_shipped  # deferred: loads TVM (seconds)
 
-    res = bench_shipped(args.model, plan, threads, args.inputs, args.seed, args.profile)
-    _bench_outputs(res, args)
-    if res.layers is not None:
-        from pipeline.pricing.layer_profile import format_profile
+    lengths = parse_size_lists(args.dim)  # a build serving a range: --dim sequence=16,128,384, a table each
+    if args.dim and args.inputs:
+        raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
+    results = [bench_shipped(args.model, plan, threads, args.inputs, args.seed, args.profile, sizes)
+               for sizes in lengths]
+    if len(results) == 1:
+        _bench_outputs(results[0], args)
+    else:
+        _bench_length_outputs(results, args)
+    for res in results:
+        if res.layers is not None:
+            from pipeline.pricing.layer_profile import format_profile
 
-        print(format_profile(res.layers))
+            print(format_profile(res.layers))
     return 0
+
+
+def _bench_length_outputs(results: list, args: argparse.Namespace) -> None:
+    """bench-model DIR at several sizes: each size's table, then one row per size; --json holds every size's
+    result, --plot the latency over the size."""
+    from pipeline import benchmark
+
+    for res in results:
+        print(f"at {', '.join(f'{n}={v}' for n, v in res.sizes.items())}:")
+        print(benchmark.format_table(res))
+    print(benchmark.format_lengths(results))
+    if args.json:
+        write_text_atomic(args.json, json.dumps({"lengths": [r.to_json() for r in results]}, indent=2) + "\n")
+    if args.plot:
+        benchmark.plot_lengths(results, args.plot)
 
 
 def _bench_outputs(res, args: argparse.Namespace) -> None:

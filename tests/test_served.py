@@ -189,3 +189,24 @@ def test_run_model_runs_several_lengths_one_line_each(served_build, tmp_path, ca
     assert [r["sizes"] for r in runs] == [{"sequence": n} for n in (3, 17, 40)] and all(r["check"]["ok"] for r in runs)
     assert run_model_main([str(out), "--dim", "sequence=3,17", "--dim", "batch=1,2"]) == 2
     assert "several sizes of sequence and batch" in capsys.readouterr().err
+
+
+def test_bench_model_times_a_served_build_at_each_length(served_build, tmp_path, capsys, monkeypatch):
+    """bench-model DIR --dim sequence=A,B: the shipped build and onnxruntime at each size, a table each and
+    one row per size (issue 41); --json holds every size, --plot the latency over the size."""
+    from pipeline import bench_shipped
+    from pipeline.benchmark import Peer
+    from pipeline.cli import bench_model_main
+
+    monkeypatch.setattr(bench_shipped, "openvino_for", lambda *a, **k: Peer(skipped="not in this test"))
+    _, out, _ = served_build
+    data, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert bench_model_main([str(out), "--dim", "sequence=5,33", "--runs", "2", "--json", str(data),
+                             "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "sequence=5 " in printed and "sequence=33 " in printed
+    lengths = json.loads(data.read_text())["lengths"]
+    assert [r["sizes"] for r in lengths] == [{"sequence": 5}, {"sequence": 33}]
+    assert all(r["shipped_ms"] > 0 and r["ort_ms"] > 0 and r["max_abs_err"] < 2e-3 for r in lengths)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert bench_model_main([str(out), "--dim", "sequence=41", "--runs", "1"]) == 2  # outside 2..40
