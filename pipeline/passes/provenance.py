@@ -101,6 +101,7 @@ def _tagging(model: onnx.ModelProto) -> Iterator[None]:
     builder = relax.BlockBuilder
     convert, emit, normalize = cls._convert_operator, builder.emit, builder.normalize
     current: list[tvm.ir.Span] = []  # the node being converted
+    importer = threading.get_ident()  # the patches are process-wide: other threads' builders are left alone
 
     def tagged(self, op_name, inputs, attr, opset):
         name = (attr.get("tvm_custom") or {}).get("name")
@@ -117,7 +118,7 @@ def _tagging(model: onnx.ModelProto) -> Iterator[None]:
 
     # What a converter binds itself (a Conv's conv2d before its bias add) goes through these two
     def normalize_tagged(bb, expr):
-        if not current or not isinstance(expr, relax.Expr):
+        if not current or not isinstance(expr, relax.Expr) or threading.get_ident() != importer:
             return normalize(bb, expr)
         return tag_normalized(bb, expr, current[-1], normalize)
 
