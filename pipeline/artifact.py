@@ -34,7 +34,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -371,14 +371,8 @@ class Model:
         :mod:`graphopt.timing` (this machine only: over RPC each call would include the network)."""
         if self.rpc is not None:
             raise UserError("a per-call runner times the network too on an --rpc device: use Model.latency")
-        args, main, dev = self._arguments(feeds), self._entry(), self._dev
-
-        def once() -> object:
-            out = main(*args)
-            dev.sync()
-            return out
-
-        return fork_safe(once)
+        args = self._arguments(feeds)  # first: it loads the library the VM runs
+        return fork_safe(synced(self._entry(), args, self._dev))
 
     def instrumentable(self, feeds: Mapping[str, Any] | Sequence[Any]):
         """(a VM of its own over the loaded library, ``feeds`` on the device, the device): for timing each
@@ -474,6 +468,18 @@ class Model:
 
 # The Relax VM's argument check: "ErrorContext(fn=main, loc=param[1], param=s, annotation=...)  expect ..."
 _VM_PARAM_RE = re.compile(r"ErrorContext\(fn=main, loc=param\[\d+\], param=([^,]+), annotation=.*?\)\s")
+
+
+def synced(main, args: Sequence[Any], dev) -> Callable[[], object]:
+    """One call of ``main(*args)`` that returns once the device has finished it: the one run-and-sync closure
+    every timer times (a shipped folder's :meth:`Model.runner`, a build's :func:`pipeline.compile.model_runner`,
+    the graph stage's runner); without the sync a GPU call would be timed as queued, not run."""
+    def once() -> object:
+        out = main(*args)
+        dev.sync()
+        return out
+
+    return once
 
 
 def _signature(directory: Path, dep: Mapping[str, Any]) -> tuple[list[TensorSpec], list[TensorSpec]]:

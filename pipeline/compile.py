@@ -36,6 +36,7 @@ from graphopt.ir import Graph
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
+from pipeline.artifact import synced
 from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline import cpu_pool
 from pipeline.partition import FusedTask, Partition
@@ -169,15 +170,7 @@ def model_runner(compiled: CompiledModel, feeds: dict[str, np.ndarray]) -> Calla
     """One inference of ``compiled`` on ``feeds`` (already on the device), returning when the result is
     ready: a runner for :mod:`graphopt.timing`."""
     dev = device_for(compiled.spec)
-    main = compiled.vm()["main"]
-    args = to_device(feeds, compiled.input_names, dev)
-
-    def run() -> object:
-        out = main(*args)
-        dev.sync()
-        return out
-
-    return run
+    return synced(compiled.vm()["main"], to_device(feeds, compiled.input_names, dev), dev)
 
 
 

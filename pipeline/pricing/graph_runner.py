@@ -18,9 +18,9 @@ from graphopt.cost.runners import GraphRunner, timing_feeds
 from graphopt.ir import Graph
 from graphopt.onnx_io import export_onnx
 from kerneltune.targets.parse import build_spec, check_name
-from kerneltune.targets.registry import TargetRequest, TargetSpec, device_for
+from kerneltune.targets.registry import TargetRequest, TargetSpec
 from kerneltune.targets.threads import set_num_threads, tvm_num_threads
-from pipeline.compile import CompiledModel, to_device
+from pipeline.compile import CompiledModel, model_runner
 
 
 class TvmRunner(GraphRunner):
@@ -69,13 +69,4 @@ class TvmRunner(GraphRunner):
 
     def _prepare(self, graph: Graph, compile_: Callable[[onnx.ModelProto, TargetSpec], CompiledModel]):
         spec = self._target()
-        compiled = compile_(export_onnx(graph, check=False), spec)
-        dev = device_for(spec)
-        args = to_device(timing_feeds(graph), compiled.input_names, dev)
-        main = compiled.vm()["main"]
-
-        def once() -> None:
-            main(*args)
-            dev.sync()
-
-        return once
+        return model_runner(compile_(export_onnx(graph, check=False), spec), timing_feeds(graph))
