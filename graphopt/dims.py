@@ -99,6 +99,11 @@ def parse_dims(specs: list[str] | None) -> tuple[Dims, Ranges]:
     return check_dims(values, lambda name, value: f"--dim {name}={_text(value)}")
 
 
+def sizes_text(sizes: Mapping[str, int]) -> str:
+    """``sequence=128, batch=1``: sizes as the messages, tables and reports name them."""
+    return ", ".join(f"{name}={value}" for name, value in sizes.items())
+
+
 def parse_size_lists(specs: list[str] | None) -> list[Dims]:
     """``run-model --dim NAME=N[,N...]``: the sizes to run a build serving a range at, one dict per run; one
     dimension may list several sizes (``--dim sequence=16,128,384``: three runs), the others one each.  [{}]

@@ -119,6 +119,12 @@ class TuningResult:
     stop_reason: StopReason = StopReason.BUDGET
     stop: StopRule = field(default_factory=StopRule)  # the run's --timeout / --early-stop
 
+    def kernel_ms(self) -> tuple[float, float]:
+        """(calls x default time, calls x shipped config's time) summed over the tuned tasks, in ms per
+        inference: each kernel timed alone, as the tuner measured it."""
+        return (sum(t.weight * (t.default_ms or 0) for t in self.tasks),
+                sum(t.weight * (t.final_ms or 0) for t in self.tasks))
+
 
 @dataclass
 class _State:

@@ -25,15 +25,15 @@ from graphopt.errors import UserError
 from graphopt.feeds import ort_session
 from graphopt.quant_tolerance import model_tolerance
 from graphopt.timing import Plan
-from pipeline.artifact import GRAPH, Model, read_report
+from pipeline.artifact import GRAPH, Model
 from pipeline.benchmark import BenchResult, Peer, add_peer, first_line, openvino_peer, time_plan
 
 
-def bench_shipped(directory: str | os.PathLike, plan: Plan, threads: int, inputs: str | None = None,
+def bench_shipped(model: Model, plan: Plan, threads: int, inputs: str | None = None,
                   seed: int = 0, profile: bool = False, sizes: dict[str, int] | None = None) -> BenchResult:
-    """model.so in ``directory`` against onnxruntime and OpenVINO on its optimized.onnx (module docstring), on
-    ``inputs`` (an .npz, checked against the signature) or seeded random inputs of the compiled shapes."""
-    model = Model(directory, read_report(directory), threads)
+    """A loaded folder's model.so against onnxruntime and OpenVINO on its optimized.onnx (module docstring), on
+    ``inputs`` (an .npz, checked against the signature) or seeded random inputs of the compiled shapes (a
+    served dimension at ``sizes``)."""
     feeds = model.read_inputs(inputs, seed) if inputs else model.random_feeds(seed, sizes)  # sizes: --dim
     graph = model.graph_path()
     ort, reference = ort_peer(graph, threads, feeds)
@@ -59,7 +59,7 @@ def bench_shipped(directory: str | os.PathLike, plan: Plan, threads: int, inputs
         layers = layer_profile.with_ort(layers, graph, feeds, int(model.threads or threads))
     return BenchResult(os.path.basename(str(model.report.get("model", model.directory))), str(model.report["target"]),
                        int(model.threads or threads), plan.runs, times, checks, warmup=plan.warmup,
-                       duration_s=plan.duration_s, shipped=str(directory), skipped=skipped,
+                       duration_s=plan.duration_s, shipped=str(model.directory), skipped=skipped,
                        heading=heading(model.directory, model.report),
                        layers=layers if profile else None, sizes=dict(sizes or {}))
 

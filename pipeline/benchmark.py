@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphopt.compare import Comparison, compare_runs
+from graphopt.dims import sizes_text
 from graphopt.quant_tolerance import model_tolerance
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, ort_session, run_ort_sets, sample_feeds
@@ -315,7 +316,7 @@ def format_lengths(results: list[BenchResult]) -> str:
             ratio = r.ratio("shipped", k) if k != "shipped" else None
             cells.append(f"{'-':>24}" if t is None else
                          f"{t.median_ms:>12.3f} ms" + (f" ({ratio:.2f}x)" if ratio is not None else " " * 8))
-        lines.append(f"{', '.join(f'{n}={v}' for n, v in r.sizes.items()):<20}" + "".join(cells))
+        lines.append(f"{sizes_text(r.sizes):<20}" + "".join(cells))
     return "\n".join(lines + [f"ms: medians; (x): model.so's time over that engine's ({RATIO_MEANING})"])
 
 

@@ -120,8 +120,7 @@ def _tune(ctx: BuildContext, request: ChainRequest, built: Built) -> None:
 
     lowered = built.lowered
     result = tune_model(select_tasks(lowered.part.tasks, ctx.tuning.kernels), request.tuning)
-    before = sum(t.weight * (t.default_ms or 0) for t in result.tasks)
-    after = sum(t.weight * (t.final_ms or 0) for t in result.tasks)
+    before, after = result.kernel_ms()
     built.log.add("tune", result.seconds, trials=result.trials, measured_now=result.measured_now,
                   scheduler=result.scheduler, searcher=result.searcher,
                   records=display_path(ctx.records.path) if ctx.records else None,

@@ -27,7 +27,7 @@ import numpy as np
 
 from graphopt import cli as graphopt_cli
 from graphopt.cost.runners import GraphRunner, OrtRunner
-from graphopt.dims import DIM_HELP, RANGE_HELP, parse_size_lists, shape_request
+from graphopt.dims import DIM_HELP, RANGE_HELP, parse_size_lists, shape_request, sizes_text
 from graphopt.errors import ArgumentParser, UserError, cli_entry, seconds, seed
 from graphopt.fileio import (FIGURE_FORMATS, check_output_dir, check_output_file, display_path, private_tempdir,
                              write_bytes_atomic, write_text_atomic)
@@ -273,11 +273,11 @@ def _bench_folder(args: argparse.Namespace, plan) -> int:
     threads = set_threads(args.threads)
     from pipeline.bench_shipped import bench_shipped  # deferred: loads TVM (seconds)
 
-    lengths = parse_size_lists(args.dim)  # a build serving a range: --dim sequence=16,128,384, a table each
-    if args.dim and args.inputs:
-        raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
-    results = [bench_shipped(args.model, plan, threads, args.inputs, args.seed, args.profile, sizes)
-               for sizes in lengths]
+    from pipeline.artifact import Model
+
+    model = Model(args.model, read_report(args.model), threads)  # loaded once, timed at every size
+    results = [bench_shipped(model, plan, threads, args.inputs, args.seed, args.profile, sizes)
+               for sizes in sized_runs(args)]  # a build serving a range: --dim sequence=16,128,384, a table each
     if len(results) == 1:
         _bench_outputs(results[0], args)
     else:
@@ -296,7 +296,7 @@ def _bench_length_outputs(results: list, args: argparse.Namespace) -> None:
     from pipeline import benchmark
 
     for res in results:
-        print(f"at {', '.join(f'{n}={v}' for n, v in res.sizes.items())}:")
+        print(f"at {sizes_text(res.sizes)}:")
         print(benchmark.format_table(res))
     print(benchmark.format_lengths(results))
     if args.json:
@@ -386,9 +386,7 @@ def run_model_main(argv: list[str] | None = None) -> int:
                         "with NAME=N (default: the size it was checked and timed at); several sizes of one "
                         "dimension run one after the other, one line each (--dim sequence=16,128,384)")
     args = p.parse_args(argv)
-    runs = parse_size_lists(args.dim)
-    if args.dim and args.inputs:
-        raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
+    runs = sized_runs(args)
     plan = timing_plan(args.repeat, args.duration, args.warmup, "--repeat", REPEAT_DEFAULT)
     for option, path in (("--json", args.json), ("--outputs", args.outputs)):
         if path:
@@ -414,7 +412,7 @@ def run_model_main(argv: list[str] | None = None) -> int:
         outputs = model.run(feeds)
         stats = model.latency(feeds, plan.runs, plan.warmup, plan.duration_s)
         result = ({"sizes": sizes} if sizes else {}) | dataclasses.asdict(stats)
-        at = f" at {', '.join(f'{k}={v}' for k, v in sizes.items())}" if sizes else ""
+        at = f" at {sizes_text(sizes)}" if sizes else ""
         line = f"{args.dir}{at}: {_latency_words(stats, plan.warmup, model.threads, args.rpc)}"
         if args.check:
             comp = model.check(feeds)
@@ -453,6 +451,14 @@ def _profile(model, feeds: dict, runs: int, plot: str | None) -> dict:
     if plot:
         layer_profile.plot_profile(profile, plot)
     return profile.to_json()
+
+
+def sized_runs(args: argparse.Namespace) -> list[dict[str, int]]:
+    """run-model's and bench-model DIR's ``--dim NAME=N[,N...]``: the sizes to run a build serving a range at,
+    one dict per run (``[{}]`` without ``--dim``); refused beside ``--inputs``, which brings its own sizes."""
+    if args.dim and args.inputs:
+        raise UserError("--dim sizes the random inputs; --inputs gives its own: drop one")
+    return parse_size_lists(args.dim)
 
 
 def _latency_words(stats, warmup: int, threads: int | None, rpc: str | None) -> str:

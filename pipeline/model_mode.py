@@ -232,8 +232,7 @@ class ModelTuning:
 
     @classmethod
     def of(cls, result: TuningResult, records: str, args: argparse.Namespace) -> ModelTuning:
-        before = sum(t.weight * (t.default_ms or 0) for t in result.tasks)
-        after = sum(t.weight * (t.final_ms or 0) for t in result.tasks)
+        before, after = result.kernel_ms()
         return cls(display_path(args.model), records, result.trials, result.measured_now, round(result.seconds, 2),
                    result.stop_reason.value, round(before, 4), round(after, 4))
 

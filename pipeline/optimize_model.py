@@ -18,6 +18,7 @@ from typing import Any
 import onnx
 
 from graphopt import rlimits
+from graphopt.dims import sizes_text
 from graphopt.compare import Comparison, compare_runs
 from graphopt.errors import UserError
 from graphopt.feeds import feed_sets, run_ort_sets
@@ -194,7 +195,7 @@ def check_served(compiled: Any, original: onnx.ModelProto, shapes: dict, served:
 
     out = []
     for sizes in served.check_sizes():
-        at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        at = sizes_text(sizes)
         try:
             graph = import_onnx(original, served.shapes_at(original, shapes, sizes), require_static=True)
             check = check_outputs(compiled, graph, original, seed)

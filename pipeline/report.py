@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from graphopt.console import engine_versions, version
+from graphopt.dims import sizes_text
 from kerneltune.targets.host import host_caches, host_model_name
 
 SCHEMA_VERSION = 2
@@ -285,7 +286,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["## End-to-end latency", "", f"Not measured: {lat.get('reason')}.", ""]
     served = report.get("served")
     if served:  # pipeline.symbolic
-        checked = ", ".join(", ".join(f"{k}={v}" for k, v in c["sizes"].items()) for c in served.get("checked") or [])
+        checked = ", ".join(sizes_text(c["sizes"]) for c in served.get("checked") or [])
         lines += ["## Sizes served", "",
                   f"One model.so {served_phrase(served)}; also checked against onnxruntime at "
                   f"{checked or 'no other size (the target does not run here)'}. Another size is refused in one "
