@@ -15,7 +15,6 @@ outputs, or, for a node whose outputs are all its own, to that of the first late
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import tempfile
@@ -92,9 +91,11 @@ def align(calls: Sequence[CallTime], sites: Sequence[CallSite]) -> list[tuple[Ca
 
 def _task_costs(report: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
     """Kernel name -> (FLOPs, bytes read and written) per call, from report.json's tasks."""
+    from pipeline.pricing.sanity import kernel_bytes
+
     out = {}
     for t in report.get("tasks") or []:
-        nbytes = sum(math.prod(s) for s in t.get("shapes") or []) * np.dtype(t.get("dtype") or "float32").itemsize
+        nbytes = kernel_bytes(t.get("shapes") or [], t.get("dtype") or "float32")
         for name in t.get("names") or [t["name"]]:
             out[name] = (float(t.get("flops") or 0.0), float(nbytes))
     return out

@@ -83,12 +83,19 @@ def profile_kernels(compiled, imported, runs: int = 3, seed: int = 0, samples: d
 PREPACKED = "_prepacked"  # a kernel reading pre-packed weights (kerneltune.prepack) is its task's kernel
 
 
+def by_task_name(kernels: list[KernelTime]) -> dict[str, float]:
+    """The kernels' times (ms per run) by the name of the task they belong to: a pre-packed kernel counts
+    for its task."""
+    ms: dict[str, float] = {}
+    for k in kernels:
+        name = k.name.removesuffix(PREPACKED)
+        ms[name] = ms.get(name, 0.0) + k.ms
+    return ms
+
+
 def task_times(compiled, imported, tasks, runs: int = 3, seed: int = 0,
                samples: dict | None = None) -> dict[int, float]:
     """Each task's time in one inference of the build, all its calls (ms), timed in place: what report.json's
     kernel table gives per task (the tuner's figures are each kernel alone, and only for tuned tasks)."""
-    ms: dict[str, float] = {}
-    for k in profile_kernels(compiled, imported, runs, seed, samples):
-        name = k.name.removesuffix(PREPACKED)
-        ms[name] = ms.get(name, 0.0) + k.ms
+    ms = by_task_name(profile_kernels(compiled, imported, runs, seed, samples))
     return {t.index: sum(ms.get(n, 0.0) for n in t.names) for t in tasks}

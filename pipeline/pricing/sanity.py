@@ -28,7 +28,7 @@ import numpy as np
 from kerneltune import templates
 from kerneltune.calibrate import calibrated
 from pipeline.partition import Partition
-from pipeline.pricing.profile import KernelTime
+from pipeline.pricing.profile import KernelTime, by_task_name
 
 FLOOR, CANDIDATES, ROUNDS, MARGIN = 0.05, 12, 2, 1.5
 # Only a kernel that costs the model something is judged: a 1x256x10 classifier (5 KFLOP) runs at 0.2 GFLOP/s
@@ -78,6 +78,11 @@ def measure_bandwidth(_target) -> int:
     return max(1, int(best))
 
 
+def kernel_bytes(shapes, dtype: str) -> int:
+    """The bytes a kernel reads and writes once: every argument and its output, of ``dtype``."""
+    return sum(math.prod(s) for s in shapes) * np.dtype(dtype).itemsize
+
+
 def roofline(flops: float, nbytes: float, peak_gflops: float, bandwidth_gbs: float) -> float:
     """GFLOP/s a kernel of ``flops`` reading and writing ``nbytes`` once can reach."""
     return min(peak_gflops, bandwidth_gbs * flops / max(nbytes, 1.0))
@@ -86,18 +91,15 @@ def roofline(flops: float, nbytes: float, peak_gflops: float, bandwidth_gbs: flo
 def kernel_rates(part: Partition, profile: list[KernelTime], peak_gflops: float,
                  bandwidth_gbs: float) -> list[KernelRate]:
     """The rate of every templated task that ran in ``profile`` (its kernels' times summed: a pre-packed
-    kernel is named ``<task>_prepacked``)."""
-    ms: dict[str, float] = {}
+    kernel counts for its task: :func:`pipeline.pricing.profile.by_task_name`)."""
+    ms = by_task_name(profile)
     model_ms = sum(k.ms for k in profile)
-    for k in profile:
-        name = k.name.removesuffix("_prepacked")
-        ms[name] = ms.get(name, 0.0) + k.ms
     out = []
     for t in part.tasks:
         total = sum(ms.get(n, 0.0) for n in t.names)
         if t.task is None or total <= 0:
             continue
-        nbytes = sum(math.prod(s) for s in t.shapes) * np.dtype(t.dtype).itemsize
+        nbytes = kernel_bytes(t.shapes, t.dtype)
         gflops = t.flops * t.weight / (total * 1e6)
         line = roofline(t.flops, nbytes, peak_gflops, bandwidth_gbs)
         out.append(KernelRate(t.index, t.name, total, gflops, line,
