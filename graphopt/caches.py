@@ -2,8 +2,9 @@
 
 Builds measure what no description of the machine says and keep it, per CPU and thread count, so the next
 build on the same machine skips the measuring: the graph stage's operator costs, the kernel and layout prices,
-the machine probe and the calibrated template choices (``$OPTIMIZE_MODEL_CACHE``, else ``optimize-model`` in
-the user's cache folder), and generated substitution libraries (``$GRAPHOPT_CACHE``, else ``graphopt`` there).
+the machine probe, the calibrated template choices and the end-to-end verdicts (``$OPTIMIZE_MODEL_CACHE``,
+else ``optimize-model`` in the user's cache folder), and generated substitution libraries (``$GRAPHOPT_CACHE``,
+else ``graphopt`` there).
 The user's cache folder is ``$XDG_CACHE_HOME``, else ``~/.cache``.  A cleared cache is measured again on the
 next build (seconds to a minute); nothing else depends on it.
 """
@@ -31,7 +32,8 @@ class CacheFolder:
 
 def folders() -> list[CacheFolder]:
     return [CacheFolder("measurements", cache_dir(), "operator costs, kernel and layout prices, the machine "
-                                                    "probe, calibrated template choices (per CPU and threads)"),
+                                                    "probe, calibrated template choices, end-to-end verdicts "
+                                                    "(per CPU and threads)"),
             CacheFolder("rules", rules_cache_dir(), "generated substitution libraries, by build key")]
 
 

@@ -42,8 +42,9 @@ p = 0.125), ran 0.99-1.02x the input in four more interleaved blocks, faster in 
 
 Keep-or-reject is never decided on one noisy timing: the two whole models are timed in interleaved blocks,
 the order swapped from block to block, until a sign test on the blocks says the candidate is faster by the
-margin or it is clear it is not (:func:`graphopt.timing.decide`; undecided keeps the input).  The verdict is recorded
-beside the measured costs, keyed by both graphs, so the same command with the same cache decides the same.
+margin or it is clear it is not (:func:`graphopt.timing.decide`; undecided keeps the input).  The blocks are
+recorded in the verdict store (:mod:`graphopt.verdicts`), keyed by both graphs, and a rerun replays them: the
+same command on the same machine decides the same.
 
 ``time_limit`` bounds the whole stage, not just the search (issue 13: pricing, a second merge search and
 the whole-model timings ran outside a 60 s search limit, 60-284 s per model): pricing and search get
@@ -72,7 +73,6 @@ import numpy as np
 import onnx
 
 from graphopt.cost.base import CostModel
-from graphopt.cost.cache import flag
 from graphopt.cost.guard import GuardedCost
 from graphopt.cost.kernel_count import KernelCountCost
 from graphopt.errors import UserError
@@ -85,6 +85,7 @@ from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fu
 from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, SearchStop, search
 from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
+from graphopt.verdicts import verdict_key
 
 if TYPE_CHECKING:  # graphopt.winograd is loaded by the stage's last step only
     from graphopt.winograd import ConvSite
@@ -396,8 +397,9 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
     test on the blocks.  Nothing is timed when the check is disabled (``settings.enabled``), when no substitution
     was applied (folding alone never slows a model down), or when the cost model measures nothing (analytic):
     then the candidate is kept, and ``status`` says the check was not made.  Past ``deadline``, or when the
-    engine fails to run either graph, the original is kept.  A verdict is recorded with the cost model
-    (:meth:`~graphopt.cost.base.CostModel.record`) under both graphs' hashes and reused by a rerun.
+    engine fails to run either graph, the original is kept.  The blocks are recorded in the cost model's verdict
+    store (:attr:`~graphopt.cost.base.CostModel.verdicts`) under both graphs' hashes, and a rerun judges them
+    again with today's margin instead of timing.
     ``priced``: the kernel prices (seconds) of the input and the candidate over the kernels that differ, when the
     caller has them (the gate then takes its share of the input's; default: :meth:`CostModel.kernel_times` of
     both graphs, and the share of the input's operator-sum price)."""
@@ -407,15 +409,15 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         return E2ECheck(kept="optimized", status="disabled", margin=margin)
     if not any(applied.values()):
         return E2ECheck(kept="optimized", status="skipped: no substitution applied", margin=margin)
-    # "e2e2": whole models timed in the blocked conv layouts the product builds (GraphRunner.prepare_model)
-    key = f"e2e2|{margin!r}|{runs}|{original.structural_hash()}|{candidate.structural_hash()}"
-    recorded = (cost_model.recall(key, flag), cost_model.recall(key + "|ms_before"),
-                cost_model.recall(key + "|ms_after"))
-    if None not in recorded:  # all three valid, or the verdict is measured again
-        faster, before, after = recorded
+    # whole models timed in the blocked conv layouts the product builds (GraphRunner.prepare_model)
+    where = cost_model.verdicts
+    key = where and verdict_key(where[1], original.structural_hash(), candidate.structural_hash())
+    recorded = where[0].recall(key) if where else None
+    if recorded is not None:  # today's rule and margin on the blocks an earlier run timed
+        faster, why = recorded.judge(margin)
         return E2ECheck(kept="optimized" if faster else "original", status="recorded", margin=margin,
-                        ms_before=before, ms_after=after, backend=cost_model.name,
-                        decision="the verdict of an earlier run with this cost cache")
+                        ms_before=recorded.baseline_ms, ms_after=recorded.candidate_ms, backend=cost_model.name,
+                        decision=f"recorded blocks: {why}", ratios=recorded.ratios)
     if deadline is not None and time.perf_counter() >= deadline:
         return E2ECheck(kept="original", status="skipped: time limit", margin=margin,
                         decision="no time left to time both models")
@@ -459,10 +461,8 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         return E2ECheck(kept="original", status=f"failed: {type(exc).__name__}: {first}", margin=margin,
                         decision="the whole models could not be timed: the input is kept")
     comp = verdict.comparison
-    if "time limit" not in verdict.reason:  # measured to a verdict: a rerun with this cache decides the same
-        cost_model.record(key + "|ms_before", comp.baseline_ms)
-        cost_model.record(key + "|ms_after", comp.candidate_ms)
-        cost_model.record(key, 1.0 if verdict.faster else 0.0)
+    if where:  # measured to a verdict: a rerun replays these blocks and decides the same
+        where[0].record(key, verdict)
     return E2ECheck(kept="optimized" if verdict.faster else "original", status="measured", margin=margin,
                     ms_before=comp.baseline_ms, ms_after=comp.candidate_ms, backend=backend[0] if backend else None,
                     decision=verdict.reason, ratios=comp.ratios, **k_ms)

@@ -192,6 +192,7 @@ class Decision:
     comparison: Comparison
     faster: bool
     reason: str
+    cut_short: bool = False  # the deadline ended the blocks before the rule or MAX_BLOCKS did: not evidence to keep
 
 
 def decide(block: Callable[[int], tuple[float, float]], margin: float, min_blocks: int = MIN_BLOCKS,
@@ -211,10 +212,10 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
     cand: list[float] = []
     ratios: list[float] = []
     reason = ""
-    faster = False
+    faster = cut_short = False
     while True:
         if len(ratios) < max(1, min_blocks) and deadline is not None and ratios and time.perf_counter() >= deadline:
-            reason = f"time limit after {len(ratios)} of {min_blocks} blocks"
+            reason, cut_short = f"time limit after {len(ratios)} of {min_blocks} blocks", True
             break
         b, c = block(len(ratios))
         base.append(b)
@@ -226,11 +227,12 @@ def decide(block: Callable[[int], tuple[float, float]], margin: float, min_block
             break
         if len(ratios) >= max_blocks or (deadline is not None and time.perf_counter() >= deadline):
             fast = sum(r <= 1.0 - margin for r in ratios)
-            reason = (f"undecided: faster by the margin in {fast} of {len(ratios)} blocks"
-                      + (" (time limit)" if len(ratios) < max_blocks else ""))
+            cut_short = len(ratios) < max_blocks
+            reason = f"undecided: faster by the margin in {fast} of {len(ratios)} blocks" + (
+                " (time limit)" if cut_short else "")
             break
     comparison = Comparison(statistics.median(base), statistics.median(cand), tuple(ratios), margin)
-    return Decision(comparison, faster, reason)
+    return Decision(comparison, faster, reason, cut_short)
 
 
 @dataclass(frozen=True)

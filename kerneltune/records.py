@@ -11,7 +11,8 @@ the other.
 
 ``failure`` says whose fault a failed measurement was (:mod:`kerneltune.failures`): a "config" failure is
 final, an "environment" one is measured again when the run resumes.  Lines of another ``kind`` than
-``"trial"`` hold decisions taken on the trials (the end-to-end verdict of the pipeline), never results.
+``"trial"`` (the end-to-end verdicts earlier versions kept here; they live in :mod:`graphopt.verdicts` now)
+are never results: loading skips them.
 
 Trust: a records file is input like any other.  Loading checks every line's types and internal consistency
 (:func:`problem`) and skips a bad one with a warning; the tuner also checks a record against its task
@@ -57,7 +58,7 @@ class Record:
     extra: dict[str, Any] = field(default_factory=dict)   # build_s, run_s, searcher, ...
     timing: str = "warm"            # "warm" or "cold" (caches flushed before each call)
     failure: str | None = None      # None (it ran), "config" or "environment" (kerneltune.failures)
-    kind: str = TRIAL               # "trial", or a decision such as "e2e" (see module docstring)
+    kind: str = TRIAL               # "trial"; another kind is skipped (see the module docstring)
 
     @property
     def environmental(self) -> bool:
@@ -117,10 +118,9 @@ class RecordLog:
         self.path = Path(path)
         self._fh = None
 
-    def load(self, task: str | None = None, target: str | None = None, timing: str | None = None,
-             kind: str = TRIAL) -> list[Record]:
-        """Records of ``kind`` in file order, optionally only those of one task/target/timing; bad lines
-        skipped with a warning."""
+    def load(self, task: str | None = None, target: str | None = None, timing: str | None = None) -> list[Record]:
+        """Trial records in file order, optionally only those of one task/target/timing; bad lines skipped
+        with a warning."""
         if not self.path.exists():
             return []
         out = []
@@ -138,7 +138,7 @@ class RecordLog:
                     log.warning("warning: %s line %d is not a valid tuning record (%s); skipped",
                                 self.path, lineno, str(exc)[:80])
                     continue
-                if (rec.kind == kind and (task is None or rec.task == task)
+                if (rec.kind == TRIAL and (task is None or rec.task == task)
                         and (target is None or rec.target == target) and (timing is None or rec.timing == timing)):
                     out.append(rec)
         return out

@@ -13,19 +13,19 @@ beyond the margin) or was undecided (within it).  Undecided keeps the default be
 reference a tuned build has to beat, the same rule as a task's default config at the kernel level, and
 because a 2% difference is inside what this shared machine's noise can fake either way.
 
-The same command must give the same artifact, and a timing is never exactly repeatable: the verdict is
-recorded in the records file (a line of kind ``"e2e"``, keyed by a fingerprint of the tuned configs, the
-target and the model, with the per-block ratios), and a rerun whose tuning ends with the same configs judges
-those recorded blocks again (:func:`graphopt.timing.replay`) instead of timing again: deterministic, and a
-changed keep rule reaches recorded runs too.  So rerunning or resuming a finished run ships the same build;
-only a run whose tuning found other configs measures anew.
+The same command must give the same artifact, and a timing is never exactly repeatable: the blocks are
+recorded in the verdict store (:mod:`graphopt.verdicts`, beside the graph stage's and the layout search's
+verdicts), keyed by the target and a fingerprint of the tuned configs and the model, and a rerun whose
+tuning ends with the same configs judges those recorded blocks again (:func:`graphopt.timing.replay`)
+instead of timing again: deterministic, and a changed keep rule reaches recorded runs too.  So rerunning or
+resuming a finished run on this machine ships the same build; only a run whose tuning found other configs
+measures anew.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,9 +33,9 @@ from typing import Any, Callable, Sequence
 from graphopt.errors import UserError
 from graphopt.feeds import random_inputs
 from graphopt.fileio import save_figure
-from graphopt.timing import compare, replay
+from graphopt.timing import compare
+from graphopt.verdicts import VerdictStore, default_store, verdict_key
 from kerneltune.opkinds import KINDS as OP_KINDS
-from kerneltune.records import Record
 from kerneltune.stopping import StopReason
 from kerneltune.targets.registry import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningRun, TuningTask, tune_tasks
@@ -48,7 +48,6 @@ from pipeline.stages import Lowered, build
 
 E2E_MARGIN = 0.02  # the tuned build must be this much faster end to end to ship (graphopt's stage uses 2% too)
 E2E_RUNS = 10  # timed runs per build per block
-VERDICT = "e2e"  # the records' kind for the end-to-end verdict
 
 
 def tuning_run(ctx: BuildContext) -> TuningRun:
@@ -140,19 +139,21 @@ def shipped_title(choice: BuildChoice) -> str:
             f"ms default, margin {choice.margin:.0%}; {choice.status})")
 
 
-def fingerprint(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> str:
-    """What the end-to-end verdict depends on: the tuned configs, the target (threads included) and the
-    model compiled."""
-    blob = json.dumps({"tuned": sorted((k, repr(v)) for k, v in tuned.items()), "target": str(spec.target),
+def verdict_of(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> str:
+    """The verdict store's key of the end-to-end check: the target (threads included), and a fingerprint of
+    the tuned configs and the model compiled."""
+    blob = json.dumps({"tuned": sorted((k, repr(v)) for k, v in tuned.items()),
                        "model": hashlib.sha256(model_bytes).hexdigest()}, sort_keys=True)
-    return "e2e:" + hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return verdict_key(f"tuning|{spec.target}|t{spec.threads}", "default",
+                       hashlib.sha256(blob.encode()).hexdigest()[:24])
 
 
 def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, tuned: dict[str, Any],
-               model_bytes: bytes, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
+               model_bytes: bytes, timer: Callable | None = None,
+               verdicts: VerdictStore | None = None) -> tuple[CompiledModel, BuildChoice]:
     """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
-    The verdict is kept in the context's records file.  ``timer`` replaces :func:`graphopt.timing.time_blocks`
-    (tests)."""
+    The blocks are kept in ``verdicts`` (default: this machine's :func:`graphopt.verdicts.default_store`).
+    ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
     spec = ctx.spec
     if not tuned:
         return tuned_build, BuildChoice("default", "skipped: no tuned config beat its default schedule")
@@ -161,15 +162,13 @@ def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, 
                                                  "model cannot be timed there")
     if not spec.can_run:
         return tuned_build, BuildChoice("tuned", f"skipped: cannot run {spec.kind} here ({spec.note})")
-    key = fingerprint(tuned, spec, model_bytes)
-    log = ctx.records
-    stored = log.load(task=key, target=str(spec.target), kind=VERDICT)
-    if stored:  # a rerun of a finished run: today's rule on the recorded blocks, so the same artifact
-        rec = stored[-1]
-        ratios, margin = rec.extra.get("ratios", []), rec.extra.get("margin", E2E_MARGIN)
-        faster = replay(ratios, margin)[0] if ratios else rec.config.get("build") == "tuned"
-        choice = BuildChoice("tuned" if faster else "default", "recorded", rec.extra.get("default_ms"),
-                             rec.extra.get("tuned_ms"), ratios, margin)
+    key = verdict_of(tuned, spec, model_bytes)
+    store = verdicts or default_store()
+    stored = store.recall(key)
+    if stored is not None:  # a rerun of a finished run: today's rule on the recorded blocks, so the same artifact
+        faster = stored.judge(E2E_MARGIN)[0]
+        choice = BuildChoice("tuned" if faster else "default", "recorded", round(stored.baseline_ms, 4),
+                             round(stored.candidate_ms, 4), [round(r, 4) for r in stored.ratios], E2E_MARGIN)
         if choice.kept == "tuned":
             return tuned_build, choice
         return build(lowered, spec, {}), choice
@@ -180,11 +179,7 @@ def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, 
     cmp = verdict.comparison
     choice = BuildChoice("tuned" if verdict.faster else "default", "measured", round(cmp.baseline_ms, 4),
                          round(cmp.candidate_ms, 4), [round(r, 4) for r in cmp.ratios], E2E_MARGIN)
-    with log:
-        log.append([Record(task=key, target=str(spec.target), config={"build": choice.kept}, gflops=0.0,
-                           time=time.time(), kind=VERDICT,
-                           extra={"default_ms": choice.default_ms, "tuned_ms": choice.tuned_ms,
-                                  "ratios": choice.ratios, "margin": choice.margin})])
+    store.record(key, verdict)
     return (tuned_build if choice.kept == "tuned" else default_build), choice
 
 

@@ -10,3 +10,17 @@ def _one_latency_round(monkeypatch):
     import pipeline.optimize_model
 
     monkeypatch.setattr(pipeline.optimize_model, "LATENCY_ROUNDS", 1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _verdicts_of_this_run(tmp_path_factory):
+    """The whole-model verdicts (graphopt.verdicts) of this test run in a file of its own: a verdict a test
+    timed with a fake timer must not be replayed by a real build on this machine, nor by the next test run
+    (which would then find "recorded" where it checks "measured").  Tests in one run share it, as builds do."""
+    import graphopt.verdicts
+
+    patch = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("verdicts") / "verdicts.json"
+    patch.setattr(graphopt.verdicts, "store_path", lambda: path)
+    yield
+    patch.undo()

@@ -110,34 +110,44 @@ def test_a_poisoned_graph_stage_verdict_is_not_replayed(tmp_path):
     from graphopt.cost.runners import OrtRunner
     from graphopt.cost.measured import MeasuredCost
     from graphopt.ir import Graph, Node, TensorInfo
-    from graphopt.stage import E2E_MARGIN, E2E_RUNS, check_end_to_end
+    from graphopt.stage import check_end_to_end
+    from graphopt.verdicts import VerdictStore, verdict_key
 
     def graph(op: str) -> Graph:
         x, y = TensorInfo("x", "float32", (4,)), TensorInfo("y", "float32", (4,))
         return Graph(nodes=[Node(op, ["x"], ["y"], name="n")], inputs=[x], outputs=[y])
 
     original, candidate = graph("Relu"), graph("Identity")
-    key = f"e2e2|{E2E_MARGIN!r}|{E2E_RUNS}|{original.structural_hash()}|{candidate.structural_hash()}"
-    path = tmp_path / "cost.json"
+    path, verdicts = tmp_path / "cost.json", tmp_path / "verdicts.json"
     prices = f"kernels2|{original.structural_hash()}|{candidate.structural_hash()}"
-    _poison(path, keys=[key, key + "|ms_before", key + "|ms_after", f"{prices}|0", f"{prices}|1"])
-    cost = MeasuredCost(OrtRunner(1), path=path)
-    assert cost.kernel_times([original, candidate]) is None  # onnxruntime's: the poisoned prices are not used
+    _poison(path, keys=[f"{prices}|0", f"{prices}|1"])
+    cost = MeasuredCost(OrtRunner(1), path=path, verdicts=VerdictStore(verdicts))
+    key = verdict_key(cost.verdicts[1], original.structural_hash(), candidate.structural_hash())
+    for poison in [*POISON, [], [1.0, 1.0], [1.0, 1.0, -0.5], [1.0, 1.0, *[0.9] * 8], [1.0, "x", 0.9]]:
+        verdicts.write_text(json.dumps({key: poison}))
+        cost = MeasuredCost(OrtRunner(1), path=path, verdicts=VerdictStore(verdicts))
+        assert cost.kernel_times([original, candidate]) is None  # onnxruntime's: the poisoned prices are not used
+        check = check_end_to_end(original, candidate, cost, {"rule": 1}, deadline=time.perf_counter() - 1)
+        assert check.status == "skipped: time limit", poison  # measured again (no time left), not "recorded"
+    # the same key holding evidence is replayed with today's margin, without timing
+    verdicts.write_text(json.dumps({key: [2.0, 1.0, 0.5, 0.5, 0.5]}))
+    cost = MeasuredCost(OrtRunner(1), path=path, verdicts=VerdictStore(verdicts))
     check = check_end_to_end(original, candidate, cost, {"rule": 1}, deadline=time.perf_counter() - 1)
-    assert check.status == "skipped: time limit"  # measured again (no time left), not "recorded"
+    assert (check.status, check.kept, check.ratios) == ("recorded", "optimized", (0.5, 0.5, 0.5))
 
 
 def test_poisoned_layout_prices_and_verdicts_are_measured_again(tmp_path, monkeypatch):
-    from graphopt.cost.cache import flag, positive
     from kerneltune.targets.parse import parse_target
+    from graphopt.verdicts import VerdictStore
     from pipeline.layout.cost import VERSION, Pricer
 
     path = tmp_path / "layout.json"
-    _poison(path, keys=[f"v{VERSION}|transform|1x16x4x4|nchw>8c", *(f"v{VERSION}|e2e|k|{i}" for i in range(3))])
-    pricer = Pricer(parse_target("llvm", 1), path=path)
+    _poison(path, keys=[f"v{VERSION}|transform|1x16x4x4|nchw>8c"])
+    _poison(tmp_path / "verdicts.json", keys=["layout|k"])
+    pricer = Pricer(parse_target("llvm", 1), path=path, verdicts=VerdictStore(tmp_path / "verdicts.json"))
     monkeypatch.setattr(pricer, "_time", lambda mod: 4e-6)
     assert pricer.transform((1, 16, 4, 4), None, 8) == 4e-6
-    assert pricer.recall("e2e|k", (flag, positive, positive)) is None
+    assert pricer.verdicts.recall("layout|k") is None
 
 
 def test_poisoned_kernel_prices_are_measured_again(tmp_path, monkeypatch):

@@ -219,11 +219,13 @@ def test_cost_cache_is_keyed_by_cpu_target_engine_threads_and_version(tmp_path, 
     assert MeasuredCost(OrtRunner(1)).cache.path.name == f"cost-llvm-other-cpu-0000-ort-t1-v{v}.json"
     assert cpu_id() and "/" not in cpu_id() and " " not in cpu_id()
     # Another release of the tool: a fresh cache, whose costs never come from the old one.
-    MeasuredCost(OrtRunner(1)).record("op|Relu|x", 1.0)
-    assert MeasuredCost(OrtRunner(1)).recall("op|Relu|x") == 1.0  # on disk for this version
+    first = MeasuredCost(OrtRunner(1)).cache
+    first.put("op|Relu|x", 1.0)
+    first.flush()
+    assert MeasuredCost(OrtRunner(1)).cache.get("op|Relu|x") == 1.0  # on disk for this version
     monkeypatch.setattr(measured_mod, "version", lambda: "99.0.0")
     new = MeasuredCost(OrtRunner(1))
-    assert new.cache.path.name.endswith("-v99.0.0.json") and new.recall("op|Relu|x") is None
+    assert new.cache.path.name.endswith("-v99.0.0.json") and new.cache.get("op|Relu|x") is None
 
 
 def test_cost_cache_of_tvm_is_keyed_by_the_cpu_the_code_is_built_for():

@@ -19,9 +19,9 @@ import numpy as np
 
 from graphopt import ops
 from graphopt.cost.analysis import constant_tensors, foldable, free_targets, fused_epilogue
-from graphopt.cost.cache import Valid, positive
 from graphopt.ir import Graph, Node, TensorInfo
 from graphopt.match import GraphIndex
+from graphopt.verdicts import VerdictStore
 
 Shape = tuple[int, ...]
 
@@ -69,14 +69,11 @@ class CostModel:
         """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate
         instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""
 
-    def recall(self, key: str, valid: Valid = positive) -> float | None:
-        """A value :meth:`record` stored for ``key`` in this model's persistent store (e.g. an end-to-end
-        verdict, so a rerun decides the same way), or ``None``, also when the stored value is not ``valid``
-        (the store is a file anyone can edit: :mod:`graphopt.cost.cache`)."""
+    @property
+    def verdicts(self) -> tuple[VerdictStore, str] | None:
+        """Where the end-to-end verdicts timed with :meth:`time_models` are kept (:mod:`graphopt.verdicts`) and
+        the scope of their keys (this engine, target and threads); None for a model that times nothing."""
         return None
-
-    def record(self, key: str, value: float) -> None:
-        """Store ``value`` under ``key`` beside the measured costs (no-op for models without a store)."""
 
     # ---- derived -----------------------------------------------------------------------------------------
     def node_cost(self, node: Node, graph: Graph, constants: set[str] | None = None,

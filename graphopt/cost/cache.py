@@ -26,7 +26,7 @@ import re
 import stat
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from graphopt.errors import UserError
 from graphopt.fileio import write_text_atomic
@@ -151,9 +151,13 @@ def _read_bytes(path: Path) -> bytes | None:
             return None
 
 
-def _read(path: Path) -> tuple[dict[str, float], bool] | None:
-    """The valid entries of the cache file ``path`` and whether it held anything else (then a flush rewrites
-    it); None when the file cannot be used."""
+# What an entry of a cache file is read as, or None when it is not one (:func:`_number`: a time, a count ...).
+Entry = Callable[[object], Any]
+
+
+def _read(path: Path, entry: Entry = _number) -> tuple[dict[str, Any], bool] | None:
+    """The valid entries of the cache file ``path`` (each read by ``entry``) and whether it held anything else
+    (then a flush rewrites it); None when the file cannot be used."""
     raw = _read_bytes(path)
     if raw is None:
         return None
@@ -165,18 +169,20 @@ def _read(path: Path) -> tuple[dict[str, float], bool] | None:
         return {}, True
     if not isinstance(data, dict):
         return {}, True
-    entries = {key: number for key, value in data.items() if (number := _number(value)) is not None}
+    entries = {key: read for key, value in data.items() if (read := entry(value)) is not None}
     return entries, len(entries) < len(data)
 
 
 class CostCache:
-    """Numbers per key (seconds, verdicts, calibrated choices: each reader says which, :data:`Valid`), loaded
+    """Numbers per key (seconds, counts, calibrated choices: each reader says which, :data:`Valid`), loaded
     once and flushed (merged, atomically) when something changed; in memory only when its file or folder
-    cannot be used."""
+    cannot be used.  ``entry`` reads a stored value: a number by default; the verdict store
+    (:mod:`graphopt.verdicts`) keeps lists of numbers."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, entry: Entry = _number):
         self.path = path
-        loaded = _read(path)
+        self._entry = entry
+        loaded = _read(path, entry)
         self._usable = loaded is not None
         self._data, self._dirty = loaded or ({}, False)
         self._dropped: set[str] = set()  # keys whose number was not what its reader expects
@@ -192,8 +198,8 @@ class CostCache:
         self._dirty = True
         return None
 
-    def put(self, key: str, value: float) -> None:
-        self._data[key] = float(value)
+    def put(self, key: str, value: float | list[float]) -> None:
+        self._data[key] = [float(v) for v in value] if isinstance(value, list) else float(value)
         self._dirty = True
 
     def flush(self) -> None:
@@ -201,7 +207,7 @@ class CostCache:
         when that fails the cache stays in memory, warned once."""
         if not (self._dirty and self._usable):
             return
-        on_disk = _read(self.path)
+        on_disk = _read(self.path, self._entry)
         if on_disk is None:
             self._usable = False
             return

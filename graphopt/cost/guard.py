@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
-from graphopt.cost.cache import Valid, positive
 from graphopt.ir import Graph, Node, array_key, attrs_key
+from graphopt.verdicts import VerdictStore
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,6 @@ class GuardedCost(CostModel):
     def set_deadline(self, deadline: float | None) -> None:
         self.inner.set_deadline(deadline)
 
-    def recall(self, key: str, valid: Valid = positive) -> float | None:
-        return self.inner.recall(key, valid)
-
-    def record(self, key: str, value: float) -> None:
-        try:
-            self.inner.record(key, value)
-        except Exception as exc:  # noqa: BLE001 - as flush
-            self._fail("(writing the cost cache)", exc)
+    @property
+    def verdicts(self) -> tuple[VerdictStore, str] | None:
+        return self.inner.verdicts

@@ -34,10 +34,11 @@ from graphopt.cost.analysis import numel
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
 from graphopt.console import version
-from graphopt.cost.cache import CostCache, Valid, cache_dir, cpu_id, non_negative, positive
+from graphopt.cost.cache import CostCache, cache_dir, cpu_id, non_negative
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.ir import Graph, Node, TensorInfo, attrs_key
 from graphopt.timing import time_blocks
+from graphopt.verdicts import VerdictStore, default_store
 
 SMALL_CONST = 64  # constant inputs up to this many elements are part of the key and embedded (shapes, axes)
 
@@ -47,7 +48,8 @@ class MeasuredCost(CostModel):
 
     name = "measured"
 
-    def __init__(self, runner: GraphRunner, target: str = "llvm", path: str | Path | None = None):
+    def __init__(self, runner: GraphRunner, target: str = "llvm", path: str | Path | None = None,
+                 verdicts: VerdictStore | None = None):
         self.runner = runner
         self.target = target
         self.backend = runner.name
@@ -57,6 +59,7 @@ class MeasuredCost(CostModel):
         self._fallback = runner if isinstance(runner, OrtRunner) else OrtRunner(runner.threads)
         self.cache = CostCache(Path(path) if path else cache_dir() / cache_file(target, runner.cache_tag,
                                                                                    self.threads))
+        self.verdict_store = verdicts or default_store()  # the end-to-end verdicts (graphopt.verdicts)
         self._baseline: float | None = None
         self.measured = 0  # how many timings this instance ran (0 on a warm cache)
         self.estimated = 0  # how many prices were estimated because the deadline had passed
@@ -70,12 +73,9 @@ class MeasuredCost(CostModel):
     def set_deadline(self, deadline: float | None) -> None:
         self.deadline = deadline
 
-    def recall(self, key: str, valid: Valid = positive) -> float | None:
-        return self.cache.get(key, valid)
-
-    def record(self, key: str, value: float) -> None:
-        self.cache.put(key, value)
-        self.cache.flush()
+    @property
+    def verdicts(self) -> tuple[VerdictStore, str]:
+        return self.verdict_store, f"graph|{self.target}|{self.backend}|t{self.threads}"
 
     def _estimate(self) -> AnalyticCost:
         if self._analytic is None:

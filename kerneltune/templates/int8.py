@@ -94,7 +94,7 @@ def default_config(task: Task, target: tvm.target.Target):
     """Register tile: ``mr`` rows x ``nv`` vectors of 16 int32 accumulators, the most that fit beside one
     register per B vector and one for A's broadcast (32 AVX-512 registers: 6 x 4 + 4 + 1), ``mr`` and
     ``nv`` dividing the rows and column groups (a 7 x 7 conv's 49 rows: 7 x 3); the k-block holds the B
-    panel (``kb x nv x 64`` bytes) in an eighth of L1, which measured best on an Intel Xeon (Sapphire Rapids,
+    panel (``kb x nv x 64`` bytes) in an eighth of L1, which measured best on an Intel Xeon (Emerald Rapids,
     2 threads, 128 x 768 x 768: 64 deep 623 GOPS, 256 deep 417); the write-back tile is the register tile."""
     m, n, k = _extents(task)
     ins = _instruction(task, target)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from graphopt.cost.cache import CostCache, Valid, cache_dir, flag
+from graphopt.cost.cache import CostCache, cache_dir, flag
+from graphopt.verdicts import VerdictStore, default_store
 from kerneltune.templates import conv_nchwc
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -76,10 +76,13 @@ def _block_name(b: int | None) -> str:
 class Pricer:
     """Prices in seconds, measured on first use and cached (see the module docstring)."""
 
-    def __init__(self, spec: TargetSpec, path: str | Path | None = None):
+    def __init__(self, spec: TargetSpec, path: str | Path | None = None, verdicts: VerdictStore | None = None):
         self.spec = spec
         threads = tvm_num_threads(num_cores(spec.target))  # what this process's kernels really run with
         self.cache = CostCache(Path(path) if path else cache_dir() / f"layout-{host_cpu()}-t{threads}.json")
+        # the whole-model verdicts of the layout search (graphopt.verdicts), and the scope of their keys
+        self.verdicts = verdicts or default_store()
+        self.verdict_scope = f"layout|v{VERSION}|{spec.target}|t{threads}"
         self.measured = 0  # prices measured by this instance (0 on a warm cache)
         self.looked_up = 0
 
@@ -95,17 +98,6 @@ class Pricer:
             self.measured += 1
             self.cache.put(key, hit)
         return hit
-
-    def recall(self, key: str, valid: Sequence[Valid]) -> tuple[float, ...] | None:
-        """The numbers :meth:`record` kept under ``key`` (a verdict and its timings), one per check in
-        ``valid``; None when one is missing or fails its check."""
-        values = [self.cache.get(f"v{VERSION}|{key}|{i}", check) for i, check in enumerate(valid)]
-        return None if any(v is None for v in values) else tuple(values)
-
-    def record(self, key: str, values: tuple[float, ...]) -> None:
-        for i, v in enumerate(values):
-            self.cache.put(f"v{VERSION}|{key}|{i}", float(v))
-        self.cache.flush()
 
     def conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> float:
         """Seconds of one call of the conv (``spec``'s logical shape) run as ``option``."""

@@ -32,7 +32,7 @@ the means, so no departure rests on one cold timing.
 Prices of single convs timed alone do not add up to the model: a departure from the heuristic blocks is kept
 only if the whole model, built both ways with default schedules, runs faster by :data:`E2E_MARGIN` in
 interleaved blocks (:func:`check_against_heuristic`), as the graph stage checks its rewrites; otherwise the
-heuristic blocks ship.  The verdict is cached with the prices.
+heuristic blocks ship.  The verdict's blocks are kept in the verdict store (:mod:`graphopt.verdicts`).
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ import tvm
 import tvm_ffi
 
 from graphopt import timing
-from graphopt.cost.cache import flag, positive
 from graphopt.errors import UserError
+from graphopt.verdicts import verdict_key
 from kerneltune.targets.host import vector_lanes
 from kerneltune.targets.registry import TargetSpec
 from pipeline.compile import CompiledModel, build, model_runner, schedule
@@ -308,18 +308,21 @@ def check_against_heuristic(auto: tvm.IRModule, heuristic: tvm.IRModule, spec: T
     :data:`E2E_MARGIN`); the heuristic is kept unless the search's is faster.  The prices the search solved
     with are single convs timed cold and alone; this is the model as it ships (issue 24: on an Intel Xeon
     an ``auto`` ResNet-50 with 18 of 53 convs blocked ran 1.89x onnxruntime, its heuristic blocks 1.29x).
-    The verdict is recorded with the prices, keyed by both modules, so the same command decides the same."""
-    key = f"e2e|{tvm_ffi.structural_hash(auto) & 0xFFFFFFFFFFFFFFFF:x}|" \
-          f"{tvm_ffi.structural_hash(heuristic) & 0xFFFFFFFFFFFFFFFF:x}"
-    recorded = pricer.recall(key, (flag, positive, positive))
+    The blocks are recorded in the pricer's verdict store (:mod:`graphopt.verdicts`), keyed by both modules,
+    and a rerun replays them: the same command decides the same."""
+    key = verdict_key(pricer.verdict_scope, f"{tvm_ffi.structural_hash(heuristic) & 0xFFFFFFFFFFFFFFFF:x}",
+                      f"{tvm_ffi.structural_hash(auto) & 0xFFFFFFFFFFFFFFFF:x}")
+    recorded = pricer.verdicts.recall(key)
     if recorded is not None:
-        return {"kept": "auto" if recorded[0] >= 0.5 else "heuristic", "status": "recorded",
-                "ms_heuristic": recorded[1], "ms_auto": recorded[2]}
+        faster, why = recorded.judge(E2E_MARGIN)
+        return {"kept": "auto" if faster else "heuristic", "status": "recorded",
+                "ms_heuristic": round(recorded.baseline_ms, 3), "ms_auto": round(recorded.candidate_ms, 3),
+                "decision": f"recorded blocks: {why}"}
     t0 = time.perf_counter()
     runners = _runner(heuristic, spec), _runner(auto, spec)
     verdict = timing.compare(*runners, E2E_MARGIN, runs=E2E_RUNS, gap_s=0.0)
     comp = verdict.comparison
-    pricer.record(key, (1.0 if verdict.faster else 0.0, comp.baseline_ms, comp.candidate_ms))
+    pricer.verdicts.record(key, verdict)
     return {"kept": "auto" if verdict.faster else "heuristic", "status": "measured",
             "ms_heuristic": round(comp.baseline_ms, 3), "ms_auto": round(comp.candidate_ms, 3),
             "decision": verdict.reason, "seconds": round(time.perf_counter() - t0, 1)}
