@@ -82,6 +82,33 @@ def test_channel_shuffle_of_rows_no_vector_divides_is_vectorized_and_exact(width
     assert "T.vectorized" in mod[part.tasks[0].names[0]].script()
 
 
+def test_a_u8_requantization_of_rows_no_byte_vector_divides_vectorizes_within_the_row():
+    """MobileNet-v2 int8's requantization after a depthwise conv: int32 rows of 144 channels to u8.  64 u8
+    lanes do not divide 144; fused into 64-lane vectors across rows, each lane's channel was ``i % 144`` and
+    the per-channel scales a gather.  The row takes the widest vector that divides it (16 lanes, one register
+    of int32 loads): the scales and biases are read contiguously, and the bytes match numpy."""
+    rng = np.random.default_rng(3)
+    acc = rng.integers(-20000, 20000, (196, 144)).astype(np.int32)
+    bias = rng.integers(-500, 500, (144,)).astype(np.int32)
+    scale = rng.uniform(1e-3, 2e-2, (144,)).astype(np.float32)
+
+    def requantize(a, b, s):
+        x = relax.op.multiply(relax.op.astype(relax.op.add(a, b), "float32"), s)
+        return relax.op.astype(relax.op.clip(relax.op.add(relax.op.round(x), relax.const(np.float32(3))), 0, 255),
+                               "uint8")
+
+    out, part, _ = run_relax(requantize, acc, bias, scale)
+    ref = np.clip(np.rint((acc + bias).astype(np.float32) * scale) + np.float32(3), 0, 255).astype(np.uint8)
+    np.testing.assert_array_equal(out, ref)
+    from pipeline.compile import schedule
+
+    from kerneltune.targets.host import vector_bits
+
+    script = schedule(part, LLVM)[0][part.tasks[0].names[0]].script()
+    lanes = vector_bits(LLVM.target) // 32  # a register of int32 accumulators: 144 is 9 such vectors
+    assert f"T.vectorized(T.int64({lanes}))" in script and "% T.int64(144)" not in script, script
+
+
 def test_blocked_max_pool_with_padding_is_vectorized_over_lanes_and_matches_numpy():
     x = np.random.default_rng(1).standard_normal((1, 2, 9, 9, 16)).astype(np.float32)
     out, part, _ = run_relax(lambda v: relax.op.nn.max_pool2d(v, 3, 2, 1, layout="NCHW16c"), x)
