@@ -250,3 +250,14 @@ def test_the_ownership_checks_catch_a_wide_function_and_a_stray_thread_count():
     }
     assert wide_functions(sources) == ["graphopt.a.wide:4 (9)"]
     assert thread_count_readers(sources) == ["pipeline.x:3"]
+
+
+def test_no_script_shadows_a_standard_module():
+    """A script's folder is first on ``sys.path`` when it runs, so ``bench/profile.py`` was what torch's
+    ``import cProfile`` got for ``profile``: every bench script that loaded torchvision failed.  Top-level
+    scripts and test modules must not take a standard library module's name."""
+    import sys
+
+    for folder in ("bench", "tests", ".ci"):
+        names = {p.stem for p in (ROOT / folder).glob("*.py")}
+        assert not names & set(sys.stdlib_module_names), (folder, sorted(names & set(sys.stdlib_module_names)))

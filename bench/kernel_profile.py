@@ -1,6 +1,6 @@
 """Per-kernel profiles of shipped builds, checked against their measured latency (issue 43).
 
-    python bench/profile.py DIR [DIR ...] --out bench/results
+    python bench/kernel_profile.py DIR [DIR ...] --out bench/results
 
 For each optimize-model folder: ``run-model DIR --profile`` (pipeline.pricing.layer_profile), its JSON and picture
 written as ``profile_<model>.json`` / ``.png``, and one line: the kernels' times summed against the model
