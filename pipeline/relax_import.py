@@ -73,10 +73,12 @@ class ImportedModel:
         return [i.name for i in self.graph.inputs if i.name not in self.graph.initializers]
 
 
-def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: str | None = None) -> tvm.IRModule:
+def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: str | None = None,
+             rounding_conversion: bool = False) -> tvm.IRModule:
     """Convert with the input shapes the graph IR fixed (``symbolic``: with the shapes ``model`` declares, its
     named dimensions kept as TIR variables); unsupported operators become a UserError (``fix``: what it says
-    the user can do about a rejected model, instead of the general advice)."""
+    the user can do about a rejected model, instead of the general advice).  ``rounding_conversion``: the
+    int8 requantizations round in their conversion (:func:`pipeline.passes.int8.integer_compute`)."""
     from tvm.relax.frontend.onnx import from_onnx
 
     shapes = None if symbolic else {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
@@ -107,7 +109,8 @@ def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: 
         raise UserError(problem)  # raised out here, no exception context keeps the importer's frames alive
     # constants computed in the graph (an unrolled GRU's weights: a transpose of a Gather of an initializer)
     # become constants first, so that the rewrites see them (the weight padding)
-    mod = integer_compute(mod)  # before folding: the int8 weights are still int8 (pipeline.passes.int8)
+    # before folding: the int8 weights are still int8 (pipeline.passes.int8)
+    mod = integer_compute(mod, rounding_conversion)
     with quiet_native_stderr():
         mod = fold_constants(mod)
     return sink_padding_slices(import_rewrites(mod))
@@ -292,11 +295,12 @@ def import_rewrites(mod: tvm.IRModule) -> tvm.IRModule:
     return rewriter.builder_.get()
 
 
-def import_model(source: str | os.PathLike | onnx.ModelProto,
-                 input_shapes: InputShapes | None = None, served: Served | None = None) -> ImportedModel:
+def import_model(source: str | os.PathLike | onnx.ModelProto, input_shapes: InputShapes | None = None,
+                 served: Served | None = None, rounding_conversion: bool = False) -> ImportedModel:
     """Load, validate and convert an ONNX model (path or proto) with static input shapes; with ``served``, the
     dimensions it names stay symbolic in the Relax module (bounded by their ranges: :mod:`pipeline.symbolic`)
-    and the graph IR is the model at the representative sizes (``input_shapes``)."""
+    and the graph IR is the model at the representative sizes (``input_shapes``).  ``rounding_conversion``: as
+    :func:`to_relax`'s (:func:`kerneltune.vector_intrinsics.rounding_conversion` of the target built for)."""
     model = source if isinstance(source, onnx.ModelProto) else load_model(source)
     graph = import_onnx(model, input_shapes, require_static=True)
     legal = legalize_for_tvm(graph)
@@ -311,7 +315,8 @@ def import_model(source: str | os.PathLike | onnx.ModelProto,
         name, size = next(iter(served.at.items()))
         fix = (f"it cannot keep {', '.join(served.ranges)} symbolic in this model: build for one size, e.g. "
                f"--dim {name}={size}")
-        return ImportedModel(fixed, graph, bound(to_relax(symbolic, graph, symbolic=True, fix=fix), served), symbolic)
+        relax_mod = to_relax(symbolic, graph, symbolic=True, fix=fix, rounding_conversion=rounding_conversion)
+        return ImportedModel(fixed, graph, bound(relax_mod, served), symbolic)
     if input_shapes:
         # from_onnx reads shapes from shape_dict, but keep the proto consistent for onnxruntime as well.
         model = onnx.ModelProto.FromString(model.SerializeToString())
@@ -319,4 +324,5 @@ def import_model(source: str | os.PathLike | onnx.ModelProto,
     # onnxruntime keeps running the model as given (its own LSTM kernel is the reference and the baseline);
     # TVM converts the legalized graph.
     frontend_model = export_onnx(legal.graph) if legal.changed else model
-    return ImportedModel(model, legal.graph, to_relax(frontend_model, legal.graph), frontend_model)
+    relax_mod = to_relax(frontend_model, legal.graph, rounding_conversion=rounding_conversion)
+    return ImportedModel(model, legal.graph, relax_mod, frontend_model)

@@ -218,3 +218,40 @@ def test_quantize_rounds_half_to_even_as_onnx_does():
     compiled = compile_partition(imported, partition(imported.mod), llvm)
     (got,) = run(compiled.vm(), to_device({"x": x}, compiled.input_names, device_for(llvm)))
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("rounding_conversion", [False, True])
+def test_requantization_rounds_ties_to_even_with_an_odd_zero_point(rounding_conversion):
+    """The requantization ``clip(round(acc * m) + zp)``, here with every product a tie (m = 0.5, odd sums) and
+    an odd zero point: computed as written, or with one rounding conversion of the clamped value (x86:
+    ``lrint``, the zero point added after rounding), it equals onnxruntime's on every element."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kerneltune.targets.parse import parse_target
+    from pipeline.compile import compile_partition, device_for, run, to_device
+    from pipeline.partition import partition
+
+    def const(name, value, dtype):
+        return numpy_helper.from_array(np.array(value, dtype), name)
+
+    inits = [const("one", 1.0, np.float32), const("two", 2.0, np.float32), const("z0", 0, np.uint8),
+             const("z3", 3, np.uint8), const("wz", 0, np.int8),
+             numpy_helper.from_array(np.ones((4, 16), np.int8), "w")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "one", "z0"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "one", "z0"], ["xf"]),
+             helper.make_node("DequantizeLinear", ["w", "one", "wz"], ["wf"]),
+             helper.make_node("MatMul", ["xf", "wf"], ["y"]),
+             helper.make_node("QuantizeLinear", ["y", "two", "z3"], ["q"])]
+    g = helper.make_graph(nodes, "requant", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 4])],
+                          [helper.make_tensor_value_info("q", TensorProto.UINT8, [32, 16])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = np.random.default_rng(5).integers(0, 130, (32, 4)).astype(np.float32)
+    x[:, 0] += (x.sum(axis=1) % 2 == 0)  # odd row sums: acc * 0.5 is a tie in every row; sums past 510 clip
+    (ref,) = run_ort_sets(model, [{"x": x}], 1)[0]
+    imported = import_model(model, rounding_conversion=rounding_conversion)
+    llvm = parse_target("llvm", 1)
+    compiled = compile_partition(imported, partition(imported.mod), llvm)
+    (got,) = run(compiled.vm(), to_device({"x": x}, compiled.input_names, device_for(llvm)))
+    assert [a for name, a in _ops(imported.mod) if name == "relax.matmul"] == [("uint8", "int8")]
+    np.testing.assert_array_equal(got, ref)

@@ -41,6 +41,7 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates.int8_intrin import MAX_DEPTH
+from kerneltune.vector_intrinsics import lrint_i32
 from pipeline.passes.provenance import tag_normalized
 
 INT8_TYPES = ("uint8", "int8")
@@ -118,6 +119,7 @@ class _IntegerCompute(PyExprMutator):
             return _Dequantized(self.emit(self.nchw(e.args[0], nhwc)), scale, zp.astype(np.int32), 1)
         return _Dequantized(e.args[0], scale, zp.astype(np.int32), int(e.attrs.axis))
 
+    rounding_conversion = False  # requantize with llvm.lrint (integer_compute's argument)
     span = None  # the span of the call being rewritten: the ONNX node what it emits computes (pipeline.passes.provenance)
 
     def emit(self, expr: relax.Expr) -> relax.Var:
@@ -497,9 +499,27 @@ class _IntegerCompute(PyExprMutator):
         multiplier = (scale / np.float32(ys.ravel()[0])).astype(np.float32)
         info = np.iinfo(out_dtype)
         scaled = relax.op.multiply(self.emit(relax.op.astype(acc, "float32")), relax.const(multiplier))
-        shifted = relax.op.add(relax.op.round(scaled), relax.const(np.float32(yz.ravel()[0])))
-        out = relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
+        zp = np.float32(yz.ravel()[0])
+        if self.rounding_conversion:  # clamp, then one rounding conversion (kerneltune.vector_intrinsics)
+            out = self.builder_.call_te(_rounded, self.emit(scaled), float(zp), int(info.min), int(info.max),
+                                        out_dtype, primfunc_name_hint="requantize")
+        else:
+            shifted = relax.op.add(relax.op.round(scaled), relax.const(zp))
+            out = relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
         return out if nhwc is None else self.nchw(self.emit(out), nhwc)
+
+
+def _rounded(x: te.Tensor, zp: float, lo: int, hi: int, dtype: str) -> te.Tensor:
+    """``dtype(clip(round(x) + zp, lo, hi))`` as ``dtype(lrint(clip(x, lo - zp, hi - zp)) + zp)``: the same
+    values (the bounds are whole numbers, so clamping before rounding changes nothing, and ``zp`` is added to
+    the rounded integer: ``round(x + zp)`` would break ties the other way for an odd ``zp``), with one rounding
+    conversion instead of a round, a float clamp and a truncating one."""
+    def element(*i):
+        clamped = tvm.tirx.max(tvm.tirx.min(x(*i), tvm.tirx.const(hi - zp, "float32")),
+                               tvm.tirx.const(lo - zp, "float32"))
+        return (lrint_i32(clamped) + tvm.tirx.const(int(zp), "int32")).astype(dtype)
+
+    return te.compute(x.shape, element, name="requantize")
 
 
 def _patches(x: te.Tensor, kh: int, kw: int, sh: int, sw: int, oh: int, ow: int) -> te.Tensor:
@@ -574,12 +594,14 @@ def _scheduled_patches(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return _own_schedule(sch.mod["main"], "int8 gather")
 
 
-def integer_compute(mod: tvm.IRModule) -> tvm.IRModule:
+def integer_compute(mod: tvm.IRModule, rounding_conversion: bool = False) -> tvm.IRModule:
     """``mod`` with every recognized quantized product computed in integers (module docstring); a module
-    without quantized operators comes back unchanged."""
+    without quantized operators comes back unchanged.  ``rounding_conversion``: requantize with one rounding
+    conversion (:func:`kerneltune.vector_intrinsics.rounding_conversion`: LLVM x86 targets only)."""
     if not any(_has_quantized(f) for _, f in mod.functions_items() if isinstance(f, relax.Function)):
         return mod
     rewriter = _IntegerCompute(mod)
+    rewriter.rounding_conversion = rounding_conversion
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             new = rewriter.visit_expr(func)
