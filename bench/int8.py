@@ -109,7 +109,8 @@ def bench_model(name: str, mcpus: list[str], threads: int, runs: int, work: Path
             runners[f"ours {precision} ({mcpu})"] = m.runner(feeds)
     times = time_blocks(runners, runs)
     medians = {k: round(t.median_ms, 4) for k, t in times.items()}
-    row = {"model": name, "method": method, "ms": medians, "min_ms": {k: round(t.min_ms, 4) for k, t in times.items()}}
+    row = {"model": name, "method": method, "ms": medians, "min_ms": {k: round(t.min_ms, 4) for k, t in times.items()},
+           "blocks_ms": {k: [round(b, 4) for b in t.blocks_ms] for k, t in times.items()}}
     ort8 = medians["onnxruntime int8"]
     row["ratios"] = {f"ours int8 ({mcpu}) / onnxruntime int8": round(medians[f"ours int8 ({mcpu})"] / ort8, 3)
                      for mcpu in mcpus}
