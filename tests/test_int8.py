@@ -87,11 +87,16 @@ def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_pa
     rng = np.random.default_rng(0)
     samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
     model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
-    ops = _ops(import_model(model).mod)
+    mod = import_model(model).mod
+    ops = _ops(mod)
     # both dense convs (as matmuls of their patches), the depthwise conv (an NHWC gather-multiply-add) and
     # the classifier multiply u8 activations by s8 weights into int32: no float product left
     assert not [a for name, a in ops if name == "relax.nn.conv2d"]
-    assert sum(name == "relax.call_tir" for name, _ in ops) >= 2  # the patches gather and the depthwise
+    assert sum(name == "relax.call_tir" for name, _ in ops) >= 3  # the input's layout, the patches, the depthwise
+    # the quantized input reaches the first conv transposed to NHWC and padded (borders and a 4th channel) by
+    # one kernel of the pass's own schedule
+    layouts = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("nhwc_padded")]
+    assert len(layouts) == 1 and str(layouts[0].attrs["optimize_model.scheduled_by"]) == "int8 input layout"
     assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")] * 3
     assert not any(name == "relax.dequantize" and a[0] == "int8" for name, a in ops)  # weights stay int8
     facts = _built_check(model, tmp_path)

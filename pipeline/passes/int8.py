@@ -285,9 +285,15 @@ class _IntegerCompute(PyExprMutator):
         # weight rows are 0, so the padding value never counts
         c4 = -(-c // MAX_DEPTH) * MAX_DEPTH
         weight = np.pad(weight, ((0, 0), (0, c4 - c), (0, 0), (0, 0)))
-        xt = self.nhwc(xq)
-        if top or left or bottom or right or c4 != c:
-            xt = self.emit(relax.op.nn.pad(xt, [0, 0, top, bottom, left, right, 0, c4 - c], pad_value=float(xz)))
+        pads = (top, bottom, left, right)
+        if self.is_nhwc_view(xq) or not (any(pads) or c4 != c):
+            xt = self.nhwc(xq)
+            if any(pads) or c4 != c:
+                xt = self.emit(relax.op.nn.pad(xt, [0, 0, top, bottom, left, right, 0, c4 - c], pad_value=float(xz)))
+        else:  # an NCHW tensor (the model's quantized input): transposed and padded in one pass
+            xt = self.builder_.emit_te(_nhwc_padded, xq, pads, c4, int(xz), primfunc_name_hint="nhwc_padded")
+            gv = self.value(xt).args[0]
+            self.builder_.update_func(gv, _scheduled_nhwc_padded(self.builder_.get()[gv]))
         if (kh, kw, sh, sw) == (1, 1, 1, 1):
             flat = self.emit(relax.op.reshape(xt, [n * oh * ow, c4]))
         else:
@@ -320,11 +326,15 @@ class _IntegerCompute(PyExprMutator):
             flat = self.emit(relax.op.subtract(flat, relax.const(correction.astype(np.int32))))
         return self.nchw(self.emit(self.scaled(flat, scale)), (n, oh, ow, c))
 
+    def is_nhwc_view(self, xq: relax.Expr) -> bool:
+        """Whether ``xq`` (NCHW) is a view of an NHWC tensor (a previous conv's output, :meth:`nchw`)."""
+        inner = self.value(xq)
+        return _op_name(inner) == "relax.permute_dims" and [int(i) for i in inner.attrs.axes] == [0, 3, 1, 2]
+
     def nhwc(self, xq: relax.Expr) -> relax.Expr:
         """``xq`` (NCHW) as NHWC: the NHWC tensor it was made from (a previous conv's output), else a transpose."""
-        inner = self.value(xq)
-        if _op_name(inner) == "relax.permute_dims" and [int(i) for i in inner.attrs.axes] == [0, 3, 1, 2]:
-            return inner.args[0]
+        if self.is_nhwc_view(xq):
+            return self.value(xq).args[0]
         return self.emit(relax.op.permute_dims(xq, [0, 2, 3, 1]))
 
     def nchw(self, flat: relax.Expr, nhwc: tuple[int, ...]) -> relax.Expr:
@@ -530,6 +540,33 @@ def _patches(x: te.Tensor, kh: int, kw: int, sh: int, sw: int, oh: int, ow: int)
     n, c = x.shape[0], x.shape[3]
     return te.compute((n, oh, ow, kh, kw, c),
                       lambda b, y, w, r, s, ch: x[b, y * sh + r, w * sw + s, ch], name="patches")
+
+
+def _nhwc_padded(x: te.Tensor, pads: tuple[int, int, int, int], c4: int, value: int) -> te.Tensor:
+    """An NCHW tensor as NHWC, its spatial borders (``pads``: top, bottom, left, right) and its channels up to
+    ``c4`` filled with ``value`` (the zero point): the layout a network's first conv reads its input in."""
+    n, c, h, w = (int(d) for d in x.shape)
+    top, bottom, left, right = pads
+
+    def element(b, y, xx, ch):
+        inside = tvm.tirx.all(y >= top, y < top + h, xx >= left, xx < left + w, ch < c)
+        return te.if_then_else(inside, x[b, ch, y - top, xx - left], tvm.tirx.const(value, x.dtype))
+
+    return te.compute((n, h + top + bottom, w + left + right, c4), element, name="nhwc_padded")
+
+
+def _scheduled_nhwc_padded(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """Rows over the cores; in a row, the pixels in a loop LLVM vectorizes, each pixel's channels unrolled,
+    so one vector reads a run of each channel plane and the stores interleave them.  The injective rule
+    vectorized the 4 channels of one pixel, each lane a load from another plane: the stem's quantize,
+    transpose and pad took 0.15-0.20 ms (MobileNet-v2, ResNet-50), this 0.02 (Intel Xeon, 2 threads)."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    b, y, _, ch = sch.get_loops(sch.get_sblock("nhwc_padded"))
+    sch.parallel(sch.fuse(b, y))
+    sch.unroll(ch)
+    return _own_schedule(sch.mod["main"], "int8 input layout")
 
 
 def _depthwise(x: te.Tensor, taps: te.Tensor, xz: int, pads: tuple[int, int], strides: tuple[int, int],
