@@ -260,3 +260,26 @@ def test_requantization_rounds_ties_to_even_with_an_odd_zero_point(rounding_conv
     (got,) = run(compiled.vm(), to_device({"x": x}, compiled.input_names, device_for(llvm)))
     assert [a for name, a in _ops(imported.mod) if name == "relax.matmul"] == [("uint8", "int8")]
     np.testing.assert_array_equal(got, ref)
+
+
+def test_a_max_pool_between_quantized_convs_pools_the_u8_values(tmp_path):
+    """ResNet's stem: Conv -> Relu -> QDQ -> MaxPool -> QDQ -> Conv.  Dequantizing is monotonic, so the pool
+    runs on the u8 tensor the first conv writes, and the quantize after it (same parameters) folds away;
+    the outputs stay onnxruntime's."""
+    b = GraphBuilder("int8-pool", seed=6)
+    x = b.input("x", (1, 3, 16, 16))
+    h = b.op("Relu", [b.op("Conv", [x, b.he("w1", (16, 3, 3, 3), 27), b.normal("b1", (16,), 0.1)], pads=[1] * 4)])
+    h = b.op("MaxPool", [h], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4)
+    h = b.op("Relu", [b.op("Conv", [h, b.he("w2", (16, 16, 3, 3), 144), b.normal("b2", (16,), 0.1)], pads=[1] * 4)])
+    b.op("Flatten", [b.op("GlobalAveragePool", [h])], out="y")
+    b.output("y", (1, 16))
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)} for _ in range(4)]
+    model = _quantize(b.model("int8 pool"), tmp_path, static=True, samples=samples)
+    ops = _ops(import_model(model).mod)
+    assert [a for name, a in ops if name == "relax.nn.max_pool2d"] == [("uint8",)]
+    # quantizes left: the model input's and the two after the global pool (in float); the max pool's folded
+    # away, and the convs' are integer math in their kernels' epilogues
+    assert sum(name == "relax.quantize" for name, _ in ops) == 3
+    facts = _built_check(model, tmp_path)
+    assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6

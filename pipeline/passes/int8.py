@@ -191,6 +191,10 @@ class _IntegerCompute(PyExprMutator):
         flat, nhwc = self.conv_output(call.args[0])
         if nhwc is None:
             return None
+        if _op_name(call) == "relax.nn.max_pool2d":
+            pooled = self.max_pool_quantized(call, flat, nhwc)
+            if pooled is not None:
+                return pooled
         x = self.emit(relax.op.reshape(flat, list(nhwc)))
         if _op_name(call) == "relax.mean":
             axes = sorted(int(i) % 4 for i in call.attrs.axis) if call.attrs.axis is not None else None
@@ -209,6 +213,26 @@ class _IntegerCompute(PyExprMutator):
         pooled = self.emit(op(x, **kwargs))
         n, oh, ow, c = _shape(pooled)
         return self.nchw(self.emit(relax.op.reshape(pooled, [n * oh * ow, c])), (n, oh, ow, c))
+
+    def max_pool_quantized(self, call: relax.Call, flat: relax.Expr, nhwc: tuple[int, ...]) -> relax.Expr | None:
+        """``max_pool(dequantize(q))`` as ``dequantize(max_pool(q))`` (a positive scale keeps the order; the
+        padding, q's least value, never wins a window that holds an element): ResNet's stem then writes u8,
+        not float, and its pool reads a quarter of the bytes; the ``quantize`` that follows with the same
+        parameters folds away (:meth:`requantize`)."""
+        d = self.dequantized(flat)
+        if d is None or d.scale.size != 1 or d.zp.size != 1 or not float(d.scale.ravel()[0]) > 0:
+            return None
+        a = call.attrs
+        if a.layout != "NCHW" or (a.out_layout or "NCHW") != "NCHW":
+            return None
+        q = self.emit(relax.op.reshape(d.q, list(nhwc)))
+        pooled = self.emit(relax.op.nn.max_pool2d(q, pool_size=a.pool_size, strides=a.strides, padding=a.padding,
+                                                  dilation=a.dilation, ceil_mode=bool(a.ceil_mode), layout="NHWC"))
+        n, oh, ow, c = _shape(pooled)
+        q_flat = self.emit(relax.op.reshape(pooled, [n * oh * ow, c]))
+        out = relax.op.dequantize(q_flat, relax.const(d.scale.reshape(()).astype(np.float32)),
+                                  relax.const(d.zp.reshape(()).astype(_dtype(d.q))), axis=1)
+        return self.nchw(self.emit(out), (n, oh, ow, c))
 
     def on_flat(self, call: relax.Call) -> relax.Expr | None:
         """An elementwise op (a residual add, its dequantize / quantize) whose tensor operands are all NCHW
@@ -500,9 +524,14 @@ class _IntegerCompute(PyExprMutator):
         """``quantize(float(acc) * s, ys, yz)`` -> ``clip(round(float(acc) * (s / ys)) + yz)``: onnxruntime's
         requantization, with its float32 multiplier."""
         inner, nhwc = self.conv_output(call.args[0])
-        parts = self._scaled_parts(inner)
         ys, yz = self.const(call.args[1]), self.const(call.args[2])
         out_dtype = str(call.attrs.out_dtype)
+        same = self.dequantized(inner)  # quantize(dequantize(q)) with q's own parameters: q itself
+        if same is not None and ys is not None and yz is not None and ys.size == 1 == yz.size == same.scale.size \
+                and same.zp.size == 1 and _dtype(same.q) == out_dtype and ys.ravel()[0] == same.scale.ravel()[0] \
+                and int(yz.ravel()[0]) == int(same.zp.ravel()[0]):
+            return same.q if nhwc is None else self.nchw(same.q, nhwc)
+        parts = self._scaled_parts(inner)
         if parts is None or ys is None or yz is None or ys.size != 1 or yz.size != 1 or out_dtype not in INT8_TYPES:
             return None
         acc, scale = parts
