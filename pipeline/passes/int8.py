@@ -531,21 +531,31 @@ class _IntegerCompute(PyExprMutator):
                 and same.zp.size == 1 and _dtype(same.q) == out_dtype and ys.ravel()[0] == same.scale.ravel()[0] \
                 and int(yz.ravel()[0]) == int(same.zp.ravel()[0]):
             return same.q if nhwc is None else self.nchw(same.q, nhwc)
-        parts = self._scaled_parts(inner)
-        if parts is None or ys is None or yz is None or ys.size != 1 or yz.size != 1 or out_dtype not in INT8_TYPES:
+        if ys is None or yz is None or ys.size != 1 or yz.size != 1 or out_dtype not in INT8_TYPES:
             return None
-        acc, scale = parts
-        multiplier = (scale / np.float32(ys.ravel()[0])).astype(np.float32)
-        info = np.iinfo(out_dtype)
-        scaled = relax.op.multiply(self.emit(relax.op.astype(acc, "float32")), relax.const(multiplier))
-        zp = np.float32(yz.ravel()[0])
-        if self.rounding_conversion:  # clamp, then one rounding conversion (kerneltune.vector_intrinsics)
-            out = self.builder_.call_te(_rounded, self.emit(scaled), float(zp), int(info.min), int(info.max),
-                                        out_dtype, primfunc_name_hint="requantize")
+        parts = self._scaled_parts(inner)
+        if parts is not None:
+            acc, scale = parts
+            multiplier = (scale / np.float32(ys.ravel()[0])).astype(np.float32)
+            scaled = relax.op.multiply(self.emit(relax.op.astype(acc, "float32")), relax.const(multiplier))
+        elif _dtype(inner) == "float32" and float(ys.ravel()[0]) > 0:
+            # any other float (a residual add, the model's input): times the reciprocal, not divided: a vector
+            # division is ~16 cycles of port 0 per 16 values (onnxruntime's QLinearAdd multiplies too); the
+            # result may differ from x / ys in the last bit, so a tie can round one step the other way
+            scaled = relax.op.multiply(inner, relax.const(np.float32(1.0) / np.float32(ys.ravel()[0])))
         else:
-            shifted = relax.op.add(relax.op.round(scaled), relax.const(zp))
-            out = relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
+            return None
+        out = self.rounded(self.emit(scaled), np.float32(yz.ravel()[0]), out_dtype)
         return out if nhwc is None else self.nchw(self.emit(out), nhwc)
+
+    def rounded(self, scaled: relax.Expr, zp: np.float32, out_dtype: str) -> relax.Expr:
+        """``out_dtype(clip(round(scaled) + zp))``, on x86 in one rounding conversion (:func:`_rounded`)."""
+        info = np.iinfo(out_dtype)
+        if self.rounding_conversion:  # clamp, then one rounding conversion (kerneltune.vector_intrinsics)
+            return self.builder_.call_te(_rounded, scaled, float(zp), int(info.min), int(info.max), out_dtype,
+                                         primfunc_name_hint="requantize")
+        shifted = relax.op.add(relax.op.round(scaled), relax.const(zp))
+        return relax.op.astype(relax.op.clip(shifted, int(info.min), int(info.max)), out_dtype)
 
 
 def _rounded(x: te.Tensor, zp: float, lo: int, hi: int, dtype: str) -> te.Tensor:
