@@ -85,7 +85,6 @@ from graphopt.cleanup import eliminate_common_subexpressions, fold_constants, fu
 from graphopt.rules import Rule, merge_rules, verified_library
 from graphopt.search import SearchResult, SearchStop, search
 from graphopt.timing import MAX_BLOCKS, MIN_BLOCKS, decide
-from graphopt.verdicts import verdict_key
 
 if TYPE_CHECKING:  # graphopt.winograd is loaded by the stage's last step only
     from graphopt.winograd import ConvSite
@@ -410,9 +409,9 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
     if not any(applied.values()):
         return E2ECheck(kept="optimized", status="skipped: no substitution applied", margin=margin)
     # whole models timed in the blocked conv layouts the product builds (GraphRunner.prepare_model)
-    where = cost_model.verdicts
-    key = where and verdict_key(where[1], original.structural_hash(), candidate.structural_hash())
-    recorded = where[0].recall(key) if where else None
+    verdicts = cost_model.verdicts
+    builds = (original.structural_hash(), candidate.structural_hash())
+    recorded = verdicts.recall(*builds) if verdicts else None
     if recorded is not None:  # today's rule and margin on the blocks an earlier run timed
         faster, why = recorded.judge(margin)
         return E2ECheck(kept="optimized" if faster else "original", status="recorded", margin=margin,
@@ -461,8 +460,8 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         return E2ECheck(kept="original", status=f"failed: {type(exc).__name__}: {first}", margin=margin,
                         decision="the whole models could not be timed: the input is kept")
     comp = verdict.comparison
-    if where:  # measured to a verdict: a rerun replays these blocks and decides the same
-        where[0].record(key, verdict)
+    if verdicts:  # measured to a verdict: a rerun replays these blocks and decides the same
+        verdicts.record(*builds, verdict)
     return E2ECheck(kept="optimized" if verdict.faster else "original", status="measured", margin=margin,
                     ms_before=comp.baseline_ms, ms_after=comp.candidate_ms, backend=backend[0] if backend else None,
                     decision=verdict.reason, ratios=comp.ratios, **k_ms)

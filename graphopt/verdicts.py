@@ -76,10 +76,6 @@ class VerdictStore:
     def __init__(self, path: Path):
         self.cache = CostCache(path, entry=_evidence)
 
-    @property
-    def path(self) -> Path:
-        return self.cache.path
-
     def recall(self, key: str) -> Evidence | None:
         stored = self.cache.get(key, _any)  # checked as it was read (_evidence) or written (record)
         return None if stored is None else Evidence(stored[0], stored[1], tuple(stored[2:]))  # type: ignore[index]
@@ -114,3 +110,21 @@ def default_store() -> VerdictStore:
 def verdict_key(scope: str, *builds: str) -> str:
     """The key of a decision of kind and place ``scope`` between ``builds`` (baseline first)."""
     return "|".join((scope, *builds))
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """The store as one kind of decision in one place sees it: every key is ``scope|baseline|candidate``
+    (:func:`verdict_key`), so a caller names only the two builds."""
+
+    store: VerdictStore
+    scope: str
+
+    def key(self, baseline: str, candidate: str) -> str:
+        return verdict_key(self.scope, baseline, candidate)
+
+    def recall(self, baseline: str, candidate: str) -> Evidence | None:
+        return self.store.recall(self.key(baseline, candidate))
+
+    def record(self, baseline: str, candidate: str, decision: Decision) -> Evidence | None:
+        return self.store.record(self.key(baseline, candidate), decision)

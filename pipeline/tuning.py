@@ -34,10 +34,9 @@ from graphopt.errors import UserError
 from graphopt.feeds import random_inputs
 from graphopt.fileio import save_figure
 from graphopt.timing import compare
-from graphopt.verdicts import VerdictStore, default_store, verdict_key
+from graphopt.verdicts import Verdicts, default_store
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.stopping import StopReason
-from kerneltune.targets.registry import TargetSpec
 from kerneltune.tune_tasks import TuningResult, TuningRun, TuningTask, tune_tasks
 from pipeline.compile import CompiledModel, model_runner
 
@@ -139,20 +138,18 @@ def shipped_title(choice: BuildChoice) -> str:
             f"ms default, margin {choice.margin:.0%}; {choice.status})")
 
 
-def verdict_of(tuned: dict[str, Any], spec: TargetSpec, model_bytes: bytes) -> str:
-    """The verdict store's key of the end-to-end check: the target (threads included), and a fingerprint of
-    the tuned configs and the model compiled."""
+def fingerprint(tuned: dict[str, Any], model_bytes: bytes) -> str:
+    """The tuned build in the end-to-end check's verdict key: its tuned configs and the model compiled (the
+    target and threads are the key's scope)."""
     blob = json.dumps({"tuned": sorted((k, repr(v)) for k, v in tuned.items()),
                        "model": hashlib.sha256(model_bytes).hexdigest()}, sort_keys=True)
-    return verdict_key(f"tuning|{spec.target}|t{spec.threads}", "default",
-                       hashlib.sha256(blob.encode()).hexdigest()[:24])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, tuned: dict[str, Any],
-               model_bytes: bytes, timer: Callable | None = None,
-               verdicts: VerdictStore | None = None) -> tuple[CompiledModel, BuildChoice]:
+               model_bytes: bytes, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
     """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
-    The blocks are kept in ``verdicts`` (default: this machine's :func:`graphopt.verdicts.default_store`).
+    The blocks are kept in this machine's verdict store (:func:`graphopt.verdicts.default_store`).
     ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
     spec = ctx.spec
     if not tuned:
@@ -162,9 +159,9 @@ def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, 
                                                  "model cannot be timed there")
     if not spec.can_run:
         return tuned_build, BuildChoice("tuned", f"skipped: cannot run {spec.kind} here ({spec.note})")
-    key = verdict_of(tuned, spec, model_bytes)
-    store = verdicts or default_store()
-    stored = store.recall(key)
+    verdicts = Verdicts(default_store(), f"tuning|{spec.target}|t{spec.threads}")
+    builds = ("default", fingerprint(tuned, model_bytes))
+    stored = verdicts.recall(*builds)
     if stored is not None:  # a rerun of a finished run: today's rule on the recorded blocks, so the same artifact
         faster = stored.judge(E2E_MARGIN)[0]
         choice = BuildChoice("tuned" if faster else "default", "recorded", round(stored.baseline_ms, 4),
@@ -179,7 +176,7 @@ def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, 
     cmp = verdict.comparison
     choice = BuildChoice("tuned" if verdict.faster else "default", "measured", round(cmp.baseline_ms, 4),
                          round(cmp.candidate_ms, 4), [round(r, 4) for r in cmp.ratios], E2E_MARGIN)
-    store.record(key, verdict)
+    verdicts.record(*builds, verdict)
     return (tuned_build if choice.kept == "tuned" else default_build), choice
 
 

@@ -111,7 +111,7 @@ def test_a_poisoned_graph_stage_verdict_is_not_replayed(tmp_path):
     from graphopt.cost.measured import MeasuredCost
     from graphopt.ir import Graph, Node, TensorInfo
     from graphopt.stage import check_end_to_end
-    from graphopt.verdicts import VerdictStore, verdict_key
+    from graphopt.verdicts import VerdictStore
 
     def graph(op: str) -> Graph:
         x, y = TensorInfo("x", "float32", (4,)), TensorInfo("y", "float32", (4,))
@@ -122,7 +122,7 @@ def test_a_poisoned_graph_stage_verdict_is_not_replayed(tmp_path):
     prices = f"kernels2|{original.structural_hash()}|{candidate.structural_hash()}"
     _poison(path, keys=[f"{prices}|0", f"{prices}|1"])
     cost = MeasuredCost(OrtRunner(1), path=path, verdicts=VerdictStore(verdicts))
-    key = verdict_key(cost.verdicts[1], original.structural_hash(), candidate.structural_hash())
+    key = cost.verdicts.key(original.structural_hash(), candidate.structural_hash())
     for poison in [*POISON, [], [1.0, 1.0], [1.0, 1.0, -0.5], [1.0, 1.0, *[0.9] * 8], [1.0, "x", 0.9]]:
         verdicts.write_text(json.dumps({key: poison}))
         cost = MeasuredCost(OrtRunner(1), path=path, verdicts=VerdictStore(verdicts))
@@ -147,7 +147,7 @@ def test_poisoned_layout_prices_and_verdicts_are_measured_again(tmp_path, monkey
     pricer = Pricer(parse_target("llvm", 1), path=path, verdicts=VerdictStore(tmp_path / "verdicts.json"))
     monkeypatch.setattr(pricer, "_time", lambda mod: 4e-6)
     assert pricer.transform((1, 16, 4, 4), None, 8) == 4e-6
-    assert pricer.verdicts.recall("layout|k") is None
+    assert pricer.verdicts.store.recall("layout|k") is None
 
 
 def test_poisoned_kernel_prices_are_measured_again(tmp_path, monkeypatch):

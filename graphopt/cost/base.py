@@ -21,7 +21,7 @@ from graphopt import ops
 from graphopt.cost.analysis import constant_tensors, foldable, free_targets, fused_epilogue
 from graphopt.ir import Graph, Node, TensorInfo
 from graphopt.match import GraphIndex
-from graphopt.verdicts import VerdictStore
+from graphopt.verdicts import Verdicts
 
 Shape = tuple[int, ...]
 
@@ -70,9 +70,9 @@ class CostModel:
         instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""
 
     @property
-    def verdicts(self) -> tuple[VerdictStore, str] | None:
-        """Where the end-to-end verdicts timed with :meth:`time_models` are kept (:mod:`graphopt.verdicts`) and
-        the scope of their keys (this engine, target and threads); None for a model that times nothing."""
+    def verdicts(self) -> Verdicts | None:
+        """Where the end-to-end verdicts timed with :meth:`time_models` are kept (:mod:`graphopt.verdicts`),
+        scoped to this engine, target and threads; None for a model that times nothing."""
         return None
 
     # ---- derived -----------------------------------------------------------------------------------------

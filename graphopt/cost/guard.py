@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from graphopt.cost.analytic import AnalyticCost
 from graphopt.cost.base import LAUNCH_OVERHEAD_S, CostModel, ModelTimes, Shape, params_key
 from graphopt.ir import Graph, Node, array_key, attrs_key
-from graphopt.verdicts import VerdictStore
+from graphopt.verdicts import Verdicts
 
 log = logging.getLogger(__name__)
 
@@ -107,5 +107,5 @@ class GuardedCost(CostModel):
         self.inner.set_deadline(deadline)
 
     @property
-    def verdicts(self) -> tuple[VerdictStore, str] | None:
+    def verdicts(self) -> Verdicts | None:
         return self.inner.verdicts

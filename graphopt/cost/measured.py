@@ -38,7 +38,7 @@ from graphopt.cost.cache import CostCache, cache_dir, cpu_id, non_negative
 from graphopt.cost.runners import GraphRunner, OrtRunner
 from graphopt.ir import Graph, Node, TensorInfo, attrs_key
 from graphopt.timing import time_blocks
-from graphopt.verdicts import VerdictStore, default_store
+from graphopt.verdicts import VerdictStore, Verdicts, default_store
 
 SMALL_CONST = 64  # constant inputs up to this many elements are part of the key and embedded (shapes, axes)
 
@@ -59,7 +59,8 @@ class MeasuredCost(CostModel):
         self._fallback = runner if isinstance(runner, OrtRunner) else OrtRunner(runner.threads)
         self.cache = CostCache(Path(path) if path else cache_dir() / cache_file(target, runner.cache_tag,
                                                                                    self.threads))
-        self.verdict_store = verdicts or default_store()  # the end-to-end verdicts (graphopt.verdicts)
+        # the end-to-end verdicts (graphopt.verdicts)
+        self._verdicts = Verdicts(verdicts or default_store(), f"graph|{target}|{self.backend}|t{self.threads}")
         self._baseline: float | None = None
         self.measured = 0  # how many timings this instance ran (0 on a warm cache)
         self.estimated = 0  # how many prices were estimated because the deadline had passed
@@ -74,8 +75,8 @@ class MeasuredCost(CostModel):
         self.deadline = deadline
 
     @property
-    def verdicts(self) -> tuple[VerdictStore, str]:
-        return self.verdict_store, f"graph|{self.target}|{self.backend}|t{self.threads}"
+    def verdicts(self) -> Verdicts:
+        return self._verdicts
 
     def _estimate(self) -> AnalyticCost:
         if self._analytic is None:

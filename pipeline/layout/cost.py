@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir, flag
-from graphopt.verdicts import VerdictStore, default_store
+from graphopt.verdicts import VerdictStore, Verdicts, default_store
 from kerneltune.templates import conv_nchwc
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -80,9 +80,8 @@ class Pricer:
         self.spec = spec
         threads = tvm_num_threads(num_cores(spec.target))  # what this process's kernels really run with
         self.cache = CostCache(Path(path) if path else cache_dir() / f"layout-{host_cpu()}-t{threads}.json")
-        # the whole-model verdicts of the layout search (graphopt.verdicts), and the scope of their keys
-        self.verdicts = verdicts or default_store()
-        self.verdict_scope = f"layout|v{VERSION}|{spec.target}|t{threads}"
+        # the whole-model verdicts of the layout search (graphopt.verdicts)
+        self.verdicts = Verdicts(verdicts or default_store(), f"layout|v{VERSION}|{spec.target}|t{threads}")
         self.measured = 0  # prices measured by this instance (0 on a warm cache)
         self.looked_up = 0
 

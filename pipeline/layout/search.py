@@ -46,7 +46,6 @@ import tvm_ffi
 
 from graphopt import timing
 from graphopt.errors import UserError
-from graphopt.verdicts import verdict_key
 from kerneltune.targets.host import vector_lanes
 from kerneltune.targets.registry import TargetSpec
 from pipeline.compile import CompiledModel, build, model_runner, schedule
@@ -310,9 +309,8 @@ def check_against_heuristic(auto: tvm.IRModule, heuristic: tvm.IRModule, spec: T
     an ``auto`` ResNet-50 with 18 of 53 convs blocked ran 1.89x onnxruntime, its heuristic blocks 1.29x).
     The blocks are recorded in the pricer's verdict store (:mod:`graphopt.verdicts`), keyed by both modules,
     and a rerun replays them: the same command decides the same."""
-    key = verdict_key(pricer.verdict_scope, f"{tvm_ffi.structural_hash(heuristic) & 0xFFFFFFFFFFFFFFFF:x}",
-                      f"{tvm_ffi.structural_hash(auto) & 0xFFFFFFFFFFFFFFFF:x}")
-    recorded = pricer.verdicts.recall(key)
+    builds = tuple(f"{tvm_ffi.structural_hash(m) & 0xFFFFFFFFFFFFFFFF:x}" for m in (heuristic, auto))
+    recorded = pricer.verdicts.recall(*builds)
     if recorded is not None:
         faster, why = recorded.judge(E2E_MARGIN)
         return {"kept": "auto" if faster else "heuristic", "status": "recorded",
@@ -322,7 +320,7 @@ def check_against_heuristic(auto: tvm.IRModule, heuristic: tvm.IRModule, spec: T
     runners = _runner(heuristic, spec), _runner(auto, spec)
     verdict = timing.compare(*runners, E2E_MARGIN, runs=E2E_RUNS, gap_s=0.0)
     comp = verdict.comparison
-    pricer.verdicts.record(key, verdict)
+    pricer.verdicts.record(*builds, verdict)
     return {"kept": "auto" if verdict.faster else "heuristic", "status": "measured",
             "ms_heuristic": round(comp.baseline_ms, 3), "ms_auto": round(comp.candidate_ms, 3),
             "decision": verdict.reason, "seconds": round(time.perf_counter() - t0, 1)}
