@@ -25,7 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

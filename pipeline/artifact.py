@@ -208,7 +208,6 @@ class Model:
             raise UserError(refusal)
         self.threads = _size_pool(self.requested_threads)
         import tvm
-        from tvm import relax
 
         target = dep.get("target") or self.report.get("target_detail")  # the latter: folders before 0.1 r4
         if self.device_type == "cpu" and target:

@@ -40,7 +40,7 @@ from pipeline.compile import compile_partition, model_runner, outputs_numpy, to_
 from pipeline.context import BuildContext
 from pipeline.frontend import BRANCH_BLOCKERS
 from pipeline.partition import partition
-from pipeline.pricing.profile import KernelTime, profile_kernels
+from pipeline.pricing.profile import KernelTime
 from pipeline.report import RATIO_MEANING, time_ratio
 
 

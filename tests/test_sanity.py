@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kerneltune import templates
