@@ -187,16 +187,17 @@ class _IntegerCompute(PyExprMutator):
 
     def pool_nhwc(self, call: relax.Call) -> relax.Expr | None:
         """A pool or a spatial mean of a conv's NCHW view, computed in NHWC (ResNet's max pool after the stem,
-        the global average pool before the classifier): no transpose of the conv's output."""
+        the global average pool before the classifier): no transpose of the conv's output.
+
+        ``max_pool(dequantize(q))`` is computed as ``dequantize(max_pool(q))`` (a positive scale keeps the
+        order; the padding, q's least value, never wins a window that holds an element): ResNet's stem then
+        writes u8, not float, and its pool reads a quarter of the bytes; the ``quantize`` that follows with the
+        same parameters folds away (:meth:`requantize`)."""
         flat, nhwc = self.conv_output(call.args[0])
         if nhwc is None:
             return None
-        if _op_name(call) == "relax.nn.max_pool2d":
-            pooled = self.max_pool_quantized(call, flat, nhwc)
-            if pooled is not None:
-                return pooled
-        x = self.emit(relax.op.reshape(flat, list(nhwc)))
         if _op_name(call) == "relax.mean":
+            x = self.emit(relax.op.reshape(flat, list(nhwc)))
             axes = sorted(int(i) % 4 for i in call.attrs.axis) if call.attrs.axis is not None else None
             if axes != [2, 3]:
                 return None
@@ -205,34 +206,23 @@ class _IntegerCompute(PyExprMutator):
         a = call.attrs
         if a.layout != "NCHW" or (a.out_layout or "NCHW") != "NCHW":
             return None
-        op = relax.op.nn.max_pool2d if _op_name(call) == "relax.nn.max_pool2d" else relax.op.nn.avg_pool2d
+        is_max = _op_name(call) == "relax.nn.max_pool2d"
+        d = self.dequantized(flat) if is_max else None
+        if d is not None and (d.scale.size != 1 or d.zp.size != 1 or not float(d.scale.ravel()[0]) > 0):
+            d = None
+        x = self.emit(relax.op.reshape(flat if d is None else d.q, list(nhwc)))
+        op = relax.op.nn.max_pool2d if is_max else relax.op.nn.avg_pool2d
         kwargs = dict(pool_size=a.pool_size, strides=a.strides, padding=a.padding, dilation=a.dilation,
                       ceil_mode=bool(a.ceil_mode), layout="NHWC")
-        if op is relax.op.nn.avg_pool2d:
+        if not is_max:
             kwargs["count_include_pad"] = bool(a.count_include_pad)
         pooled = self.emit(op(x, **kwargs))
         n, oh, ow, c = _shape(pooled)
-        return self.nchw(self.emit(relax.op.reshape(pooled, [n * oh * ow, c])), (n, oh, ow, c))
-
-    def max_pool_quantized(self, call: relax.Call, flat: relax.Expr, nhwc: tuple[int, ...]) -> relax.Expr | None:
-        """``max_pool(dequantize(q))`` as ``dequantize(max_pool(q))`` (a positive scale keeps the order; the
-        padding, q's least value, never wins a window that holds an element): ResNet's stem then writes u8,
-        not float, and its pool reads a quarter of the bytes; the ``quantize`` that follows with the same
-        parameters folds away (:meth:`requantize`)."""
-        d = self.dequantized(flat)
-        if d is None or d.scale.size != 1 or d.zp.size != 1 or not float(d.scale.ravel()[0]) > 0:
-            return None
-        a = call.attrs
-        if a.layout != "NCHW" or (a.out_layout or "NCHW") != "NCHW":
-            return None
-        q = self.emit(relax.op.reshape(d.q, list(nhwc)))
-        pooled = self.emit(relax.op.nn.max_pool2d(q, pool_size=a.pool_size, strides=a.strides, padding=a.padding,
-                                                  dilation=a.dilation, ceil_mode=bool(a.ceil_mode), layout="NHWC"))
-        n, oh, ow, c = _shape(pooled)
-        q_flat = self.emit(relax.op.reshape(pooled, [n * oh * ow, c]))
-        out = relax.op.dequantize(q_flat, relax.const(d.scale.reshape(()).astype(np.float32)),
-                                  relax.const(d.zp.reshape(()).astype(_dtype(d.q))), axis=1)
-        return self.nchw(self.emit(out), (n, oh, ow, c))
+        out = self.emit(relax.op.reshape(pooled, [n * oh * ow, c]))
+        if d is not None:
+            out = self.emit(relax.op.dequantize(out, relax.const(d.scale.reshape(()).astype(np.float32)),
+                                                relax.const(d.zp.reshape(()).astype(_dtype(d.q))), axis=1))
+        return self.nchw(out, (n, oh, ow, c))
 
     def on_flat(self, call: relax.Call) -> relax.Expr | None:
         """An elementwise op (a residual add, its dequantize / quantize) whose tensor operands are all NCHW
@@ -367,9 +357,8 @@ class _IntegerCompute(PyExprMutator):
 
     def conv_output(self, e: relax.Expr) -> tuple[relax.Expr, tuple[int, ...] | None]:
         """``e`` as ``nchw(flat)`` (:meth:`nchw`): (flat, its NHWC shape); else (e, None)."""
-        outer = self.value(e)
-        if _op_name(outer) == "relax.permute_dims" and [int(i) for i in outer.attrs.axes] == [0, 3, 1, 2]:
-            reshaped = self.value(outer.args[0])
+        if self.is_nhwc_view(e):
+            reshaped = self.value(self.value(e).args[0])
             if _op_name(reshaped) == "relax.reshape" and len(_shape(reshaped) or ()) == 4:
                 return reshaped.args[0], _shape(reshaped)
         return e, None
