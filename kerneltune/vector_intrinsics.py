@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import tvm
 
+from kerneltune.targets.host import arch_of
+
 VECTORIZABLE = ("tirx.nearbyint",)
 
 
@@ -42,8 +44,6 @@ register()
 def rounding_conversion(spec) -> bool:
     """Whether ``llvm.lrint`` on vectors is one instruction for ``spec`` (a kerneltune ``TargetSpec``): LLVM
     code for x86 (``cvtps2dq``); elsewhere the requantization keeps ``round`` then a conversion."""
-    from kerneltune.targets.host import arch_of
-
     return spec.kind == "llvm" and arch_of(spec.triple) == "x86_64"
 
 
