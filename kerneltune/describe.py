@@ -8,7 +8,7 @@ from __future__ import annotations
 from tvm.sym.pattern import detect_linear_equation
 
 from .templates import conv_nchwc
-from .task import Task, root_blocks
+from .task import IMPLICIT_CONV, Task, root_blocks
 
 
 def _x(shape) -> str:
@@ -92,6 +92,9 @@ def describe(task: Task) -> str:
         if data is not None and geometry is not None:
             return _conv_line((data, weight, out), geometry, d["G"], 1 < d["G"] == d["C"] == d["F"], "NCHW -> NCHW")
         return f"conv {_x(data) if data else '?'} * {_x(weight)} (N,C,H,W * O,I,KH,KW) -> {_x(out)}, NCHW -> NCHW"
+    if task.kind == IMPLICIT_CONV:
+        return (f"conv {d['M']} pixels x {d['KH']}x{d['KW']}x{d['K']} * {d['KH']}x{d['KW']}x{d['K']}x{d['N']} "
+                f"(rows x KH,KW,C * KH,KW,C,O) -> {d['M']}x{d['N']}, NHWC -> NHWC, implicit GEMM")
     if task.kind in ("matmul", "batch_matmul"):
         stored = [s for s, t in (("A as KxM", d.get("ta")), ("B as NxK", d.get("tb"))) if t]
         batch = f"{d['B']} x " if "B" in d else ""

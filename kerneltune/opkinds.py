@@ -30,8 +30,9 @@ OP_KINDS: dict[str, OpKind] = {k.name: k for k in (
 )}
 KINDS = tuple(OP_KINDS)
 # Kinds only met in a model's fused kernels, as a layout of an op kind (no standalone --op of their own):
-# ``--kernels conv2d`` selects them too.  conv2d_nchwc: :mod:`kerneltune.templates.conv_nchwc`.
-VARIANTS: dict[str, str] = {"conv2d_nchwc": "conv2d"}
+# ``--kernels conv2d`` selects them too.  conv2d_nchwc: :mod:`kerneltune.templates.conv_nchwc`; conv2d_nhwc: an
+# int8 conv as an implicit GEMM (:mod:`kerneltune.templates.int8`).
+VARIANTS: dict[str, str] = {"conv2d_nchwc": "conv2d", "conv2d_nhwc": "conv2d"}
 
 
 def base_kind(kind: str) -> str:

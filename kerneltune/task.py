@@ -39,6 +39,10 @@ from kerneltune import vector_intrinsics  # noqa: F401 - marks ops TVM's vectori
 from kerneltune.opkinds import op_kind, parse_shape
 
 
+# An NHWC conv whose output pixels are one row axis, computed without an im2col copy (_classify_implicit_conv)
+IMPLICIT_CONV = "conv2d_nhwc"
+
+
 @dataclass(frozen=True)
 class Axis:
     """One iterator of the anchor block.
@@ -257,7 +261,8 @@ def classify_primfunc(name: str, func: tirx.PrimFunc) -> Task | None:
     if xv is not None and yv is not None and len(red_vars) == 1:
         info = _classify_matmul(xv, yv, out_vars, red_vars[0], ext)
     else:
-        info = _classify_conv(x, y, out_vars, red_vars, ext, len(anchor.body.indices))
+        info = (_classify_conv(x, y, out_vars, red_vars, ext, len(anchor.body.indices))
+                or _classify_implicit_conv(x, y, out_vars, red_vars, ext))
     if info is None:
         return None
     kind, roles, dims = info
@@ -325,6 +330,28 @@ def _classify_conv(x, y, out_vars, red_vars, ext, out_rank):
         dims = {"N": ext[nn], "C": cin, "F": ext[ff], "OH": ext[yy], "OW": ext[xx],
                 "KH": ext[ry], "KW": ext[rx], "G": groups}
         return "conv2d", roles, dims
+    return None
+
+
+def _classify_implicit_conv(x, y, out_vars, red_vars, ext):
+    """An NHWC conv with its output pixels as one row axis (``pipeline.passes.int8``'s implicit-GEMM conv):
+    ``out[p, f] += X[.., c] * W[ry, rx, c, f]``, the data's last index the bare input channel.  Its dims are the
+    matmul's (``M`` rows, ``K`` input channels per tap, ``N`` filters) plus the taps ``KH, KW``."""
+    if len(out_vars) != 2 or len(red_vars) != 3:
+        return None
+    rows, ff = out_vars
+    ry, rx, rc = red_vars
+    for data, weight in ((x, y), (y, x)):
+        if _pure_vars(weight) != [ry, rx, rc, ff] or len(weight.indices) != 4:
+            continue
+        last = data.indices[-1]
+        if not (isinstance(last, tirx.Var) and last.name == rc):
+            continue
+        if not set().union(*(_vars_in(i) for i in data.indices[:-1])) >= {rows, ry, rx}:
+            continue
+        roles = {rows: "i", ff: "j", ry: "ry", rx: "rx", rc: "k"}
+        dims = {"M": ext[rows], "K": ext[rc], "N": ext[ff], "KH": ext[ry], "KW": ext[rx]}
+        return IMPLICIT_CONV, roles, dims
     return None
 
 

@@ -31,7 +31,14 @@ POOL_VARIABLE = "OPTIMIZE_MODEL_POOL"
 POOLS = ("own", "native", "tvm")  # its values: the library's own launcher (the default; two names), TVM's pool
 
 CHUNKS_PER_THREAD = 4  # bench/contention.py: enough for the caller to absorb a stalled worker's share
-SPIN = 2000  # pause iterations a worker waits for the next loop before it sleeps (TVM_THREAD_POOL_SPIN_COUNT's role)
+# How long a worker spins for the next loop before it sleeps on the futex, in microseconds (it was 2000 pause
+# iterations: 26 us on an Intel Xeon Emerald Rapids, whose pause takes 13 ns, about 120 us where it takes
+# 60).  A loop that finds its worker asleep wakes it; in a VM that wake waits for the host to run the halted
+# vCPU, and the caller meanwhile claims every chunk itself.  With 26 us, int8 MobileNet-v2 (65 kernels of
+# 10-60 us) ran short bursts after idle seconds (graphopt.timing's blocks) at 4.1-4.6 ms instead of 2.0 on
+# one core's worth of CPU, after a few seconds of that pattern; 100 and 200 us kept 2.0 ms throughout
+# (same Xeon, 2 threads).  bench/contention.py kept its tails with 200 (docs/benchmarks.md).
+SPIN_US = 200
 
 
 def object_file(workdir: Path, compiler: str | None = None) -> Path | None:
@@ -59,7 +66,7 @@ def install(library: Path, threads: int) -> bool:
     lib = ctypes.CDLL(str(library))
     if not hasattr(lib, LAUNCH) or not hasattr(lib, TVM_POINTER):  # no launcher, or no kernel with a parallel loop
         return False
-    getattr(lib, CONFIG)(ctypes.c_int(threads), ctypes.c_int(CHUNKS_PER_THREAD), ctypes.c_int(SPIN))
+    getattr(lib, CONFIG)(ctypes.c_int(threads), ctypes.c_int(CHUNKS_PER_THREAD), ctypes.c_int(SPIN_US))
     pointer = ctypes.c_void_p.in_dll(lib, TVM_POINTER)
     pointer.value = ctypes.cast(getattr(lib, LAUNCH), ctypes.c_void_p).value
     return True

@@ -41,7 +41,7 @@ from kerneltune.templates.cpu import vector_padding, weight_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.passes.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
-from pipeline.passes.int8 import integer_compute
+from pipeline.passes.int8 import Lowering, integer_compute
 from pipeline.passes.provenance import tag_normalized, tagged_import
 from pipeline.passes.sink_slices import MIN_KEPT, sink_padding_slices
 from pipeline.symbolic import Served, bound, symbolic_model
@@ -74,11 +74,11 @@ class ImportedModel:
 
 
 def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: str | None = None,
-             rounding_conversion: bool = False) -> tvm.IRModule:
+             int8: Lowering = Lowering()) -> tvm.IRModule:
     """Convert with the input shapes the graph IR fixed (``symbolic``: with the shapes ``model`` declares, its
     named dimensions kept as TIR variables); unsupported operators become a UserError (``fix``: what it says
-    the user can do about a rejected model, instead of the general advice).  ``rounding_conversion``: the
-    int8 requantizations round in their conversion (:func:`pipeline.passes.int8.integer_compute`)."""
+    the user can do about a rejected model, instead of the general advice).  ``int8``: what the target's int8
+    kernels can use (:func:`pipeline.passes.int8.lowering_for`)."""
     from tvm.relax.frontend.onnx import from_onnx
 
     shapes = None if symbolic else {i.name: [int(d) for d in i.shape] for i in graph.inputs  # type: ignore[union-attr]
@@ -110,7 +110,7 @@ def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: 
     # constants computed in the graph (an unrolled GRU's weights: a transpose of a Gather of an initializer)
     # become constants first, so that the rewrites see them (the weight padding)
     # before folding: the int8 weights are still int8 (pipeline.passes.int8)
-    mod = integer_compute(mod, rounding_conversion)
+    mod = integer_compute(mod, int8)
     with quiet_native_stderr():
         mod = fold_constants(mod)
     return sink_padding_slices(import_rewrites(mod))
@@ -296,11 +296,10 @@ def import_rewrites(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def import_model(source: str | os.PathLike | onnx.ModelProto, input_shapes: InputShapes | None = None,
-                 served: Served | None = None, rounding_conversion: bool = False) -> ImportedModel:
+                 served: Served | None = None, int8: Lowering = Lowering()) -> ImportedModel:
     """Load, validate and convert an ONNX model (path or proto) with static input shapes; with ``served``, the
     dimensions it names stay symbolic in the Relax module (bounded by their ranges: :mod:`pipeline.symbolic`)
-    and the graph IR is the model at the representative sizes (``input_shapes``).  ``rounding_conversion``: as
-    :func:`to_relax`'s (:func:`kerneltune.vector_intrinsics.rounding_conversion` of the target built for)."""
+    and the graph IR is the model at the representative sizes (``input_shapes``).  ``int8``: as :func:`to_relax`'s."""
     model = source if isinstance(source, onnx.ModelProto) else load_model(source)
     graph = import_onnx(model, input_shapes, require_static=True)
     legal = legalize_for_tvm(graph)
@@ -315,7 +314,7 @@ def import_model(source: str | os.PathLike | onnx.ModelProto, input_shapes: Inpu
         name, size = next(iter(served.at.items()))
         fix = (f"it cannot keep {', '.join(served.ranges)} symbolic in this model: build for one size, e.g. "
                f"--dim {name}={size}")
-        relax_mod = to_relax(symbolic, graph, symbolic=True, fix=fix, rounding_conversion=rounding_conversion)
+        relax_mod = to_relax(symbolic, graph, symbolic=True, fix=fix, int8=int8)
         return ImportedModel(fixed, graph, bound(relax_mod, served), symbolic)
     if input_shapes:
         # from_onnx reads shapes from shape_dict, but keep the proto consistent for onnxruntime as well.
@@ -324,5 +323,5 @@ def import_model(source: str | os.PathLike | onnx.ModelProto, input_shapes: Inpu
     # onnxruntime keeps running the model as given (its own LSTM kernel is the reference and the baseline);
     # TVM converts the legalized graph.
     frontend_model = export_onnx(legal.graph) if legal.changed else model
-    relax_mod = to_relax(frontend_model, legal.graph, rounding_conversion=rounding_conversion)
+    relax_mod = to_relax(frontend_model, legal.graph, int8=int8)
     return ImportedModel(model, legal.graph, relax_mod, frontend_model)

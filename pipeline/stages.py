@@ -33,7 +33,6 @@ from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 from graphopt.stage import GraphStageOptions, optimize_graph
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.registry import TargetSpec
-from kerneltune.vector_intrinsics import rounding_conversion
 from pipeline.compile import CompiledModel, compile_partition
 from pipeline.context import BuildContext
 from pipeline.frontend import legalize_for_tvm
@@ -42,6 +41,7 @@ from pipeline.layout.search import partition_model
 from pipeline.partition import Partition, partition
 from pipeline.relax_import import ImportedModel, import_model
 from pipeline.symbolic import Served
+from pipeline.passes.int8 import lowering_for
 from pipeline.passes.value_guard import add_value_guards
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def lower(model: onnx.ModelProto | str, spec: TargetSpec, layout: str | None,
     symbolic over their ranges (:mod:`pipeline.symbolic`); the layout stage, whose blocked convs are per
     size, is not run then."""
     t0 = time.perf_counter()
-    imported = import_model(model, input_shapes, served, rounding_conversion(spec))
+    imported = import_model(model, input_shapes, served, lowering_for(spec))
     if built_values:
         imported.mod = add_value_guards(imported.mod, built_values)
     t1 = time.perf_counter()

@@ -21,6 +21,7 @@ from graphopt.feeds import feed_sets, run_ort_sets  # noqa: E402
 from graphopt.quant_tolerance import model_tolerance  # noqa: E402
 from kerneltune.targets.host import llvm_target  # noqa: E402
 from models.builder import GraphBuilder  # noqa: E402
+from pipeline.passes.int8 import Lowering  # noqa: E402
 from pipeline.relax_import import import_model  # noqa: E402
 
 
@@ -99,6 +100,11 @@ def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_pa
     assert len(layouts) == 1 and str(layouts[0].attrs["optimize_model.scheduled_by"]) == "int8 input layout"
     assert [a for name, a in ops if name == "relax.matmul"] == [("uint8", "int8")] * 3
     assert not any(name == "relax.dequantize" and a[0] == "int8" for name, a in ops)  # weights stay int8
+    # where the target has a dot-product instruction the dense convs read their input in place: no patches
+    implicit = import_model(model, int8=Lowering(implicit_conv=True)).mod
+    names = [gv.name_hint for gv, f in implicit.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert sum(n.startswith("conv2d_nhwc") for n in names) == 2 and not any(n.startswith("patches") for n in names)
+    assert [a for name, a in _ops(implicit) if name == "relax.matmul"] == [("uint8", "int8")]  # the classifier
     facts = _built_check(model, tmp_path)
     assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6
 
@@ -150,54 +156,86 @@ def test_quantized_tolerance_takes_one_step_and_refuses_a_zero_point_error(tmp_p
     assert model_tolerance(conv_net(), sets, run_ort_sets(conv_net(), sets)) is None  # fp32: dtype table
 
 
+def _fused_int8_task(product):
+    """The one fused kernel of ``product(bb, x) -> int32`` with a float epilogue, as the pipeline fuses it, as a
+    task."""
+    from kerneltune.task import classify_primfunc
+
+    bb = relax.BlockBuilder()
+    x, emit = product
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            acc = emit(bb, x)
+            out = bb.emit_output(relax.op.multiply(relax.op.astype(acc, "float32"), relax.const(np.float32(0.5))))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod)))
+    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)  # the weight: packed at build time
+    funcs = [(gv.name_hint, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(funcs) == 1  # the epilogue fused into the product
+    return classify_primfunc(*funcs[0])
+
+
+def _matmul(m=8, k=64, n=48):
+    def emit(bb, a):
+        w = relax.const(np.random.default_rng(0).integers(-128, 128, (k, n)).astype(np.int8))
+        return bb.emit(relax.op.matmul(a, w, out_dtype="int32"))
+    return relax.Var("a", relax.TensorType([m, k], "uint8")), emit
+
+
+def _implicit_conv(stride=2, h=9, c=8, o=48):
+    """The int8 pass's NHWC conv read in place (3x3, ``stride``, input padded already), as it emits it."""
+    from pipeline.passes.int8 import OUT_ELEMWISE_FUSABLE, _implicit_conv as conv
+
+    oh = (h - 3) // stride + 1
+
+    def emit(bb, xt):
+        w = relax.const(np.random.default_rng(0).integers(-128, 128, (3, 3, c, o)).astype(np.int8))
+        acc = bb.emit_te(conv, xt, w, (stride, stride), oh, oh, primfunc_name_hint="conv2d_nhwc")
+        gv = bb.lookup_binding(acc).args[0]
+        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OUT_ELEMWISE_FUSABLE))
+        return acc
+    return relax.Var("x", relax.TensorType([1, h, h, c], "uint8")), emit
+
+
 @pytest.mark.parametrize("mcpu, instruction", [("native", None), ("sapphirerapids", "VNNI_512"),
                                                ("x86-64-v3+avxvnni", "VNNI_256"), ("skylake-avx512", "MADD_512"),
                                                ("x86-64-v3", "MADD_256")])
-def test_int8_template_schedules_u8_s8_matmuls_with_each_instruction_exactly(mcpu, instruction):
+def test_int8_template_schedules_u8_s8_products_with_each_instruction_exactly(mcpu, instruction):
     """Every instruction family (VNNI 512 / 256, exact 16-bit multiply-adds on AVX-512BW / AVX2) computes the
-    reference's int32 sums bit for bit, at the default config and at sampled ones."""
+    reference's int32 sums bit for bit, at the default config and at sampled ones: a matmul and an implicit-GEMM
+    conv (stride 2, its taps reduction loops around the channels)."""
     import random
 
     from kerneltune.prepack import pack_inputs, strip
     from kerneltune.targets.host import missing_cpu_features
-    from kerneltune.task import build_func, classify_primfunc, run_func
-    from kerneltune.templates import apply, default_config, int8, int8_intrin, space_for
+    from kerneltune.task import IMPLICIT_CONV, build_func, run_func
+    from kerneltune.templates import apply, default_config, int8, int8_intrin, space_for, task_for
 
     cpu, _, extra = mcpu.partition("+")
     target = llvm_target() if mcpu == "native" else tvm.target.Target(
         {"kind": "llvm", "mcpu": cpu, **({"mattr": [f"+{extra}"]} if extra else {})})
     if missing_cpu_features(target):
         pytest.skip(f"this CPU cannot run -mcpu={mcpu} code (lacks {missing_cpu_features(target)})")
-    m, k, n = 8, 64, 48
-    bb = relax.BlockBuilder()
-    a = relax.Var("a", relax.TensorType([m, k], "uint8"))
-    with bb.function("main", [a]):
-        with bb.dataflow():
-            w = relax.const(np.random.default_rng(0).integers(-128, 128, (k, n)).astype(np.int8))
-            acc = bb.emit(relax.op.matmul(a, w, out_dtype="int32"))
-            out = bb.emit_output(relax.op.multiply(relax.op.astype(acc, "float32"), relax.const(np.float32(0.5))))
-        bb.emit_func_output(out)
-    mod = relax.transform.LegalizeOps()(bb.get())
-    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod)))
-    mod = relax.transform.AttachAttrLayoutFreeBuffers()(mod)  # the weight: packed at build time
-    name, func = next((gv.name_hint, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
-    task = classify_primfunc(name, func)
-    assert task is not None and int8.applies(task, target)
     if instruction is not None:
         assert int8_intrin.instruction_for(target) == getattr(int8_intrin, instruction)
     if instruction == "VNNI_512":  # 24 columns (MobileNet-v2's): the 8-lane VL form, not the generic path
         assert int8_intrin.instruction_for(target, 24) == int8_intrin.VNNI_256
-    # full-range operands: the 16-bit path must not saturate where vpmaddubsw would (255 x 127 x 2 > 32767)
-    inputs = task.make_inputs(0)
-    if instruction == "MADD_256":
-        inputs[0] = np.full((m, k), 255, np.uint8)
-        inputs[1] = np.where(np.arange(k * n).reshape(k, n) % 3, 127, -128).astype(np.int8)
-    want = task.reference(inputs)
-    space, rng = space_for(task, target), random.Random(1)
-    for config in [default_config(task, target)] + [space.sample(rng) for _ in range(3)]:
-        kernel, packings = strip(apply(task, config, target))
-        got = run_func(build_func(kernel, target), task, pack_inputs(inputs, packings), tvm.cpu())
-        np.testing.assert_array_equal(got[0], want[0])
+    for product, kind, samples in ((_matmul(), "matmul", 3), (_implicit_conv(), IMPLICIT_CONV, 2)):
+        task = _fused_int8_task(product)
+        assert task is not None and task.kind == kind and int8.applies(task, target)
+        assert task_for(task.name, task.func) is not None  # the pipeline takes it as a task on any host
+        # full-range operands: the 16-bit path must not saturate where vpmaddubsw would (255 x 127 x 2 > 32767)
+        inputs = task.make_inputs(0)
+        if instruction == "MADD_256":
+            inputs[0] = np.full(inputs[0].shape, 255, np.uint8)
+            inputs[1] = np.where(np.arange(inputs[1].size).reshape(inputs[1].shape) % 3, 127, -128).astype(np.int8)
+        want = task.reference(inputs)
+        space, rng = space_for(task, target), random.Random(1)
+        for config in [default_config(task, target)] + [space.sample(rng) for _ in range(samples)]:
+            kernel, packings = strip(apply(task, config, target))
+            got = run_func(build_func(kernel, target), task, pack_inputs(inputs, packings), tvm.cpu())
+            np.testing.assert_array_equal(got[0], want[0])
 
 
 def test_quantize_rounds_half_to_even_as_onnx_does():
@@ -254,7 +292,7 @@ def test_requantization_rounds_ties_to_even_with_an_odd_zero_point(rounding_conv
     x = np.random.default_rng(5).integers(0, 130, (32, 4)).astype(np.float32)
     x[:, 0] += (x.sum(axis=1) % 2 == 0)  # odd row sums: acc * 0.5 is a tie in every row; sums past 510 clip
     (ref,) = run_ort_sets(model, [{"x": x}], 1)[0]
-    imported = import_model(model, rounding_conversion=rounding_conversion)
+    imported = import_model(model, int8=Lowering(rounding_conversion=rounding_conversion))
     llvm = parse_target("llvm", 1)
     compiled = compile_partition(imported, partition(imported.mod), llvm)
     (got,) = run(compiled.vm(), to_device({"x": x}, compiled.input_names, device_for(llvm)))

@@ -16,8 +16,8 @@ API used by the searchers, the measurer and the pipeline:
 
 Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets.registry` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
-(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; u8 x s8 matmuls by a weight on an
-x86 CPU (VNNI, or exact 16-bit multiply-adds on AVX2) -> :mod:`.int8`.  For CPU code use
+(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; u8 x s8 matmuls and implicit-GEMM
+NHWC convs by a weight on an x86 CPU (VNNI, or exact 16-bit multiply-adds on AVX2) -> :mod:`.int8`.  For CPU code use
 :func:`kerneltune.targets.host.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tvm
 from tvm import s_tir
 
 from ..space import SearchSpace
-from ..task import Task, classify_primfunc
+from ..task import IMPLICIT_CONV, Task, classify_primfunc
 from ..targets.registry import kind_of
 from . import conv_nchwc, cpu, cpu_nchwc, gpu, int8
 from .common import InvalidConfig
@@ -90,7 +90,9 @@ def task_for(name: str, func: tvm.tirx.PrimFunc) -> Task | None:
     task = conv_nchwc.classify(name, func) or classify_primfunc(name, func)
     if task is None:
         return None
-    target = tvm.target.Target({"kind": "llvm"})
+    # an implicit-GEMM conv exists only where the int8 pass found a dot-product instruction: checked with the
+    # least of them (AVX2's); every other task with the plain CPU template
+    target = int8.LEAST_TARGET if task.kind == IMPLICIT_CONV else tvm.target.Target({"kind": "llvm"})
     template = _template(task, target)
     try:
         template.schedule(task, template.default_config(task, target), target)

@@ -1,8 +1,10 @@
-"""CPU template for u8 x s8 -> s32 matmuls by a constant weight: a dot-product instruction as the inner loop.
+"""CPU template for u8 x s8 -> s32 products by a constant weight: a dot-product instruction as the inner loop.
 
 Which tasks: a matmul (or batch-1 matmul: leading extent-1 axes) whose anchor accumulates
-``int32(A[.., k]) * int32(B[k, j])`` with A uint8 and B an int8 model weight (:mod:`pipeline.passes.int8` puts every
-quantized product of a model in this form), on an x86 CPU: the instruction is the best the target has
+``int32(A[.., k]) * int32(B[k, j])``, or an implicit-GEMM NHWC conv (kind ``conv2d_nhwc``:
+``out[p, j] += X[pixel(p) + tap(ry, rx), k] * W[ry, rx, k, j]``, the taps two more reduction loops around ``k``),
+with A uint8 and B an int8 model weight (:mod:`pipeline.passes.int8` puts every quantized product of a model in
+this form), on an x86 CPU: the instruction is the best the target has
 (:func:`~kerneltune.templates.int8_intrin.instruction_for`: AVX-512 VNNI's ``vpdpbusd``, 16 lanes x 4
 bytes; AVX-VNNI's, 8 x 4; exact 16-bit multiply-adds, 16 x 2 on AVX-512BW and 8 x 2 on AVX2).  Other int8
 products take the generic template (:mod:`.cpu`): widened int32 multiply-adds, correct, about 3x slower.
@@ -11,15 +13,18 @@ Loop nest (rows = every spatial axis but the last, fused; ``j`` the columns; ``k
 
     parallel(rows_o, j_o)                 # output tiles over the cores
       j_1                                 # <- write-back (the dequantize / requantize epilogue) here
+        [ry, rx]                          # a conv's taps (implicit GEMM: A read in place, no im2col copy)
         k_o                               # k-block: the B panel (kb x nv x lanes x depth bytes) in L1
           k_i                             #   groups of ``depth``
             rows_r (unrolled)             # register tile: mr rows x nv vectors of int32 accumulators
               j_v (unrolled)
                 [lanes x depth]           # tensorized: one instruction (:mod:`.int8_intrin`)
 
-B is pre-packed at build time as ``[N/lanes, K/depth, lanes, depth]`` (each instruction's bytes contiguous),
-with the same layout-rewrite mechanism as the fp32 template's panels (:mod:`kerneltune.prepack`).  A is read
-in place: its ``depth`` bytes of ``k`` are contiguous in a row.
+B is pre-packed at build time as ``[N/lanes, (KH, KW,) K/depth, lanes, depth]`` (each instruction's bytes
+contiguous), with the same layout-rewrite mechanism as the fp32 template's panels (:mod:`kerneltune.prepack`).
+A is read in place: its ``depth`` bytes of ``k`` are contiguous in a row (a conv's: in a pixel's channels).
+The conv's rows are one fused iterator in the compute itself: fusing ``y`` and ``x`` with a schedule primitive
+leaves bindings that ``tensorize`` cannot blockize.
 
 Knobs: ``tile_rows`` (outer, register rows), ``tile_j`` (outer, write-back tile, vectors in the register
 tile; in units of ``lanes`` columns), ``tile_k`` (k-blocks, groups of ``depth`` per block).  Defaults from
@@ -33,7 +38,7 @@ from tvm import s_tir, tirx
 
 from ..prepack import PREPROC
 from ..space import FactorKnob, SearchSpace
-from ..task import Task, mac_operands, root_blocks, symbolic_axes
+from ..task import IMPLICIT_CONV, Task, mac_operands, root_blocks, symbolic_axes
 from ..targets.host import vector_registers
 from .common import InvalidConfig, check_config, prepare
 from .int8_intrin import Instruction, instruction_for
@@ -41,11 +46,15 @@ from .int8_intrin import Instruction, instruction_for
 # The smallest L1d of the x86 CPUs with VNNI (Ice Lake client): a target's space must not depend on the
 # machine that compiles it; the default k-block keeps the B panel in an eighth of it (default_config)
 L1_BYTES = 32 * 1024
+KINDS = ("matmul", "batch_matmul", IMPLICIT_CONV)
+# the least x86 target with a dot-product instruction (AVX2's 16-bit multiply-adds): a kind only this template
+# schedules (IMPLICIT_CONV) is checked against it (kerneltune.templates.task_for)
+LEAST_TARGET = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "x86-64-v3"})
 
 
 def applies(task: Task, target: tvm.target.Target) -> bool:
     """Whether this template schedules ``task`` on ``target`` (module docstring)."""
-    if task.kind not in ("matmul", "batch_matmul") or task.dtype != "int32" or task.dims.get("B", 1) != 1:
+    if task.kind not in KINDS or task.dtype != "int32" or task.dims.get("B", 1) != 1:
         return False
     if task.dims.get("ta") or task.dims.get("tb"):
         return False
@@ -142,15 +151,23 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
         raise InvalidConfig(f"{task.name}: a producer of the int8 product cannot be inlined")
     sch, anchor, writeback = p.sch, p.anchor, p.writeback
     packed = sch.cache_read(anchor, _b_index(sch, anchor, task), "global")
-    sch.transform_layout(packed, ("write", 0), lambda kk, j: (j // lanes, kk // depth, j % lanes, kk % depth))
+    if task.kind == IMPLICIT_CONV:
+        sch.transform_layout(packed, ("write", 0),
+                             lambda r, s, kk, j: (j // lanes, r, s, kk // depth, j % lanes, kk % depth))
+    else:
+        sch.transform_layout(packed, ("write", 0), lambda kk, j: (j // lanes, kk // depth, j % lanes, kk % depth))
     sch.annotate(packed, PREPROC, True)
     loops = sch.get_loops(anchor)
-    *row_loops, j, kk = loops
+    if task.kind == IMPLICIT_CONV:
+        row_loops, j, taps, kk = loops[:1], loops[1], loops[2:4], loops[4]
+    else:
+        *row_loops, j, kk = loops
+        taps = []
     rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
     r0, r1 = sch.split(rows, [None if symbolic else rows_o, mr])
     j0, j1, j2, j3 = sch.split(j, [j_o, j_1, nv, lanes])
     k0, k1, k2 = sch.split(kk, [k_o, kb, depth])
-    sch.reorder(r0, j0, j1, k0, k1, r1, j2, j3, k2)
+    sch.reorder(r0, j0, j1, *taps, k0, k1, r1, j2, j3, k2)
     outer = sch.fuse(r0, j0)
     sch.parallel(outer)
     sch.reverse_compute_at(writeback, j1)
@@ -159,7 +176,7 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     if int(inner) % lanes == 0:
         lo, li = sch.split(wb_loops[-1], [None, lanes])
         sch.vectorize(li)
-    sch.decompose_reduction(anchor, k0)
+    sch.decompose_reduction(anchor, taps[0] if taps else k0)
     sch.unroll(r1)
     sch.unroll(j2)
     try:

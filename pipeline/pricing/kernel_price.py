@@ -41,9 +41,9 @@ from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
 from kerneltune.targets.threads import tvm_num_threads
 from kerneltune.task import build_func
-from kerneltune.vector_intrinsics import rounding_conversion
 from pipeline.compile import schedule
 from pipeline.partition import Partition, partition
+from pipeline.passes.int8 import lowering_for
 from pipeline.relax_import import import_model, to_relax
 
 VERSION = 2  # part of every cached key: bump it when kernels or timing change what a price means
@@ -114,9 +114,9 @@ class KernelPricer:
 
     def _kernels(self, model: onnx.ModelProto, graph: Graph | None) -> list[tuple[str, str, int, object]]:
         """(key, name, calls, scheduled PrimFunc) of each distinct fused kernel of the model."""
-        rounding = rounding_conversion(self.spec)  # as the build imports it (pipeline.stages.lower)
-        part = self.partition_fn(import_model(model, rounding_conversion=rounding).mod if graph is None
-                                 else to_relax(model, graph, rounding_conversion=rounding))
+        int8 = lowering_for(self.spec)  # as the build imports it (pipeline.stages.lower)
+        part = self.partition_fn(import_model(model, int8=int8).mod if graph is None
+                                 else to_relax(model, graph, int8=int8))
         scheduled, _ = schedule(part, self.spec)
         out = []
         for task in part.tasks:
