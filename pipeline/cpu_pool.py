@@ -31,13 +31,15 @@ POOL_VARIABLE = "OPTIMIZE_MODEL_POOL"
 POOLS = ("own", "native", "tvm")  # its values: the library's own launcher (the default; two names), TVM's pool
 
 CHUNKS_PER_THREAD = 4  # bench/contention.py: enough for the caller to absorb a stalled worker's share
-# How long a worker spins for the next loop before it sleeps on the futex, in microseconds (it was 2000 pause
-# iterations: 26 us on an Intel Xeon Emerald Rapids, whose pause takes 13 ns, about 120 us where it takes
-# 60).  A loop that finds its worker asleep wakes it; in a VM that wake waits for the host to run the halted
-# vCPU, and the caller meanwhile claims every chunk itself.  With 26 us, int8 MobileNet-v2 (65 kernels of
-# 10-60 us) ran short bursts after idle seconds (graphopt.timing's blocks) at 4.1-4.6 ms instead of 2.0 on
-# one core's worth of CPU, after a few seconds of that pattern; 100 and 200 us kept 2.0 ms throughout
-# (same Xeon, 2 threads).  bench/contention.py kept its tails with 200 (docs/benchmarks.md).
+# How long a worker spins for the next loop before it sleeps on the futex, in microseconds.  It was 2000
+# pause iterations, whose length depends on the CPU: 26 us on an Intel Xeon Emerald Rapids, whose pause
+# takes 13 ns (measured), several times that where a pause takes the ~140 cycles Intel's optimization manual
+# gives for Skylake server cores.  A loop that finds its worker asleep wakes it; in a VM that wake waits for
+# the host to run the halted vCPU, and the caller meanwhile claims every chunk itself.  With 26 us, int8
+# MobileNet-v2 (65 kernels of 10-60 us) run in short bursts after idle seconds (graphopt.timing's blocks) fell
+# after a few seconds of that pattern to 4.1-4.6 ms instead of 2.0, on one core's worth of CPU; 100 and
+# 200 us kept 2.0 ms throughout (same Xeon, 2 threads).  bench/contention.py kept its tails below
+# onnxruntime's with 200 (docs/benchmarks.md).
 SPIN_US = 200
 
 

@@ -107,7 +107,7 @@ static void* worker(void* arg) {
     uint32_t gen;
     int spins = 0;
     int64_t until = 0;
-    /* spin for a time, not a count: a pause takes 13 ns on one Xeon and 60 on another (see cpu_pool.SPIN_US) */
+    /* spin for a time, not a count: how long a pause takes differs between CPUs (pipeline/cpu_pool.py SPIN_US) */
     while ((gen = atomic_load_explicit(&g_generation, memory_order_acquire)) == seen) {
       if (++spins % 64 != 0) {
         cpu_relax();

@@ -21,9 +21,10 @@ Everything after the product is elementwise, so Relax's fusion puts it into the 
 epilogue; the ``dequantize`` of the next layer's input disappears, so u8 activations stay u8 between
 layers.  Convs run in NHWC, as onnxruntime's do: a dense conv is a matmul of its u8 patches by the weight,
 read in place (an implicit GEMM: the taps are reduction loops) where the target has a dot-product
-instruction, else copied first (im2col); a depthwise conv is a vector of channels per output pixel; their results stay NHWC through residual
-adds, pools and the spatial mean (each seen as an NCHW view of the flat result), so no layout copy sits
-between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in vector lanes first.
+instruction, else copied first (im2col); a depthwise conv is a vector of channels per output pixel; their
+results stay NHWC through residual adds, pools and the spatial mean (each seen as an NCHW view of the flat
+result), so no layout copy sits between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in
+vector lanes first.
 
 Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
 scale, a non-constant weight) keep the importer's form, which is correct, only slower.
@@ -277,9 +278,10 @@ class _IntegerCompute(PyExprMutator):
 
     def quantized_conv(self, call: relax.Call) -> relax.Expr | None:
         """``conv2d(dequantize(x), dequantize(W))`` -> the integer product times ``xs ws``.  A dense conv
-        (groups 1) becomes a matmul of the input's patches (NHWC, ``[N OH OW, KH KW C]``, u8: one byte per
-        element copied) by the weight ``[KH KW C, O]``: the form the VNNI template computes
-        (:mod:`kerneltune.templates.int8`), as onnxruntime's QLinearConv does (im2col + its int8 GEMM).  The
+        (groups 1) becomes a matmul of the input's patches (NHWC, ``[N OH OW, KH KW C]``, u8) by the weight
+        ``[KH KW C, O]``: the form the VNNI template computes (:mod:`kerneltune.templates.int8`), the patches
+        read in place (:func:`_implicit_conv`) or, without a dot-product instruction, copied first as
+        onnxruntime's QLinearConv does (im2col + its int8 GEMM).  The
         result goes back to NCHW after the epilogue, in u8 where a quantize follows; the next conv reads
         that u8 in NHWC without the round trip.  Grouped and dilated convs stay convs, in int32."""
         a = call.attrs
@@ -334,22 +336,22 @@ class _IntegerCompute(PyExprMutator):
             self.builder_.update_func(gv, _scheduled_nhwc_padded(self.builder_.get()[gv]))
         w2 = np.ascontiguousarray(weight.transpose(2, 3, 1, 0).reshape(kh * kw * c4, o))  # rows (r, s, c)
         if (kh, kw, sh, sw) == (1, 1, 1, 1):
-            flat = self.emit(relax.op.reshape(xt, [n * oh * ow, c4]))
+            acc = self.integer_product(self.emit(relax.op.reshape(xt, [n * oh * ow, c4])), np.array(xz, np.int32),
+                                       w2, np.zeros(1, np.int32))
         elif self.lowering.implicit_conv and o % IMPLICIT_COLUMNS == 0:
             acc = self.builder_.emit_te(_implicit_conv, xt, relax.const(w2.reshape(kh, kw, c4, o)), (sh, sw), oh, ow,
                                         primfunc_name_hint="conv2d_nhwc")
             gv = self.value(acc).args[0]  # a product: its epilogue fuses into it (FuseOps' kOutEWiseFusable)
             self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", OUT_ELEMWISE_FUSABLE))
-            correction = xz * w2.astype(np.int32).sum(axis=0)
+            correction = xz * w2.astype(np.int32).sum(axis=0)  # (x - xz) w: the input's zero point per filter
             if np.any(correction != 0):
                 acc = self.emit(relax.op.subtract(acc, relax.const(correction.astype(np.int32))))
-            return self.nchw(self.emit(self.scaled(acc, scale)), (n, oh, ow, o))
         else:
-            flat = self.builder_.emit_te(_patches, xt, kh, kw, sh, sw, oh, ow, primfunc_name_hint="patches")
-            gv = self.value(flat).args[0]
+            patches = self.builder_.emit_te(_patches, xt, kh, kw, sh, sw, oh, ow, primfunc_name_hint="patches")
+            gv = self.value(patches).args[0]
             self.builder_.update_func(gv, _scheduled_patches(self.builder_.get()[gv]))
-            flat = self.emit(relax.op.reshape(flat, [n * oh * ow, kh * kw * c4]))
-        acc = self.integer_product(flat, np.array(xz, np.int32), w2, np.zeros(1, np.int32))
+            flat = self.emit(relax.op.reshape(patches, [n * oh * ow, kh * kw * c4]))
+            acc = self.integer_product(flat, np.array(xz, np.int32), w2, np.zeros(1, np.int32))
         return self.nchw(self.emit(self.scaled(acc, scale)), (n, oh, ow, o))
 
     def depthwise(self, xq: relax.Expr, xz: int, weight: np.ndarray, scale: np.ndarray, a) -> relax.Expr:
@@ -606,8 +608,8 @@ def _patches(x: te.Tensor, kh: int, kw: int, sh: int, sw: int, oh: int, ow: int)
 def _implicit_conv(x: te.Tensor, w: te.Tensor, strides: tuple[int, int], oh: int, ow: int) -> te.Tensor:
     """A dense conv of an NHWC u8 tensor (padded already) by ``w`` ``[KH, KW, C, O]`` (s8), in int32, as
     ``[N OH OW, O]``: ``out[p, o] = sum_{r, s, c} x[n, y sh + r, x sw + s, c] w[r, s, c, o]`` with ``(n, y, x)``
-    the pixel ``p``.  The patches matrix is read in place: no im2col copy (ResNet-50's 3x3 convs' copies and
-    their pads were 0.55 + 0.13 ms of 9.6).  The pixels are one iterator here, not ``y`` and ``x`` fused by a
+    the pixel ``p``.  The patches matrix is read in place: no im2col copy (ResNet-50's int8 3x3 convs' copies
+    took 0.55 ms of 9.6).  The pixels are one iterator here, not ``y`` and ``x`` fused by a
     schedule, whose bindings ``tensorize`` cannot blockize (:mod:`kerneltune.templates.int8`)."""
     n, c = x.shape[0], x.shape[3]
     kh, kw, _, o = (int(d) for d in w.shape)
