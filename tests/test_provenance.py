@@ -80,6 +80,8 @@ def test_int8_kernels_name_the_conv_they_compute(tmp_path):
     model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
     sites = _lowered(model, None).part.sites
     anchors = {n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm")}
-    products = [s.nodes for s in sites if "matmul" in s.kernel]  # the u8 x s8 products and their epilogues
+    # the u8 x s8 products and their epilogues: dense convs as implicit GEMMs where the host has a dot-product
+    # instruction (else as matmuls of their patches), the classifier as a matmul
+    products = [s.nodes for s in sites if "matmul" in s.kernel or "conv2d_nhwc" in s.kernel]
     assert len(products) == 3 and all(nodes[0] in anchors for nodes in products)
     assert anchors <= {n for s in sites for n in s.nodes}  # the depthwise conv has a kernel of its own
