@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import Expr, TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -217,6 +218,16 @@ class ParallelFallback(CPUScheduleRule):
         return sch
 
 
+def _whole_vectors(column, lanes: int) -> bool:
+    """Whether a reduced column of extent ``column`` splits into at least two whole vectors of ``lanes``; a
+    symbolic one (a build serving a range: :func:`pipeline.passes.lane_softmax.split_softmax`'s body,
+    ``n // 16 * 16``) when TVM proves it a multiple of ``lanes`` (it may be empty: its reduction's reader then
+    takes the empty value, as that softmax does)."""
+    if isinstance(column, int):
+        return column >= 2 * lanes and column % lanes == 0
+    return tvm.sym.Analyzer().can_prove(tirx.floormod(column, lanes) == 0)
+
+
 class RowReduction(CPUScheduleRule):
     """Reductions along the last axis with their elementwise neighbours (softmax, layer norm, RMS norm): one
     parallel loop over the rows, every block of a row computed inside it, each reduction split into vector
@@ -258,7 +269,7 @@ class RowReduction(CPUScheduleRule):
         partial = []
         for info, kind in zip(infos, kinds):
             column = get_extent(sch, sch.get_loops(info.block_rv)[-1])
-            if kind.endswith("R") and isinstance(column, int) and column >= 2 * lanes and column % lanes == 0:
+            if kind.endswith("R") and _whole_vectors(column, lanes):
                 _, lane = sch.split(sch.get_loops(info.block_rv)[-1], factors=[None, lanes])
                 # the lanes last in the partial-result buffer (-1: after every axis the reduced buffer has, unit ones
                 # included), so each vector of partial results is one contiguous load and store

@@ -65,7 +65,7 @@ def served_build(tmp_path_factory):
     return path, folder / "built", model
 
 
-@pytest.mark.parametrize("length", [2, 17, 29, 40])
+@pytest.mark.parametrize("length", [2, 17, 29, 32, 40])
 def test_one_build_matches_onnxruntime_at_sizes_never_named(served_build, length):
     path, _, model = served_build
     x = np.random.default_rng(length).standard_normal((1, length, HIDDEN)).astype(np.float32)
@@ -73,6 +73,39 @@ def test_one_build_matches_onnxruntime_at_sizes_never_named(served_build, length
     got = model.run({"x": x})["y"]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_softmax_over_a_symbolic_row_reduces_in_vectors_and_is_exact_at_every_length(tmp_path):
+    """A softmax whose row is the served length is cut at ``n // 16 * 16`` (pipeline.passes.lane_softmax): the
+    body's max and sum reduce in 16-lane partials (``_rf`` blocks) at every length, and a length with no body
+    (< 16) or no tail (a multiple of 16), whose empty reduction never initializes, is still exact, on two
+    threads."""
+    import pipeline
+    from pipeline.chain import ChainRequest, Until, run_chain
+    from pipeline.compile import schedule
+    from pipeline.context import BuildContext
+
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "softmax",
+                              [vi("x", TensorProto.FLOAT, [1, 4, "sequence", "sequence"])],
+                              [vi("y", TensorProto.FLOAT, [1, 4, "sequence", "sequence"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path = tmp_path / "softmax.onnx"
+    onnx.save(model, str(path))
+    built = pipeline.optimize(str(path), output=tmp_path / "built", threads=2, skip_graph=True,
+                              dims={"sequence": (2, 80)})
+    for length in (2, 15, 16, 32, 33, 80):
+        x = (np.random.default_rng(length).standard_normal((1, 4, length, length)) * 4).astype(np.float32)
+        x[0, 0, -1, length // 2:] = -np.inf  # a causal mask's row
+        e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+        np.testing.assert_allclose(built.run({"x": x})["y"], e / e.sum(axis=-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    ctx = BuildContext.create("llvm", threads=2, skip_graph=True)
+    served = Served({"sequence": (2, 80)}, {"sequence": 40})
+    lowered = run_chain(ctx, ChainRequest(model, {"x": [1, 4, 40, 40]}, served=served, original=model,
+                                          until=Until.PARTITION)).lowered
+    scheduled, _ = schedule(lowered.part, ctx.spec)
+    assert [f.script().count("_rf = ") for gv, f in scheduled.functions_items() if "softmax" in gv.name_hint] == [2]
 
 
 def test_report_and_signature_record_the_range(served_build):
