@@ -185,17 +185,12 @@ def _matmul(m=8, k=64, n=48):
 
 def _implicit_conv(stride=2, h=9, c=8, o=48):
     """The int8 pass's NHWC conv read in place (3x3, ``stride``, input padded already), as it emits it."""
-    from pipeline.passes.int8 import OUT_ELEMWISE_FUSABLE, _implicit_conv as conv
+    from pipeline.passes.int8 import implicit_conv
 
     oh = (h - 3) // stride + 1
-
-    def emit(bb, xt):
-        w = relax.const(np.random.default_rng(0).integers(-128, 128, (3, 3, c, o)).astype(np.int8))
-        acc = bb.emit_te(conv, xt, w, (stride, stride), oh, oh, primfunc_name_hint="conv2d_nhwc")
-        gv = bb.lookup_binding(acc).args[0]
-        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OUT_ELEMWISE_FUSABLE))
-        return acc
-    return relax.Var("x", relax.TensorType([1, h, h, c], "uint8")), emit
+    w = np.random.default_rng(0).integers(-128, 128, (3, 3, c, o)).astype(np.int8)
+    return relax.Var("x", relax.TensorType([1, h, h, c], "uint8")), \
+        lambda bb, xt: implicit_conv(bb, xt, w, (stride, stride), oh, oh)
 
 
 @pytest.mark.parametrize("mcpu, instruction", [("native", None), ("sapphirerapids", "VNNI_512"),

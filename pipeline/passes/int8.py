@@ -36,13 +36,14 @@ Reference: ONNX operators QuantizeLinear, DequantizeLinear, MatMulInteger, QLine
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import tvm
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from kerneltune.templates.int8_intrin import MAX_DEPTH, instruction_for
+from kerneltune.templates.int8_intrin import INSTRUCTIONS, MAX_DEPTH, instruction_for
 from kerneltune.vector_intrinsics import lrint_i32, rounding_conversion
 from pipeline.passes.provenance import tag_normalized
 
@@ -55,7 +56,7 @@ ELEMENTWISE = ("relax.quantize", "relax.dequantize", "relax.add", "relax.maximum
 OUT_ELEMWISE_FUSABLE = 4
 # an implicit conv's filters come in whole vectors of the narrowest instruction (8 int32 lanes); others take
 # the patches
-IMPLICIT_COLUMNS = 8
+IMPLICIT_COLUMNS = min(i.lanes for i in INSTRUCTIONS)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Lowering:
 
 def lowering_for(spec) -> Lowering:
     """The :class:`Lowering` for ``spec`` (a kerneltune ``TargetSpec``)."""
-    return Lowering(rounding_conversion(spec), spec.kind == "llvm" and instruction_for(spec.target) is not None)
+    return Lowering(rounding_conversion(spec), instruction_for(spec.target) is not None)
 
 
 @dataclass
@@ -339,13 +340,8 @@ class _IntegerCompute(PyExprMutator):
             acc = self.integer_product(self.emit(relax.op.reshape(xt, [n * oh * ow, c4])), np.array(xz, np.int32),
                                        w2, np.zeros(1, np.int32))
         elif self.lowering.implicit_conv and o % IMPLICIT_COLUMNS == 0:
-            acc = self.builder_.emit_te(_implicit_conv, xt, relax.const(w2.reshape(kh, kw, c4, o)), (sh, sw), oh, ow,
-                                        primfunc_name_hint="conv2d_nhwc")
-            gv = self.value(acc).args[0]  # a product: its epilogue fuses into it (FuseOps' kOutEWiseFusable)
-            self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", OUT_ELEMWISE_FUSABLE))
-            correction = xz * w2.astype(np.int32).sum(axis=0)  # (x - xz) w: the input's zero point per filter
-            if np.any(correction != 0):
-                acc = self.emit(relax.op.subtract(acc, relax.const(correction.astype(np.int32))))
+            acc = self.integer_product(xt, np.array(xz, np.int32), w2, np.zeros(1, np.int32), product=lambda x: (
+                implicit_conv(self.builder_, x, w2.reshape(kh, kw, c4, o), (sh, sw), oh, ow)))
         else:
             patches = self.builder_.emit_te(_patches, xt, kh, kw, sh, sw, oh, ow, primfunc_name_hint="patches")
             gv = self.value(patches).args[0]
@@ -477,14 +473,20 @@ class _IntegerCompute(PyExprMutator):
                 return None, None
         return e.args[0], zp
 
-    def integer_product(self, a: relax.Expr, az: relax.Expr | None, weight: np.ndarray, wz: np.ndarray) -> relax.Expr:
+    def integer_product(self, a: relax.Expr, az: relax.Expr | None, weight: np.ndarray, wz: np.ndarray,
+                        product: Callable[[relax.Expr], relax.Expr] | None = None) -> relax.Expr:
         """``(A - az)(W - wz)`` over the last axis of ``A`` (u8 or s8, any leading axes), W an s8 constant
         ``[K, N]`` and ``wz`` its zero point (scalar or per column): the u8 x s8 product plus the zero-point
-        terms, in int32."""
+        terms, in int32.  ``product``: the u8 x s8 accumulation of the unsigned ``a`` when it is not
+        ``a @ W`` (a conv reading its padded input in place, :func:`implicit_conv`; its weight's zero point is
+        0, so no row sums of ``a`` are needed)."""
         k = weight.shape[0]
         const_az = self.const(az) if az is not None else np.zeros((), np.int32)
         a, az = self.unsigned(a, const_az.astype(np.int32) if const_az is not None else az)
-        acc = self.emit(relax.op.matmul(a, relax.const(weight), out_dtype="int32"))
+        if product is not None and np.any(wz != 0):
+            raise ValueError("a product other than a @ W takes a weight without zero points")
+        acc = product(a) if product is not None else self.emit(relax.op.matmul(a, relax.const(weight),
+                                                                                out_dtype="int32"))
         if np.any(wz != 0):
             rows = self.emit(relax.op.sum(relax.op.astype(a, "int32"), axis=[-1], keepdims=True))
             acc = self.emit(relax.op.subtract(acc, relax.op.multiply(rows, relax.const(wz.astype(np.int32)))))
@@ -603,6 +605,16 @@ def _patches(x: te.Tensor, kh: int, kw: int, sh: int, sw: int, oh: int, ow: int)
     n, c = x.shape[0], x.shape[3]
     return te.compute((n, oh, ow, kh, kw, c),
                       lambda b, y, w, r, s, ch: x[b, y * sh + r, w * sw + s, ch], name="patches")
+
+
+def implicit_conv(builder: relax.BlockBuilder, x: relax.Expr, weight: np.ndarray, strides: tuple[int, int],
+                  oh: int, ow: int) -> relax.Var:
+    """Emit :func:`_implicit_conv` of ``x`` (NHWC u8, padded) by the constant ``weight`` ``[KH, KW, C, O]`` (s8)
+    as a product whose elementwise epilogue fuses into it (FuseOps' kOutEWiseFusable), as a matmul's does."""
+    acc = builder.emit_te(_implicit_conv, x, relax.const(weight), strides, oh, ow, primfunc_name_hint="conv2d_nhwc")
+    gv = builder.lookup_binding(acc).args[0]
+    builder.update_func(gv, builder.get()[gv].with_attr("op_pattern", OUT_ELEMWISE_FUSABLE))
+    return acc
 
 
 def _implicit_conv(x: te.Tensor, w: te.Tensor, strides: tuple[int, int], oh: int, ow: int) -> te.Tensor:

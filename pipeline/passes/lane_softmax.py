@@ -17,7 +17,6 @@ build serving a range of lengths) is always split (:func:`split_softmax`).
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -52,9 +51,9 @@ def split_softmax(x: te.Tensor) -> te.Tensor:
     tail = row - body
 
     def part(extent, value, empty):  # a reduced part's value; ``empty`` where its loop did not run
-        return tvm.tirx.Select(extent > 0, value, tvm.tirx.const(empty, x.dtype)) if symbolic else value
+        return tvm.tirx.Select(extent > 0, value, empty) if symbolic else value
 
-    lowest = float(np.finfo(np.float32).min)
+    lowest, zero = tvm.tirx.min_value(x.dtype), tvm.tirx.const(0.0, x.dtype)  # te.max's and te.sum's identities
     # reductions from 0 (dlight normalizes zero-based loops only)
     k, t = te.reduce_axis((0, body), name="k"), te.reduce_axis((0, tail), name="t")
     top_body = te.compute(rows, lambda *r: te.max(x(*r, k), axis=k), name="lane_max_body")
@@ -67,8 +66,8 @@ def split_softmax(x: te.Tensor) -> te.Tensor:
     j, u = te.reduce_axis((0, body), name="j"), te.reduce_axis((0, tail), name="u")
     total_body = te.compute(rows, lambda *r: te.sum(exp_body(*r, j), axis=j), name="lane_sum_body")
     total_tail = te.compute(rows, lambda *r: te.sum(exp_tail(*r, u), axis=u), name="lane_sum_tail")
-    inv = te.compute(rows, lambda *r: tvm.tirx.const(1.0, x.dtype) / (part(body, total_body(*r), 0.0)
-                                                                      + part(tail, total_tail(*r), 0.0)),
+    inv = te.compute(rows, lambda *r: tvm.tirx.const(1.0, x.dtype) / (part(body, total_body(*r), zero)
+                                                                      + part(tail, total_tail(*r), zero)),
                      name="lane_inv")
 
     def out(*i):
