@@ -118,6 +118,12 @@ def test_report_and_signature_record_the_range(served_build):
     assert x["shape"] == [1, 40, HIDDEN] and x["ranges"] == [{"axis": 1, "dim": "sequence", "min": 2, "max": 40}]
     matmuls = [t for t in report["tasks"] if t["kind"] in ("matmul", "batch_matmul")]
     assert matmuls and all(t["schedule"] == "template" for t in matmuls)
+    # each kernel's FLOPs grow with the length as its extents say: a projection's with its rows, the scores'
+    # (Q K^T) with rows and columns, a weight's bytes not at all (a per-length profile scales by them)
+    growth = {tuple(map(tuple, t["shapes"][:2])): t["scaling"]["sequence"] for t in matmuls}
+    assert growth[((1, 40, HIDDEN), (HIDDEN, HIDDEN))][0] == pytest.approx(1.0, abs=0.01)
+    assert growth[((1, 40, HIDDEN), (1, HIDDEN, 40))][0] == pytest.approx(2.0, abs=0.01)
+    assert all(t["scaling"]["sequence"][1] < 1.0 for t in matmuls if len(t["shapes"][1]) == 2)
     assert "serves sequence 2..40 (measured at sequence=40)" in (out / "report.md").read_text()
 
 
@@ -243,3 +249,57 @@ def test_bench_model_times_a_served_build_at_each_length(served_build, tmp_path,
     assert all(r["shipped_ms"] > 0 and r["ort_ms"] > 0 and r["max_abs_err"] < 2e-3 for r in lengths)
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert bench_model_main([str(out), "--dim", "sequence=41", "--runs", "1"]) == 2  # outside 2..40
+
+
+def test_kernels_of_a_build_with_symbolic_sizes_keep_restricted_pointers():
+    """A module with symbolic sizes gains Relax's ``shape_func``, which sorts after a ``fused_*`` kernel; TVM's
+    LLVM codegen compiles every function with the no-alias flag of the last one it declares
+    (:func:`pipeline.compile._helpers_noalias`), so without the helper marked the kernel's buffers may alias and
+    LLVM keeps its accumulators in memory.  The kernel's compute function takes ``noalias`` pointers."""
+    import re
+
+    from pipeline.compile import build
+
+    n = tvm.tirx.Var("n", "int64")
+    bb = tvm.relax.BlockBuilder()
+    x = tvm.relax.Var("x", tvm.relax.TensorType((1, n, 64), "float32"))
+    w = tvm.relax.Var("w", tvm.relax.TensorType((64, 32), "float32"))
+    with bb.function("main", [x, w]):
+        bb.emit_func_output(bb.emit(tvm.relax.op.matmul(x, w)))
+    mod = tvm.relax.transform.LegalizeOps()(bb.get())
+    mod = tvm.IRModule({gv: (f.with_attr("tirx.noalias", True) if isinstance(f, tvm.tirx.PrimFunc) else f)
+                        for gv, f in mod.functions_items()})
+    ex = build(mod, parse_target("llvm", 1))
+    source = "".join(m.inspect_source("ll") for m in [ex.mod, *ex.mod.imports] if m.kind == "llvm")
+    computes = re.findall(r"define internal fastcc \w+ @(\w+)_compute_\(([^)]*)\)", source)
+    # TVM keeps a compute function out of line only when its pointers are restricted
+    assert "matmul" in [name for name, _ in computes], "the kernel's compute function was inlined: its pointers alias"
+    for name, params in computes:
+        pointers = [p for p in params.split(",") if p.strip().startswith("ptr")]
+        assert pointers and all("noalias" in p for p in pointers), (name, params)
+
+
+def test_symbolic_rows_prefetch_the_next_panel_only_where_rows_share_it():
+    """A pre-packed weight's next panel is prefetched while several row tiles share the current one; at a
+    length of one row tile the kernel reads each panel once, a plain stream, and (as the static kernel of that
+    length) prefetches nothing.  The symbolic kernel bound to 8 rows (one tile of the 128-row instance's 8) has
+    no prefetch left; bound to 64 it keeps it."""
+    import dataclasses
+
+    from kerneltune import prepack
+
+    n = tvm.tirx.Var("n", "int64")
+    i64 = lambda v: tvm.tirx.IntImm("int64", v)  # noqa: E731 - as imported models index: int64 throughout
+    a = te.placeholder((n, i64(256)), name="a")
+    b = te.placeholder((i64(256), i64(384)), name="b")
+    k = te.reduce_axis((i64(0), i64(256)), name="k")
+    func = te.create_prim_func([a, b, te.compute((n, i64(384)), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k),
+                                                 name="matmul")])
+    instance = dataclasses.replace(templates.task_for("matmul", specialize(func, {"n": 128})), weights=("b",))
+    target = parse_target("llvm", 2).target
+    config = templates.default_config(instance, target)
+    assert templates.space_for(instance, target).as_dict(config)["pack"] == "prepack"
+    scheduled, _ = prepack.strip(templates.apply(dataclasses.replace(instance, func=func), config, target))
+    for rows, expected in ((8, False), (64, True)):
+        bound = tvm.tirx.transform.StmtSimplify()(tvm.IRModule({"main": specialize(scheduled, {"n": rows})}))
+        assert ("prefetch" in bound["main"].script()) == expected, rows

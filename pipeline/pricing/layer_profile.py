@@ -89,23 +89,33 @@ def align(calls: Sequence[CallTime], sites: Sequence[CallSite]) -> list[tuple[Ca
     return out
 
 
-def _task_costs(report: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
-    """Kernel name -> (FLOPs, bytes read and written) per call, from report.json's tasks."""
+def _task_costs(report: Mapping[str, Any], sizes: Mapping[str, int] | None = None) -> dict[str, tuple[float, float]]:
+    """Kernel name -> (FLOPs, bytes read and written) per call, from report.json's tasks; in a build serving a
+    range, at the served ``sizes`` of the profiled call (a task's cost is at the representative size: its
+    ``scaling`` exponents carry it to the call's)."""
     from pipeline.pricing.sanity import kernel_bytes
 
+    at = ((report.get("served") or {}).get("representative")) or {}
     out = {}
     for t in report.get("tasks") or []:
-        nbytes = kernel_bytes(t.get("shapes") or [], t.get("dtype") or "float32")
+        flops = float(t.get("flops") or 0.0)
+        nbytes = float(kernel_bytes(t.get("shapes") or [], t.get("dtype") or "float32"))
+        for name, (ef, eb) in (t.get("scaling") or {}).items():
+            if sizes and name in sizes and at.get(name):
+                ratio = sizes[name] / at[name]
+                flops, nbytes = flops * ratio ** ef, nbytes * ratio ** eb
         for name in t.get("names") or [t["name"]]:
-            out[name] = (float(t.get("flops") or 0.0), float(nbytes))
+            out[name] = (flops, nbytes)
     return out
 
 
-def kernel_rows(aligned, report: Mapping[str, Any], peak: float, bandwidth: float) -> list[KernelRow]:
-    """The calls summed per kernel, slowest first, with their rates against the roofline."""
+def kernel_rows(aligned, report: Mapping[str, Any], peak: float, bandwidth: float,
+                sizes: Mapping[str, int] | None = None) -> list[KernelRow]:
+    """The calls summed per kernel, slowest first, with their rates against the roofline (``sizes``: the
+    served dimensions' sizes in the profiled call)."""
     from pipeline.pricing.sanity import roofline
 
-    costs = _task_costs(report)
+    costs = _task_costs(report, sizes)
     rows: dict[str, KernelRow] = {}
     for call, nodes in aligned:
         row = rows.setdefault(call.name, KernelRow(call.name, 0, 0.0, 0.0, None, None, list(nodes)))
@@ -137,10 +147,21 @@ def profile_shipped(model, feeds: Mapping[str, np.ndarray], runs: int = 10) -> L
     target = model.report["deploy"].get("target") or model.report.get("target_detail")
     peak, bandwidth = cpu_facts(tvm.target.Target(json.loads(target)) if target and target.startswith("{")
                                 else tvm.target.Target(target or "llvm"))
-    rows = kernel_rows(aligned, model.report, peak, bandwidth)
+    rows = kernel_rows(aligned, model.report, peak, bandwidth, _served_sizes(model, feeds))
     total = sum(r.ms for r in rows)
     traced = sum(c.ms for c, n in aligned if n) / (total or 1.0)
     return LayerProfile(rows, total, whole.p50_ms, peak, bandwidth, traced)
+
+
+def _served_sizes(model, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """The size of each served dimension in ``feeds`` (a build serving a range: :mod:`pipeline.symbolic`)."""
+    out = {}
+    for spec in model.inputs:
+        value = feeds.get(spec.name) if isinstance(feeds, Mapping) else None
+        for axis, (name, _, _) in (spec.ranges or {}).items():
+            if value is not None and np.ndim(value) > int(axis):
+                out[name] = int(np.shape(value)[int(axis)])
+    return out
 
 
 def _anchors(optimized: onnx.GraphProto, original: onnx.GraphProto) -> dict[str, str | None]:
