@@ -209,7 +209,8 @@ def _padded_weight(call: relax.Call, builder) -> relax.Expr | None:
     padded = np.pad(w.value.numpy(), ((0, 0), (0, wide - n)))
     y = builder.emit(tag_normalized(builder, relax.op.matmul(call.args[0], relax.const(padded),
                                                              out_dtype=call.attrs.out_dtype), call.span))
-    return relax.op.strided_slice(y, axes=[-1], begin=[0], end=[n])
+    # the last axis by its index: TOPI's slice of a symbolic shape takes no negative axis (GPT-2 served)
+    return relax.op.strided_slice(y, axes=[int(call.ty.ndim) - 1], begin=[0], end=[n])
 
 
 def _padded_conv(call: relax.Call, builder, heads: set[int]) -> relax.Expr | None:

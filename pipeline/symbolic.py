@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
 import onnx
 import tvm
 from tvm import relax, tirx
@@ -93,7 +94,60 @@ def symbolic_model(model: onnx.ModelProto, shapes: InputShapes, served: Served) 
             if (inp.name, axis, d.dim_param) not in kept:
                 d.Clear()
                 d.dim_value = int(size)
+    _sized_ranges(out.graph)
     return out
+
+
+def _sized_ranges(graph: onnx.GraphProto) -> None:
+    """Rewrite, in place, each ``Range(0, n, 1)`` whose ``n`` is one dimension of a tensor (``Squeeze(Shape(x,
+    start=k, end=k+1))``: the positions GPT-2 and other decoders export) as ``CumSum(ConstantOfShape(Shape(x,
+    k, k+1), 1)) - 1``, the same integers.  TVM's importer gives a Range of a symbolic limit a fresh size of its
+    own (it counts the elements with tensor arithmetic), so what adds the positions to the tokens has a shape
+    it cannot relate to ``sequence``, and a Reshape further on refuses to import; a ConstantOfShape of a shape
+    keeps the size symbolic as the dimension itself."""
+    from onnx import helper, numpy_helper
+
+    producer = {o: n for n in graph.node for o in n.output}
+    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+
+    def scalar(name: str):
+        value = consts.get(name)
+        return None if value is None or value.size != 1 else value.item()
+
+    def one_dim(name: str) -> str | None:  # the 1-element Shape slice ``name`` squeezes, if it is one
+        squeeze = producer.get(name)
+        if squeeze is None or squeeze.op_type != "Squeeze" or len(squeeze.input) != 1:
+            return None
+        shape = producer.get(squeeze.input[0])
+        if shape is None or shape.op_type != "Shape":
+            return None
+        attrs = {a.name: a.i for a in shape.attribute}
+        return shape.output[0] if attrs.get("end", 0) - attrs.get("start", 0) == 1 and attrs.get("start", 0) >= 0 \
+            else None
+
+    rewritten = []
+    for n in graph.node:
+        dim = one_dim(n.input[1]) if n.op_type == "Range" and len(n.input) == 3 else None
+        if dim is None or scalar(n.input[0]) != 0 or scalar(n.input[2]) != 1:
+            rewritten.append(n)
+            continue
+        dtype = consts[n.input[0]].dtype
+        base = f"{n.name or n.output[0]}_sized"
+        one = helper.make_tensor(f"{base}_one", helper.np_dtype_to_tensor_dtype(dtype), [1], [1])
+        rewritten += [
+            helper.make_node("ConstantOfShape", [dim], [f"{base}_ones"], value=one, name=f"{base}_ones"),
+            helper.make_node("Constant", [], [f"{base}_axis"], value=numpy_helper.from_array(
+                np.array(0, np.int64)), name=f"{base}_axis"),
+            helper.make_node("CumSum", [f"{base}_ones", f"{base}_axis"], [f"{base}_count"], name=f"{base}_count"),
+            helper.make_node("Constant", [], [f"{base}_step"], value=numpy_helper.from_array(
+                np.array(1, dtype)), name=f"{base}_step"),
+            helper.make_node("Sub", [f"{base}_count", f"{base}_step"], list(n.output), name=n.name)]
+    if len(rewritten) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(rewritten)
 
 
 def input_ranges(model: onnx.ModelProto, served: Served) -> dict[str, dict[int, tuple[str, int, int]]]:

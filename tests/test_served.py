@@ -303,3 +303,40 @@ def test_symbolic_rows_prefetch_the_next_panel_only_where_rows_share_it():
     for rows, expected in ((8, False), (64, True)):
         bound = tvm.tirx.transform.StmtSimplify()(tvm.IRModule({"main": specialize(scheduled, {"n": rows})}))
         assert ("prefetch" in bound["main"].script()) == expected, rows
+
+
+def _positions_model() -> onnx.ModelProto:
+    """GPT-2's shape in miniature: positions ``Range(0, sequence, 1)`` gathered from a table and added to the
+    tokens, a Reshape with an inferred size after them, and a head whose 53 columns split into no vector
+    (its weight padded and the output sliced: :func:`pipeline.relax_import._padded_weight`)."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 16)).astype(np.float32), "table"),
+             numpy_helper.from_array(rng.standard_normal((16, 53)).astype(np.float32), "head"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.array([1, -1, 16], np.int64), "shape")]
+    n = helper.make_node
+    nodes = [n("Shape", ["x"], ["len1"], start=1, end=2), n("Squeeze", ["len1"], ["length"]),
+             n("Range", ["zero", "length", "one"], ["positions"]), n("Gather", ["table", "positions"], ["pe"]),
+             n("Add", ["x", "pe"], ["h"]), n("Reshape", ["h", "shape"], ["r"]), n("MatMul", ["r", "head"], ["y"])]
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "positions", [vi("x", TensorProto.FLOAT, [1, "sequence", 16])],
+                              [vi("y", TensorProto.FLOAT, [1, "sequence", 53])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def test_positions_of_a_symbolic_length_are_served(tmp_path):
+    """A decoder's positions, ``Range(0, sequence, 1)``, keep the length symbolic (TVM's importer gave the Range
+    a size of its own, and the Reshape after it refused to import: GPT-2), and its padded head's slice works
+    on a symbolic shape: right at lengths nobody named."""
+    import pipeline
+
+    path = tmp_path / "positions.onnx"
+    onnx.save(_positions_model(), str(path))
+    model = pipeline.optimize(str(path), output=tmp_path / "built", threads=1, skip_graph=True,
+                              dims={"sequence": (2, 64)})
+    for length in (2, 13, 64):
+        x = np.random.default_rng(length).standard_normal((1, length, 16)).astype(np.float32)
+        np.testing.assert_allclose(model.run({"x": x})["y"], run_ort(onnx.load(str(path)), {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)
