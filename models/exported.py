@@ -208,6 +208,21 @@ def bert(size: str) -> Built:
                      ["last_hidden_state", "pooler_output"])
 
 
+def minilm(size: str) -> Built:
+    """The sentence-embedding encoder all-MiniLM-L6-v2 ships (sentence-transformers): a BERT of 6 layers,
+    hidden 384, 12 heads, MLP 1536.  Random weights: its trained ones come from the Hugging Face hub, which a
+    machine without network cannot reach; the kernels, shapes and timings are the same."""
+    _torchvision()
+    _torch().manual_seed(0)
+    from transformers import BertConfig, BertModel
+
+    cfg = _pick(size, BertConfig(vocab_size=1000, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=96, max_position_embeddings=64),
+                BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536))
+    return _hf_built(BertModel(cfg).eval(), size, cfg.vocab_size, ["input_ids", "attention_mask", "token_type_ids"],
+                     ["last_hidden_state", "pooler_output"])
+
+
 def gpt2(size: str) -> Built:
     _torchvision()
     _torch().manual_seed(0)
@@ -588,6 +603,8 @@ def _silero(both_rates: bool) -> Callable[[str], Built]:
 CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
     CorpusSpec("bert", "transformer", "transformers BertModel (full: bert-base, seq 128)", bert),
     CorpusSpec("gpt2", "transformer", "transformers GPT2LMHeadModel, no cache (full: gpt2 124M, seq 128)", gpt2),
+    CorpusSpec("minilm", "transformer", "transformers BertModel as all-MiniLM-L6-v2 (full: 6 layers, hidden 384, "
+               "seq 128; random weights)", minilm),
     CorpusSpec("distilbert", "transformer", "transformers DistilBertModel (full: distilbert-base, seq 128)",
                distilbert),
     CorpusSpec("vit", "vision", "torchvision VisionTransformer (full: vit_b_16, 224)", vit),
