@@ -340,3 +340,32 @@ def test_positions_of_a_symbolic_length_are_served(tmp_path):
         x = np.random.default_rng(length).standard_normal((1, length, 16)).astype(np.float32)
         np.testing.assert_allclose(model.run({"x": x})["y"], run_ort(onnx.load(str(path)), {"x": x})[0],
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [2, 17, 64, 77])
+def test_scores_with_a_symbolic_vector_axis_write_whole_tiles_unmasked(length):
+    """Attention's scores ``Q K^T`` (the columns are the tokens) with the tiles of the 128-token instance: its
+    write-back is split into the tiles inside the output, stored without a mask (in vectors), and the rest,
+    masked (:mod:`kerneltune.templates.full_tiles`); equal to numpy at lengths no tile divides."""
+    import dataclasses
+
+    n = tvm.tirx.Var("n", "int64")
+    i64 = lambda v: tvm.tirx.IntImm("int64", v)  # noqa: E731
+    q = te.placeholder((i64(12), n, i64(64)), name="q")
+    kt = te.placeholder((i64(12), i64(64), n), name="kt")
+    r = te.reduce_axis((i64(0), i64(64)), name="r")
+    scores = te.compute((i64(12), n, n), lambda b, i, j: te.sum(q[b, i, r] * kt[b, r, j], axis=r), name="matmul")
+    func = te.create_prim_func([q, kt, scores])
+    instance = templates.task_for("matmul", specialize(func, {"n": 128}))
+    target = parse_target("llvm", 2).target
+    scheduled = templates.apply(dataclasses.replace(instance, func=func), templates.default_config(instance, target),
+                                target)
+    script = scheduled.script()
+    assert "if " in script and script.count("T.where") == 1  # two write-backs: the whole tiles' unmasked
+    lib = tvm.tirx.build(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
+    rng = np.random.default_rng(length)
+    qv = rng.standard_normal((12, length, 64)).astype(np.float32)
+    kv = rng.standard_normal((12, 64, length)).astype(np.float32)
+    out = tvm.runtime.tensor(np.full((12, length, length), np.nan, np.float32))
+    lib["main"](tvm.runtime.tensor(qv), tvm.runtime.tensor(kv), out)
+    np.testing.assert_allclose(out.numpy(), qv @ kv, rtol=1e-4, atol=1e-4)

@@ -33,7 +33,7 @@ from ..calibrate import calibrated
 from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..prepack import PREPROC
 from ..task import Task, root_blocks, symbolic_axes
-from . import prefetch
+from . import full_tiles, prefetch
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob
 
 UNROLL = (0, 16, 64, 512)
@@ -157,12 +157,15 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
 
 def apply(task: Task, config, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
     """The scheduled kernel as it is built: the schedule's function, plus the software prefetch of a
-    pre-packed weight's next panel (:mod:`.prefetch`; no schedule primitive expresses it, so the trace of
-    :func:`schedule` leaves it out)."""
+    pre-packed weight's next panel (:mod:`.prefetch`) and, in a kernel with a symbolic extent, its masked
+    write-back split into whole tiles and the rest (:mod:`.full_tiles`).  No schedule primitive expresses
+    either, so the trace of :func:`schedule` leaves them out."""
     sch, panel_prefetch = _schedule(task, config, target)
     func = sch.mod["main"]
     if panel_prefetch is not None:
         func = prefetch.insert(func, panel_prefetch)
+    if symbolic_axes(task):
+        func = full_tiles.hoist(func)
     return func.with_attr("tirx.is_scheduled", True)
 
 
