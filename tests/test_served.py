@@ -77,7 +77,8 @@ def test_one_build_matches_onnxruntime_at_sizes_never_named(served_build, length
 
 def test_softmax_over_a_symbolic_row_reduces_in_vectors_and_is_exact_at_every_length(tmp_path):
     """A softmax whose row is the served length is cut at ``n // 16 * 16`` (pipeline.passes.lane_softmax): the
-    body's max and sum reduce in 16-lane partials (``_rf`` blocks) at every length, and a length with no body
+    body's max and sum reduce in 16-lane partials (``_rf`` blocks) and its exponentials in vectors at every
+    length, and a length with no body
     (< 16) or no tail (a multiple of 16), whose empty reduction never initializes, is still exact, on two
     threads."""
     import pipeline
@@ -105,7 +106,10 @@ def test_softmax_over_a_symbolic_row_reduces_in_vectors_and_is_exact_at_every_le
     lowered = run_chain(ctx, ChainRequest(model, {"x": [1, 4, 40, 40]}, served=served, original=model,
                                           until=Until.PARTITION)).lowered
     scheduled, _ = schedule(lowered.part, ctx.spec)
-    assert [f.script().count("_rf = ") for gv, f in scheduled.functions_items() if "softmax" in gv.name_hint] == [2]
+    (script,) = [f.script() for gv, f in scheduled.functions_items() if "softmax" in gv.name_hint]
+    assert script.count("_rf = ") == 2
+    # the body's exponentials run in vectors too (their extent, n // 16 * 16, proved a multiple of 16)
+    assert script.count("T.vectorized") == 3
 
 
 def test_report_and_signature_record_the_range(served_build):
