@@ -112,22 +112,45 @@ def clamp_padded_reads(func: tvm.tirx.PrimFunc, blocks: set[str]) -> tvm.tirx.Pr
     """``func`` with each of ``blocks`` (``pad_einsum``'s padded copies: ``if_then_else(in bounds, X[..], 0)``)
     reading ``X`` at its indices clamped into ``X``'s shape instead.  Right only where every padded axis is
     spatial: a padding row or column then holds a copy of the last real one, which only padding outputs read."""
-    def rewrite(stmt):
-        if isinstance(stmt, tvm.tirx.For):
-            return tvm.tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, rewrite(stmt.body),
-                                stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, tvm.tirx.SeqStmt):
-            return tvm.tirx.SeqStmt([rewrite(x) for x in stmt.seq])
-        if isinstance(stmt, s_tir.SBlockRealize):
-            b = stmt.block
-            body = _clamped(b.body) if b.name_hint in blocks else rewrite(b.body)
-            block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint,
-                                 body=body, init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
-                                 annotations=b.annotations)
-            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
-        return stmt
+    def clamp(stmt):
+        if isinstance(stmt, s_tir.SBlockRealize) and stmt.block.name_hint in blocks:
+            return rebuilt_realize(stmt, _clamped(stmt.block.body))
+        return None
 
-    return func.with_body(rewrite(func.body))
+    return func.with_body(rewrite_stmts(func.body, clamp)[0])
+
+
+def rewrite_stmts(stmt, replace):
+    """``(stmt rebuilt along the paths to the statements ``replace`` rewrites, whether any was)``: TVM 0.27's
+    Python has no statement mutator.  ``replace`` returns a statement's replacement, or None to search its
+    body (a loop's, a block's; each statement of a sequence)."""
+    new = replace(stmt)
+    if new is not None:
+        return new, True
+    if isinstance(stmt, tvm.tirx.For):
+        body, changed = rewrite_stmts(stmt.body, replace)
+        return (rebuilt_loop(stmt, body), True) if changed else (stmt, False)
+    if isinstance(stmt, tvm.tirx.SeqStmt):
+        seq = [rewrite_stmts(s, replace) for s in stmt.seq]
+        return (tvm.tirx.SeqStmt([s for s, _ in seq]), True) if any(c for _, c in seq) else (stmt, False)
+    if isinstance(stmt, s_tir.SBlockRealize):
+        body, changed = rewrite_stmts(stmt.block.body, replace)
+        return (rebuilt_realize(stmt, body), True) if changed else (stmt, False)
+    return stmt, False
+
+
+def rebuilt_loop(loop: tvm.tirx.For, body) -> tvm.tirx.For:
+    """``loop`` over ``body``."""
+    return tvm.tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
+
+
+def rebuilt_realize(realize: s_tir.SBlockRealize, body, predicate=None) -> s_tir.SBlockRealize:
+    """``realize``'s block over ``body`` (under ``predicate``, else its own)."""
+    b = realize.block
+    block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint, body=body,
+                         init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
+                         annotations=b.annotations)
+    return s_tir.SBlockRealize(realize.iter_values, realize.predicate if predicate is None else predicate, block)
 
 
 def _clamped(store):

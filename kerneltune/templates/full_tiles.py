@@ -14,8 +14,8 @@ iteration, derived term by term only where that is sound: a term free of the nes
 its loop-free side (a stronger test, never a weaker one).  Any other term leaves the nest as it is.  The
 kernel computes what it did; the whole tiles run in vectors.
 
-TVM 0.27's Python has no statement mutator, so the nest is rebuilt node by node (as :mod:`.prefetch` does)
-the copy's loop and block variables are new ones, substituted through the analyzer (``bind``), so that each is
+TVM 0.27's Python has no statement mutator, so the nest is rebuilt node by node (:func:`.common.rewrite_stmts`),
+and the copy's loop and block variables are new ones, substituted through the analyzer (``bind``), so that each is
 defined once.
 """
 from __future__ import annotations
@@ -23,33 +23,13 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
+from .common import rewrite_stmts
+
 
 def hoist(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` with every predicated vector write-back nest split into whole tiles and the rest."""
-    body, changed = _visit(func.body)
-    if not changed:
-        return func
-    return func.with_body(body)
-
-
-def _visit(stmt):
-    if isinstance(stmt, tirx.For):
-        split = _split_nest(stmt)
-        if split is not None:
-            return split, True
-        body, changed = _visit(stmt.body)
-        return (_for(stmt, body), True) if changed else (stmt, False)
-    if isinstance(stmt, tirx.SeqStmt):
-        seq, changed = [], False
-        for s in stmt.seq:
-            new, c = _visit(s)
-            seq.append(new)
-            changed |= c
-        return (tirx.SeqStmt(seq), True) if changed else (stmt, False)
-    if isinstance(stmt, s_tir.SBlockRealize):
-        body, changed = _visit(stmt.block.body)
-        return (_realize(stmt, stmt.predicate, body), True) if changed else (stmt, False)
-    return stmt, False
+    body, changed = rewrite_stmts(func.body, lambda s: _split_nest(s) if isinstance(s, tirx.For) else None)
+    return func.with_body(body) if changed else func
 
 
 def _split_nest(top: tirx.For):
@@ -135,15 +115,3 @@ def _whole_condition(predicate, loops: list[tirx.For]):
     for k in kept[1:]:
         out = tirx.And(out, k)
     return tvm.sym.Analyzer().simplify(out)
-
-
-def _for(loop: tirx.For, body) -> tirx.For:
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
-
-
-def _realize(realize: s_tir.SBlockRealize, predicate, body) -> s_tir.SBlockRealize:
-    b = realize.block
-    block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint, body=body,
-                         init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
-                         annotations=b.annotations)
-    return s_tir.SBlockRealize(realize.iter_values, predicate, block)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
+from .common import rebuilt_loop, rewrite_stmts
+
 CACHE_LINE = 64
 L2_LOCALITY = 2   # llvm.prefetch locality 2: x86 prefetcht1, into L2
 
@@ -102,38 +104,8 @@ def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
     loop = tirx.For(t, tirx.const(0, i64), share, tirx.ForKind.SERIAL, tirx.Evaluate(call))
     if p.shared is not None:
         loop = tirx.IfThenElse(p.shared, loop, None)
-    body, found = _prepend_in_loop(func.body, p.at, loop)
+    body, found = rewrite_stmts(func.body, lambda s: rebuilt_loop(s, tirx.SeqStmt([loop, s.body]))
+                                if isinstance(s, tirx.For) and s.loop_var.same_as(p.at) else None)
     if not found:
         raise ValueError(f"no loop over {p.at.name} in the scheduled kernel")
     return func.with_body(body)
-
-
-def _prepend_in_loop(stmt, var: tirx.Var, first):
-    """Rebuild the statements on the path to the ``For`` over ``var``, with ``first`` ahead of its body."""
-    if isinstance(stmt, tirx.For):
-        if stmt.loop_var.same_as(var):
-            return _for(stmt, tirx.SeqStmt([first, stmt.body])), True
-        body, found = _prepend_in_loop(stmt.body, var, first)
-        return (_for(stmt, body), True) if found else (stmt, False)
-    if isinstance(stmt, tirx.SeqStmt):
-        seq = list(stmt.seq)
-        for i, s in enumerate(seq):
-            new, found = _prepend_in_loop(s, var, first)
-            if found:
-                seq[i] = new
-                return tirx.SeqStmt(seq), True
-        return stmt, False
-    if isinstance(stmt, s_tir.SBlockRealize):
-        b = stmt.block
-        body, found = _prepend_in_loop(b.body, var, first)
-        if not found:
-            return stmt, False
-        block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint, body=body,
-                             init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
-                             annotations=b.annotations)
-        return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block), True
-    return stmt, False
-
-
-def _for(loop: tirx.For, body) -> tirx.For:
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)

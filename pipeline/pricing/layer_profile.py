@@ -100,9 +100,9 @@ def _task_costs(report: Mapping[str, Any], sizes: Mapping[str, int] | None = Non
     for t in report.get("tasks") or []:
         flops = float(t.get("flops") or 0.0)
         nbytes = float(kernel_bytes(t.get("shapes") or [], t.get("dtype") or "float32"))
-        for name, (ef, eb) in (t.get("scaling") or {}).items():
-            if sizes and name in sizes and at.get(name):
-                ratio = sizes[name] / at[name]
+        for dim, (ef, eb) in (t.get("scaling") or {}).items():
+            if sizes and dim in sizes and at.get(dim):
+                ratio = sizes[dim] / at[dim]
                 flops, nbytes = flops * ratio ** ef, nbytes * ratio ** eb
         for name in t.get("names") or [t["name"]]:
             out[name] = (flops, nbytes)
