@@ -317,3 +317,39 @@ def test_a_max_pool_between_quantized_convs_pools_the_u8_values(tmp_path):
     assert sum(name == "relax.round" for name, _ in ops) == quantizes - 1
     facts = _built_check(model, tmp_path)
     assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6
+
+
+def test_a_residual_add_reads_both_products_in_u8(tmp_path):
+    """ResNet's downsample block: two quantized convs of one input meet in a residual add.  Each product's
+    kernel ends at its requantize and writes u8; the add's dequantizes fuse into the kernel computed last, so
+    no kernel writes the first product's result as floats (4x the bytes, read back by the add's kernel); the
+    outputs stay onnxruntime's."""
+    from pipeline.partition import partition
+
+    b = GraphBuilder("int8-residual", seed=7)
+    x = b.input("x", (1, 8, 6, 6))
+    h = b.op("Relu", [b.op("Conv", [x, b.he("wa", (16, 8, 1, 1), 8), b.normal("ba", (16,), 0.1)])])
+    h = b.op("Conv", [h, b.he("wb", (32, 16, 1, 1), 16), b.normal("bb", (32,), 0.1)])
+    d = b.op("Conv", [x, b.he("wd", (32, 8, 1, 1), 8), b.normal("bd", (32,), 0.1)])
+    h = b.op("Relu", [b.op("Add", [h, d])])
+    b.op("Flatten", [b.op("GlobalAveragePool", [h])], out="y")
+    b.output("y", (1, 32))
+    rng = np.random.default_rng(2)
+    samples = [{"x": rng.uniform(-1, 1, (1, 8, 6, 6)).astype(np.float32)} for _ in range(4)]
+    model = _quantize(b.model("int8 residual"), tmp_path, static=True, samples=samples)
+    fused = partition(import_model(model).mod).mod
+    products = {}  # fused kernel name -> its output dtype, for every kernel holding an integer product
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir":
+            name = e.args[0].name_hint
+            if "matmul" in name or "conv2d" in name:
+                products[name] = str(e.ty.dtype)
+
+    relax.analysis.post_order_visit(fused["main"], visit)
+    # the add's kernel dequantizes both products (and its own result, for the pool); the other two write u8
+    adds = [n for n in products if n.count("dequantize") >= 2]
+    assert len(products) == 3 and len(adds) == 1, products
+    assert all(dtype == "uint8" for n, dtype in products.items() if n not in adds), products
+    facts = _built_check(model, tmp_path)
+    assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6

@@ -54,6 +54,9 @@ SCHEDULED_BY = "optimize_model.scheduled_by"
 ELEMENTWISE = ("relax.quantize", "relax.dequantize", "relax.add", "relax.maximum", "relax.clip")
 # Relax's OpPatternKind of a product whose elementwise consumers fuse into it (kOutEWiseFusable)
 OUT_ELEMWISE_FUSABLE = 4
+# ... and of an elementwise op that FuseOps fuses into its consumer's kernel only, never into its producer's
+# (kBroadcast: a producer's epilogue takes elementwise consumers alone)
+BROADCAST = 1
 # an implicit conv's filters come in whole vectors of the narrowest instruction (8 int32 lanes); others take
 # the patches
 IMPLICIT_COLUMNS = min(i.lanes for i in INSTRUCTIONS)
@@ -146,10 +149,13 @@ class _IntegerCompute(PyExprMutator):
         return _Dequantized(e.args[0], scale, zp.astype(np.int32), int(e.attrs.axis))
 
     lowering = Lowering()  # integer_compute's argument
+    order: dict  # each variable this pass emitted -> its position (set by integer_compute)
     span = None  # the span of the call being rewritten: the ONNX node what it emits computes (pipeline.passes.provenance)
 
     def emit(self, expr: relax.Expr) -> relax.Var:
-        return self.builder_.emit(tag_normalized(self.builder_, expr, self.span))
+        var = self.builder_.emit(tag_normalized(self.builder_, expr, self.span))
+        self.order[var] = len(self.order)
+        return var
 
     # -- operands in the form the dot-product instructions take ---------------------------------------------
 
@@ -274,8 +280,36 @@ class _IntegerCompute(PyExprMutator):
             op = relax.op.quantize if _op_name(call) == "relax.quantize" else relax.op.dequantize
             flat = op(*args, axis=1, out_dtype=str(call.attrs.out_dtype))
         else:
+            if _op_name(call) == "relax.add":
+                args = self.residual_in_consumer(args)
             flat = relax.Call(call.op, args, call.attrs)
         return self.nchw(self.emit(flat), shape)
+
+    def residual_in_consumer(self, args: list[relax.Expr]) -> list[relax.Expr]:
+        """A residual add of two dequantized results: the operand computed first (ResNet's downsample conv)
+        dequantized inside the add's kernel, from its u8.  FuseOps would put that dequantize into its
+        producer's kernel (an elementwise epilogue), which then writes floats, 4x the bytes, and the add's
+        kernel reads them back: ResNet-50's first downsample wrote 3.2 MB for 0.8 MB of u8.  Emitted as a
+        broadcast-pattern kernel (``op_pattern`` 1), the producer's epilogue stops at its requantize and the
+        dequantize fuses forward into the add's kernel, as onnxruntime's QLinearAdd reads both operands in u8."""
+        parts = []
+        for arg in args:
+            bound = self.value(arg)
+            if _op_name(bound) != "relax.dequantize" or _dtype(bound.args[0]) not in INT8_TYPES:
+                return args
+            scale, zp = self.const(bound.args[1]), self.const(bound.args[2])
+            if scale is None or zp is None or scale.size != 1 or zp.size != 1 or not isinstance(arg, relax.Var):
+                return args
+            parts.append((self.order.get(arg, -1), arg, bound.args[0], np.float32(scale.ravel()[0]),
+                          int(zp.ravel()[0])))
+        if len(parts) != 2 or min(p[0] for p in parts) < 0:
+            return args
+        first = min(parts, key=lambda p: p[0])
+        _, var, q, scale, zp = first
+        moved = self.builder_.emit_te(_dequantized, q, float(scale), zp, primfunc_name_hint="dequantize")
+        gv = self.builder_.lookup_binding(moved).args[0]
+        self.builder_.update_func(gv, self.builder_.get()[gv].with_attr("op_pattern", BROADCAST))
+        return [moved if a.same_as(var) else a for a in args]
 
     def quantized_conv(self, call: relax.Call) -> relax.Expr | None:
         """``conv2d(dequantize(x), dequantize(W))`` -> the integer product times ``xs ws``.  A dense conv
@@ -597,6 +631,12 @@ def _rounded(x: te.Tensor, zp: float, lo: int, hi: int, dtype: str) -> te.Tensor
     return te.compute(x.shape, element, name="requantize")
 
 
+def _dequantized(q: te.Tensor, scale: float, zp: int) -> te.Tensor:
+    """``float(q - zp) * scale``: ONNX DequantizeLinear (the difference is exact in int32)."""
+    return te.compute(q.shape, lambda *i: (q(*i).astype("int32") - zp).astype("float32")
+                      * tvm.tirx.const(scale, "float32"), name="dequantize")
+
+
 def _patches(x: te.Tensor, kh: int, kw: int, sh: int, sw: int, oh: int, ow: int) -> te.Tensor:
     """im2col of an NHWC tensor (padded already), as ``[N, OH, OW, KH, KW, C]`` (a reshape makes it the
     ``[N OH OW, KH KW C]`` operand): element ``x[n, y sh + r, x sw + s, c]``.  Affine indices, so the inner
@@ -730,6 +770,7 @@ def integer_compute(mod: tvm.IRModule, lowering: Lowering = Lowering()) -> tvm.I
         return mod
     rewriter = _IntegerCompute(mod)
     rewriter.lowering = lowering
+    rewriter.order = {}
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             new = rewriter.visit_expr(func)
