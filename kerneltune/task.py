@@ -35,7 +35,7 @@ from tvm import s_tir, te, tirx
 from tvm.tirx.analysis import undefined_vars
 
 from graphopt.errors import UserError
-from kerneltune import vector_intrinsics  # noqa: F401 - marks ops TVM's vectorizer would scalarize
+from kerneltune import stack_locals, vector_intrinsics  # noqa: F401 - marks ops TVM's vectorizer would scalarize
 from kerneltune.opkinds import op_kind, parse_shape
 
 
@@ -134,7 +134,7 @@ def _task_from_json(fields: dict, func_json: str) -> Task:
 def build_func(func: tirx.PrimFunc, target: tvm.target.Target) -> tvm.runtime.Module:
     """Compile a (scheduled or not) PrimFunc into a module with entry ``main``."""
     func = func.with_attr("global_symbol", "main")
-    return tvm.tirx.build(tvm.IRModule({"main": func}), target=target)
+    return tvm.tirx.build(tvm.IRModule({"main": func}), target=target, pipeline=stack_locals.PIPELINE)
 
 
 def run_func(lib, task: Task, inputs: Sequence[np.ndarray], dev) -> list[np.ndarray]:

@@ -35,6 +35,7 @@ from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import fold_weight_packing
+from kerneltune import stack_locals
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
 from pipeline.artifact import synced
 from kerneltune.targets.registry import TargetSpec, device_for
@@ -152,7 +153,8 @@ def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
     kernels = {gv.name_hint for gv in mod.get_global_vars()}
     pipeline = tvm.transform.Sequential([relax.get_pipeline("default"), _helpers_noalias(kernels)])
     with quiet_native_stderr():  # TVM's codegen notes ("Unknown pragma pragma_scope"): not the user's business
-        return relax.build(fold_weight_packing(mod), spec.target, relax_pipeline=pipeline)
+        return relax.build(fold_weight_packing(mod), spec.target, relax_pipeline=pipeline,
+                           tir_pipeline=stack_locals.PIPELINE)
 
 
 def _helpers_noalias(kept: set[str]):
