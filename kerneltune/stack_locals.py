@@ -17,7 +17,8 @@ Reference: TVM's ``src/tirx/transform/lower_tvm_builtin.cc`` (``kMaxStackAlloca`
 """
 from __future__ import annotations
 
-import numpy as np
+import math
+
 import tvm
 from tvm import tirx
 
@@ -34,7 +35,7 @@ def _stack_size(buffer) -> int | None:
     if buffer.scope() != "local":
         return None
     try:
-        elems = int(np.prod([int(d) for d in buffer.shape]))
+        elems = math.prod(int(d) for d in buffer.shape)
     except TypeError:  # a symbolic extent
         return None
     return elems * tvm.DataType(str(buffer.dtype)).bits // 8
@@ -47,7 +48,8 @@ def _rewritten(stmt):
         size = _stack_size(stmt.buffer)
         if size is None or size > STACK_BYTES or _KEY in (stmt.annotations or {}):
             return stmt, False
-        return tirx.AllocBuffer(stmt.buffer, {**dict(stmt.annotations or {}), _KEY: tirx.IntImm("int32", 1)}, stmt.span), True
+        annotations = {**dict(stmt.annotations or {}), _KEY: tirx.IntImm("int32", 1)}  # LowerTVMBuiltin reads an IntImm
+        return tirx.AllocBuffer(stmt.buffer, annotations, stmt.span), True
     if isinstance(stmt, tirx.SeqStmt):
         seq = [_rewritten(s) for s in stmt.seq]
         return (tirx.SeqStmt([s for s, _ in seq], stmt.span), True) if any(c for _, c in seq) else (stmt, False)

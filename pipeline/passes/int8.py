@@ -20,11 +20,12 @@ int8 weights are still int8), into what onnxruntime's own kernels compute (its Q
 Everything after the product is elementwise, so Relax's fusion puts it into the product's kernel as its
 epilogue; the ``dequantize`` of the next layer's input disappears, so u8 activations stay u8 between
 layers.  A residual add of two products dequantizes the one computed first inside the add's kernel
-(:meth:`_IntegerCompute.residual_in_consumer`), so both products write u8.  Convs run in NHWC, as onnxruntime's do: a dense conv is a matmul of its u8 patches by the weight,
-read in place (an implicit GEMM: the taps are reduction loops) where the target has a dot-product
-instruction, else copied first (im2col); a depthwise conv is a vector of channels per output pixel; their
-results stay NHWC through residual adds, pools and the spatial mean (each seen as an NCHW view of the flat
-result), so no layout copy sits between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in
+(:meth:`_IntegerCompute.residual_in_consumer`), so both products write u8.  Convs run in NHWC, as
+onnxruntime's do: a dense conv is a matmul of its u8 patches by the weight, read in place (an implicit
+GEMM: the taps are reduction loops) where the target has a dot-product instruction, else copied first
+(im2col); a depthwise conv is a vector of channels per output pixel; their results stay NHWC through
+residual adds, pools and the spatial mean (each seen as an NCHW view of the flat result), so no layout copy
+sits between layers.  DynamicQuantizeLinear's whole-tensor max / min reduce in
 vector lanes first.
 
 Patterns that do not fit (a weight with nonzero zero points in a conv, a per-channel activation
