@@ -22,6 +22,8 @@ import math
 import tvm
 from tvm import tirx
 
+from .tir_rewrite import rewrite_stmts
+
 # The pipeline's name for tvm.tirx.build(pipeline=) and relax.build(tir_pipeline=).
 PIPELINE = "optimize_model"
 # Largest tile kept on the stack: a thread's stack is megabytes; the largest register tile of the templates
@@ -41,31 +43,16 @@ def _stack_size(buffer) -> int | None:
     return elems * tvm.DataType(str(buffer.dtype)).bits // 8
 
 
-def _rewritten(stmt):
-    """``(stmt with its local allocations annotated, whether any was)``: rebuilt along the paths to them only
-    (TVM 0.27's Python has no statement mutator); statements of other kinds are searched no further."""
-    if isinstance(stmt, tirx.AllocBuffer):
-        size = _stack_size(stmt.buffer)
-        if size is None or size > STACK_BYTES or _KEY in (stmt.annotations or {}):
-            return stmt, False
-        annotations = {**dict(stmt.annotations or {}), _KEY: tirx.IntImm("int32", 1)}  # LowerTVMBuiltin reads an IntImm
-        return tirx.AllocBuffer(stmt.buffer, annotations, stmt.span), True
-    if isinstance(stmt, tirx.SeqStmt):
-        seq = [_rewritten(s) for s in stmt.seq]
-        return (tirx.SeqStmt([s for s, _ in seq], stmt.span), True) if any(c for _, c in seq) else (stmt, False)
-    if isinstance(stmt, tirx.For):
-        body, changed = _rewritten(stmt.body)
-        return (tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
-                         stmt.annotations, span=stmt.span), True) if changed else (stmt, False)
-    if isinstance(stmt, tirx.AttrStmt):
-        body, changed = _rewritten(stmt.body)
-        return (tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body, stmt.span), True) if changed \
-            else (stmt, False)
-    if isinstance(stmt, tirx.IfThenElse):
-        then, c1 = _rewritten(stmt.then_case)
-        other, c2 = _rewritten(stmt.else_case) if stmt.else_case is not None else (None, False)
-        return (tirx.IfThenElse(stmt.condition, then, other, stmt.span), True) if c1 or c2 else (stmt, False)
-    return stmt, False
+def _on_stack(stmt):
+    """A constant-size ``local`` allocation marked for the stack; None for any other statement (searched
+    inside by :func:`~kerneltune.tir_rewrite.rewrite_stmts`; an allocation has nothing inside)."""
+    if not isinstance(stmt, tirx.AllocBuffer):
+        return None
+    size = _stack_size(stmt.buffer)
+    if size is None or size > STACK_BYTES or _KEY in (stmt.annotations or {}):
+        return None
+    annotations = {**dict(stmt.annotations or {}), _KEY: tirx.IntImm("int32", 1)}  # LowerTVMBuiltin reads an IntImm
+    return tirx.AllocBuffer(stmt.buffer, annotations, stmt.span)
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="optimize_model.StackLocals")
@@ -75,7 +62,7 @@ def stack_locals(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
     target = func.attrs.get("target") if func.attrs is not None else None
     if target is None or target.kind.name != "llvm":
         return func
-    body, changed = _rewritten(func.body)
+    body, changed = rewrite_stmts(func.body, _on_stack)
     return func.with_body(body) if changed else func
 
 

@@ -35,7 +35,8 @@ from tvm import s_tir, te, tirx
 from tvm.tirx.analysis import undefined_vars
 
 from graphopt.errors import UserError
-from kerneltune import stack_locals, vector_intrinsics  # noqa: F401 - marks ops TVM's vectorizer would scalarize
+from kerneltune import stack_locals
+from kerneltune import vector_intrinsics  # noqa: F401 - marks ops TVM's vectorizer would scalarize
 from kerneltune.opkinds import op_kind, parse_shape
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir
 
+from ..tir_rewrite import rebuilt_realize, rewrite_stmts
 from ..space import DiscreteKnob, FactorKnob, Knob, SearchSpace
 from ..task import Task
 
@@ -118,39 +119,6 @@ def clamp_padded_reads(func: tvm.tirx.PrimFunc, blocks: set[str]) -> tvm.tirx.Pr
         return None
 
     return func.with_body(rewrite_stmts(func.body, clamp)[0])
-
-
-def rewrite_stmts(stmt, replace):
-    """``(stmt rebuilt along the paths to the statements ``replace`` rewrites, whether any was)``: TVM 0.27's
-    Python has no statement mutator.  ``replace`` returns a statement's replacement, or None to search its
-    body (a loop's, a block's; each statement of a sequence)."""
-    new = replace(stmt)
-    if new is not None:
-        return new, True
-    if isinstance(stmt, tvm.tirx.For):
-        body, changed = rewrite_stmts(stmt.body, replace)
-        return (rebuilt_loop(stmt, body), True) if changed else (stmt, False)
-    if isinstance(stmt, tvm.tirx.SeqStmt):
-        seq = [rewrite_stmts(s, replace) for s in stmt.seq]
-        return (tvm.tirx.SeqStmt([s for s, _ in seq]), True) if any(c for _, c in seq) else (stmt, False)
-    if isinstance(stmt, s_tir.SBlockRealize):
-        body, changed = rewrite_stmts(stmt.block.body, replace)
-        return (rebuilt_realize(stmt, body), True) if changed else (stmt, False)
-    return stmt, False
-
-
-def rebuilt_loop(loop: tvm.tirx.For, body) -> tvm.tirx.For:
-    """``loop`` over ``body``."""
-    return tvm.tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
-
-
-def rebuilt_realize(realize: s_tir.SBlockRealize, body, predicate=None) -> s_tir.SBlockRealize:
-    """``realize``'s block over ``body`` (under ``predicate``, else its own)."""
-    b = realize.block
-    block = s_tir.SBlock(iter_vars=b.iter_vars, reads=b.reads, writes=b.writes, name_hint=b.name_hint, body=body,
-                         init=b.init, alloc_buffers=b.alloc_buffers, match_buffers=b.match_buffers,
-                         annotations=b.annotations)
-    return s_tir.SBlockRealize(realize.iter_values, realize.predicate if predicate is None else predicate, block)
 
 
 def _clamped(store):

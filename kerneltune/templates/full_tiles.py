@@ -14,7 +14,7 @@ iteration, derived term by term only where that is sound: a term free of the nes
 its loop-free side (a stronger test, never a weaker one).  Any other term leaves the nest as it is.  The
 kernel computes what it did; the whole tiles run in vectors.
 
-TVM 0.27's Python has no statement mutator, so the nest is rebuilt node by node (:func:`.common.rewrite_stmts`),
+TVM 0.27's Python has no statement mutator, so the nest is rebuilt node by node (:func:`kerneltune.tir_rewrite.rewrite_stmts`),
 and the copy's loop and block variables are new ones, substituted through the analyzer (``bind``), so that each is
 defined once.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from .common import rewrite_stmts
+from ..tir_rewrite import rewrite_stmts
 
 
 def hoist(func: tirx.PrimFunc) -> tirx.PrimFunc:
