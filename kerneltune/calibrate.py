@@ -11,17 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from kerneltune.targets.host import runs_here
+
 log = logging.getLogger(__name__)
 
 # 2: the matmul register tile grew to 24 accumulators on AVX-512 (the rows tile is measured with it)
 VERSION = 2
-
-
-def runs_here(target) -> bool:
-    """Whether code for ``target`` (a TVM target) can be timed on this machine."""
-    from kerneltune.targets.host import missing_cpu_features
-
-    return str(target.kind.name) == "llvm" and "mtriple" not in target.attrs and not missing_cpu_features(target)
 
 
 def target_key(target) -> str:

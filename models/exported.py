@@ -374,6 +374,58 @@ def shufflenet(size: str) -> Built:
     return _vision(m, size, 64)
 
 
+def shufflenet_v1(size: str) -> Built:
+    """ShuffleNet v1 with 3 groups (Zhang et al., "ShuffleNet: An Extremely Efficient Convolutional Neural
+    Network for Mobile Devices", CVPR 2018, Table 1; torchvision has none, the onnx model zoo's is an
+    opset-9 export of this architecture): every 1x1 conv is grouped (3 groups of 20-80 channels, none a
+    vector multiple) and a channel shuffle (``[N, g, C/g, H, W]`` transposed) follows the first, before a
+    depthwise 3x3.  Stride-2 units concatenate an average-pooled shortcut.  ``full``: 240/480/960 channels,
+    4/8/4 units, 224; ``small``: 48/96/192 channels, one unit a stage, 64x64, 10 classes."""
+    torch = _torch()
+    nn = torch.nn
+    torch.manual_seed(0)
+    groups = 3
+    widths, repeats, classes = _pick(size, ((48, 96, 192), (1, 1, 1), 10), ((240, 480, 960), (4, 8, 4), 1000))
+
+    def conv_bn(cin: int, cout: int, k: int, stride: int = 1, g: int = 1) -> list:
+        return [nn.Conv2d(cin, cout, k, stride, k // 2, groups=g, bias=False), nn.BatchNorm2d(cout)]
+
+    class Unit(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int, g1: int):
+            super().__init__()
+            self.stride, mid = stride, cout // 4
+            out = cout - cin if stride == 2 else cout  # a stride-2 unit concatenates its input, pooled
+            self.g1 = g1
+            self.reduce = nn.Sequential(*conv_bn(cin, mid, 1, g=g1), nn.ReLU(inplace=True))
+            self.body = nn.Sequential(*conv_bn(mid, mid, 3, stride, g=mid), *conv_bn(mid, out, 1, g=groups))
+
+        def forward(self, x):
+            y = self.reduce(x)
+            n, c, h, w = y.shape
+            y = y.view(n, self.g1, c // self.g1, h, w).transpose(1, 2).reshape(n, c, h, w)  # channel shuffle
+            y = self.body(y)
+            if self.stride == 2:
+                return torch.relu(torch.cat([nn.functional.avg_pool2d(x, 3, 2, 1), y], 1))
+            return torch.relu(x + y)
+
+    class ShuffleNetV1(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layers, c = [*conv_bn(3, 24, 3, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)], 24
+            for stage, (width, n) in enumerate(zip(widths, repeats)):
+                for i in range(n):
+                    # the first unit reads the stem's 24 channels: too few to group (the paper's note)
+                    layers.append(Unit(c, width, 2 if i == 0 else 1, 1 if stage == 0 and i == 0 else groups))
+                    c = width
+            self.features = nn.Sequential(*layers)
+            self.fc = nn.Linear(c, classes)
+
+        def forward(self, x):
+            return self.fc(self.features(x).mean((2, 3)))
+
+    return _vision(ShuffleNetV1(), size, 64)
+
+
 def _fc_classifier_cnn(name: str, channels: int, small_image: int, size: str) -> Built:
     """A torchvision CNN whose classifier is FC layers over its pooled ``channels``-channel features.
     ``small``: a ``small_image``-pixel image, the features pooled to 1x1 and one FC layer to 10 classes (the
@@ -629,6 +681,8 @@ CORPUS: dict[str, CorpusSpec] = {s.name: s for s in [
                ("torchscript", "dynamo", "opset9")),
     CorpusSpec("shufflenet", "vision", "torchvision ShuffleNetV2 (5-D channel shuffle; small: x0.5, 64x64 image; "
                "full: x1.0, 224)", shufflenet, ("torchscript", "dynamo", "opset9")),
+    CorpusSpec("shufflenet_v1", "vision", "ShuffleNet v1, 3 groups (grouped 1x1 convs + channel shuffle; small: "
+               "48-192 channels, 64x64; full: 240-960, 224)", shufflenet_v1, ("dynamo", "opset9")),
     CorpusSpec("convnet", "vision", "VGG-like CNN with BatchNorm and view() (model-zoo era)", convnet,
                ("torchscript", "dynamo", "opset9")),
     CorpusSpec("vgg", "vision", "torchvision VGG-19 (small: 32x32 image, pooled to 1x1, one FC layer; "

@@ -14,7 +14,8 @@ import numpy as np
 
 from graphopt.console import engine_versions, version
 from graphopt.dims import sizes_text
-from kerneltune.targets.host import host_caches, host_model_name
+from kerneltune.targets.caches import host_caches
+from kerneltune.targets.host import host_model_name
 
 SCHEMA_VERSION = 2
 

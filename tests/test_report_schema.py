@@ -24,7 +24,8 @@ import onnx
 import pytest
 
 from graphopt import console
-from kerneltune.targets.host import host_caches, host_model_name
+from kerneltune.targets.caches import host_caches
+from kerneltune.targets.host import host_model_name
 from pipeline.report import SCHEMA_VERSION, latency_phrase, result_line
 from test_outputs import mlp
 
@@ -155,19 +156,6 @@ def test_report_json_opens_with_schema_version_time_versions_and_cpu(built):
     if Path("/sys/devices/system/cpu/cpu0/cache").is_dir():  # Linux: the OS lists them
         assert report["cpu"]["caches"]["L1d"] > 0 and report["cpu"]["caches"]["L2"] > report["cpu"]["caches"]["L1d"]
 
-
-def test_host_caches_reads_sysfs_sizes_in_bytes(tmp_path):
-    for i, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "32K"),
-                                             ("2", "Unified", "2048K"), ("3", "Unified", "260M")]):
-        d = tmp_path / f"index{i}"
-        d.mkdir()
-        for name, text in (("level", level), ("type", kind), ("size", size)):
-            (d / name).write_text(text + "\n")
-    assert host_caches(tmp_path) == {"L1d": 48 * 1024, "L1i": 32 * 1024, "L2": 2 * 2**20, "L3": 260 * 2**20}
-    assert host_caches(tmp_path / "nowhere") == {}
-
-
-# ------------------------------------------------------------------------------------------------ without -o
 
 def test_without_o_the_build_goes_to_a_folder_named_after_the_model(built):
     d, report, _, _ = built

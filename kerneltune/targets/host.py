@@ -1,5 +1,5 @@
 """This machine's CPU as LLVM sees it, and what a target's CPU offers the templates: the host CPU and
-triple, its name and caches as the OS gives them, the cores this process may use, a target's vector width
+triple, its name, the cores this process may use, a target's vector width
 and registers, the features an llvm target uses that this CPU lacks, the architecture family of a triple."""
 from __future__ import annotations
 
@@ -31,26 +31,6 @@ def host_model_name() -> str:
     except OSError:
         pass
     return ""
-
-
-_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
-_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def host_caches(root: Path = _CACHE_DIR) -> dict[str, int]:
-    """The first core's caches in bytes by level (``{"L1d": 49152, "L1i": 32768, "L2": 2097152, ...}``), as
-    Linux's sysfs lists them ({} elsewhere): a latency means little without them (a model whose weights fit
-    in L2 on one CPU and not on another)."""
-    caches: dict[str, int] = {}
-    try:
-        for index in sorted(root.glob("index*")):
-            level, kind, size = ((index / f).read_text().strip() for f in ("level", "type", "size"))
-            suffix = {"Data": "d", "Instruction": "i"}.get(kind, "")
-            caches[f"L{level}{suffix}"] = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1] in _SIZE_UNITS \
-                else int(size)
-    except (OSError, ValueError):
-        pass
-    return caches
 
 
 def default_threads() -> int:
@@ -130,6 +110,12 @@ def host_triple() -> str:
 _TUNING_FEATURES = ("fast-", "faster-", "slow-", "false-deps", "no-bypass", "prefer-", "tuning-", "ermsb", "fsrm",
                     "idiv", "lea-", "pad-short", "macrofusion", "branchfusion", "use-", "allow-", "avoid-",
                     "sbb-dep", "branch-hint", "fast")
+
+
+def runs_here(target: "tvm.target.Target") -> bool:
+    """Whether code for ``target`` runs on this machine: an llvm target for this architecture whose features
+    this CPU has (a cross build or an ``-mcpu`` of a newer CPU does not)."""
+    return str(target.kind.name) == "llvm" and "mtriple" not in target.attrs and not missing_cpu_features(target)
 
 
 def missing_cpu_features(target: "tvm.target.Target") -> list[str]:

@@ -30,6 +30,7 @@ from tvm import s_tir
 
 from ..space import ChoiceKnob, SearchSpace, divisors, prime_factors
 from ..calibrate import calibrated
+from ..targets.caches import k_block_depth, l1_block_bytes
 from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..prepack import PREPROC
 from ..task import Task, root_blocks, symbolic_axes
@@ -400,7 +401,8 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
       (1 thread, 128x768x768: 157 vs 135 GFLOP/s for S2 = 2), 1-2x on an Intel Xeon, so it is measured once
       per CPU (``row_repeat``: :func:`time_row_repeats`).  Convs take 2 output rows (y) and 8 filters,
       so each weight broadcast feeds 2 FMAs (52 vs 44 GFLOP/s for 16 filters x 1 row; NCHW stays load-bound);
-    * reductions: R1 (inner) = 64 deep along ``k`` / ``rc*ry*rx`` so operand panels stay in L1;
+    * reductions: R1 (inner) along ``k`` / ``rc*ry*rx`` deep enough to fill a third of L1 with the widest B
+      panel (:func:`~kerneltune.targets.caches.k_block_depth`: 64 on a 48 KiB L1d) so operand panels stay in L1;
     * parallel: prime factors move from S1 (then S2, S3) of the outer axes to S0 until every core has work;
     * a conv's padding stays a separate stage (bounds checks in the inner loop cost ~10x), stored as even and
       odd columns for a stride-2 conv; a pad of 0 and a depthwise conv's padding are inlined; unroll 64.
@@ -424,7 +426,8 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     # conv: a second output row shares every weight broadcast, then filters fill 16 vector accumulators
     y_s3 = _largest_divisor_at_most(task.axis("y").extent, 2) if task.kind == "conv2d" else 1
     # R1 of each reduction: k / rc deep enough for the operand panels to stay in L1, the others whole
-    inner = {a.role: _k_block(extent[a.role], max(1, K_INNER // window)) if a.role in ("k", "rc")
+    depth, l1_block = k_block_depth(target), l1_block_bytes(target)
+    inner = {a.role: _k_block(extent[a.role], max(1, depth // window)) if a.role in ("k", "rc")
              else extent[a.role] for a in task.axes if a.reduce}
     cfg: dict = {}
     for a in task.axes:
@@ -441,7 +444,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
             s3 = _largest_divisor_at_most(e, max(1, accumulators // (nvec * y_s3)))
             if task.kind == "conv2d":
                 s2 = 1
-            elif _rows_fit_l1(e, vec_s3, inner.get("k", 1), task.dtype):
+            elif _rows_fit_l1(e, vec_s3, inner.get("k", 1), task.dtype, l1_block):
                 s2 = e // s3  # every row inside the k-block: each B block read once, from L1
             else:
                 s2 = _largest_divisor_at_most(e // s3, row_repeat)
@@ -502,11 +505,6 @@ def _accumulators(task: Task, target: tvm.target.Target) -> int:
     return registers // 2 if task.kind == "conv2d" else registers - OPERAND_REGISTERS
 
 
-# Reduction depth of one k-block (R1), and the L1 bytes a k-block may take when every row is inside it: half of
-# 32 KiB, the smallest L1 data cache x86 cores have had since 2006.
-K_INNER, L1_BLOCK_BYTES = 64, 16 * 1024
-
-
 def _k_block(depth: int, cap: int) -> int:
     """Depth of one k-block (R1): the largest divisor of ``depth`` up to ``cap``, or the whole depth when that
     divisor is under a quarter of ``cap``.  ViT-B/16's attention-weighted values (197 x 197 x 64 per head)
@@ -516,13 +514,13 @@ def _k_block(depth: int, cap: int) -> int:
     return depth if block * 4 < cap else block
 
 
-def _rows_fit_l1(rows: int, width: int, k_inner: int, dtype: str) -> bool:
-    """Whether the A block of every row (rows x k_inner) and one B block (k_inner x width) fit in
-    :data:`L1_BLOCK_BYTES`: then the register tile repeats down all the rows inside one k-block (S2 = every
+def _rows_fit_l1(rows: int, width: int, k_inner: int, dtype: str, l1_block: int) -> bool:
+    """Whether the A block of every row (rows x k_inner) and one B block (k_inner x width) fit in ``l1_block``
+    bytes (:func:`~kerneltune.targets.caches.l1_block_bytes`): then the register tile repeats down all the rows inside one k-block (S2 = every
     row tile) and each B block is read once, from L1.  A 35-token LM's 35 x 650 x 10048 decoder, cold, 2
     threads, Intel Xeon: 2.96 -> 2.70 ms (it streams a 26 MB weight); its 35 x 650 x 2624 input projection
     0.75 -> 0.73.  128 rows (BERT) need 32 KiB for A alone and keep the calibrated rows tile."""
-    return (rows + width) * k_inner * (tvm.DataType(dtype).bits // 8) <= L1_BLOCK_BYTES
+    return (rows + width) * k_inner * (tvm.DataType(dtype).bits // 8) <= l1_block
 
 
 # The matmul rows tile (S2) without a measurement (tuned on a Zen 5), the candidates (preferred first on

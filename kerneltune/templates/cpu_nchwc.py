@@ -34,11 +34,12 @@ from tvm import s_tir
 
 from ..prepack import PREPROC
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
+from ..targets.caches import l1_block_bytes
 from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..task import Task
 from .common import InvalidConfig, check_config, prepare
 from .conv_nchwc import MAX_UNROLLED_TAPS, compute_width
-from .cpu import L1_BLOCK_BYTES, _largest_divisor_at_most, has_producers
+from .cpu import _largest_divisor_at_most, has_producers
 
 UNROLL = (0, 16, 64, 512)
 # Register tiles with more vector accumulators than this spill (32 zmm registers, some for operands) and
@@ -234,7 +235,10 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
       -> 29.6 ms, MobileNet-v2 3.16 -> 3.00 ms in alternating blocks, Inception-v3 unchanged; timed in the
       model, ResNet-50's convs ran 1.17x slower than the same calls repeated warm with channels split, 1.06x
       on one thread).  Larger weights (the 7x7 and 14x14 stages) keep channels split, each core reading
-      half of them;
+      half of them.  The rows stay split where a core's share overflows its L2 too: splitting channels
+      where a core's rows of the output (MobileNet-v2's 16 -> 96 at 112x112, 2.4 MB) or its whole share
+      (ResNet-50's 256 -> 128 and 256 -> 512 at 56x56, 2.4 and 2.9 MB) exceed a 2 MiB L2 ran MobileNet-v2
+      1.01-1.2x and ResNet-50 1.01-1.03x slower (Intel Xeon, three alternating rounds each);
     * dense convs pad in a separate parallel copy (bounds checks in their long inner loops cost ~15%);
       depthwise convs read each input once per tap, where the extra pass over the input costs more than the
       checks: padding inlined (MobileNet-v2 144x56x56: 87 vs 39 GFLOP/s, 1 thread), and a smaller register
@@ -274,7 +278,7 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     weights_per_input = _weights_per_input(task)
     s0_rows = weights_per_input < 1
     tile_y, tile_ic, ic_order = (oh // y2, 1, y2), (_extent(task, "rco"), 1), "inner"
-    if not dw and weights_per_input >= 0.5 and _panel_bytes(task, ob2 * d) > 2 * L1_BLOCK_BYTES:
+    if not dw and weights_per_input >= 0.5 and _panel_bytes(task, ob2 * d) > 2 * l1_block_bytes(target):
         tile_y, tile_ic = _ic_outer_tiles(task, target, ob2 * d, ob_ext // ob2, oh // y2, y2)
         ic_order, s0_rows = "outer", False
     return {
@@ -301,13 +305,14 @@ def _panel_bytes(task: Task, oc_bn: int) -> int:
 def _ic_outer_tiles(task: Task, target: tvm.target.Target, oc_bn: int, chunks: int, rows: int,
                     y2: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
     """(``tile_y``, ``tile_ic``) of the input-channel-outer order: the rows of a parallel chunk move to S1 so
-    one L1-sized chunk of the weights (``ic_bn`` channels, at most :data:`L1_BLOCK_BYTES`) serves them all,
+    one L1-sized chunk of the weights (``ic_bn`` channels, at most
+    :func:`~kerneltune.targets.caches.l1_block_bytes`) serves them all,
     while as many row groups stay parallel as two chunks per core need."""
     cores = num_cores(target)
     y0 = next(y for y in range(1, rows + 1) if rows % y == 0 and (chunks * y >= 2 * cores or y == rows))
     blocks, a = _extent(task, "rco"), task.dims["a"]
     block_bytes = _panel_bytes(task, oc_bn) * a // (task.dims["C"] // task.dims["G"])  # one input block's
-    ic1 = _largest_divisor_at_most(blocks, max(1, L1_BLOCK_BYTES // max(1, block_bytes)))
+    ic1 = _largest_divisor_at_most(blocks, max(1, l1_block_bytes(target) // max(1, block_bytes)))
     return (y0, rows // y0, y2), (blocks // ic1, ic1)
 
 

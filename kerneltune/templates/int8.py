@@ -29,7 +29,8 @@ leaves bindings that ``tensorize`` cannot blockize.
 Knobs: ``tile_rows`` (outer, register rows), ``tile_j`` (outer, write-back tile, vectors in the register
 tile; in units of ``lanes`` columns), ``tile_k`` (k-blocks, groups of ``depth`` per block).  Defaults from
 the machine: the register tile fills :func:`~kerneltune.targets.host.vector_registers` minus the B vectors
-and the broadcast, and the k-block keeps the B panel in an eighth of L1.
+and the broadcast, and the k-block keeps the B panel in a quarter of the L1 block
+(:func:`~kerneltune.targets.caches.l1_block_bytes`).
 """
 from __future__ import annotations
 
@@ -39,13 +40,11 @@ from tvm import s_tir, tirx
 from ..prepack import PREPROC
 from ..space import FactorKnob, SearchSpace
 from ..task import IMPLICIT_CONV, Task, mac_operands, root_blocks, symbolic_axes
+from ..targets.caches import l1_block_bytes
 from ..targets.host import vector_registers
 from .common import InvalidConfig, check_config, prepare
 from .int8_intrin import Instruction, instruction_for
 
-# The smallest L1d of the x86 CPUs with VNNI (Ice Lake client): a target's space must not depend on the
-# machine that compiles it; the default k-block keeps the B panel in an eighth of it (default_config)
-L1_BYTES = 32 * 1024
 KINDS = ("matmul", "batch_matmul", IMPLICIT_CONV)
 # the least x86 target with a dot-product instruction (AVX2's 16-bit multiply-adds): a kind only this template
 # schedules (IMPLICIT_CONV) is checked against it (kerneltune.templates.task_for)
@@ -103,8 +102,9 @@ def default_config(task: Task, target: tvm.target.Target):
     """Register tile: ``mr`` rows x ``nv`` vectors of 16 int32 accumulators, the most that fit beside one
     register per B vector and one for A's broadcast (32 AVX-512 registers: 6 x 4 + 4 + 1), ``mr`` and
     ``nv`` dividing the rows and column groups (a 7 x 7 conv's 49 rows: 7 x 3); the k-block holds the B
-    panel (``kb x nv x 64`` bytes) in an eighth of L1, which measured best on an Intel Xeon (Emerald Rapids,
-    2 threads, 128 x 768 x 768: 64 deep 623 GOPS, 256 deep 417); the write-back tile is the register tile."""
+    panel (``kb x nv x 64`` bytes) in a quarter of the L1 block (4 KiB of a 48 KiB L1d), which measured best
+    on an Intel Xeon (Emerald Rapids, 2 threads, 128 x 768 x 768: 64 deep 623 GOPS, 256 deep 417); the
+    write-back tile is the register tile."""
     m, n, k = _extents(task)
     ins = _instruction(task, target)
     groups, kgroups = n // ins.lanes, k // ins.depth
@@ -118,7 +118,7 @@ def default_config(task: Task, target: tvm.target.Target):
         # x86-64-v3 code (Intel Xeon, 2 threads, 3136 x 576 x 64) 4 x 4 ran 78 GOPS, 2 x 4 70, 14 x 1 44
         tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m) if mr <= 4]
     _, nv, mr = max(tiles)
-    kb = max(d for d in _divisors(kgroups) if d * ins.depth * nv * ins.lanes <= L1_BYTES // 8)
+    kb = max(d for d in _divisors(kgroups) if d * ins.depth * nv * ins.lanes <= l1_block_bytes(target) // 4)
     cfg = {"tile_rows": (m // mr, mr), "tile_j": (groups // nv, 1, nv), "tile_k": (kgroups // kb, kb)}
     return tuple(cfg[kn.name] for kn in space(task, target).knobs)
 
