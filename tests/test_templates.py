@@ -139,6 +139,20 @@ def test_conv2d_matches_numpy(shape, stride, pad, groups, pads):
         np.testing.assert_allclose(out, _np_conv(x, w, stride, pad, groups), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape,groups,rows", [
+    ("1,30,14,14,60,1,1", 3, 5),      # ShuffleNet v1's groups of 20 filters: 5 rows, not 6 across a boundary
+    ("1,64,14,14,64,3,3", 16, 8),     # ResNeXt's groups of 4: two whole groups a tile
+    ("1,16,14,14,48,1,1", 1, 8)])     # ungrouped: the largest divisor that fits the accumulators
+def test_grouped_conv_register_rows_cover_whole_groups(shape, groups, rows):
+    """The default register tile's filters (``tile_f`` S3, 16 accumulators of AVX-512 over 2 output rows) divide
+    a group's filters or take whole groups, and the kernel (for this machine) still equals numpy."""
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})  # any host
+    task = make_task("conv2d", shape, groups=groups)
+    assert templates.space_for(task, avx512).as_dict(templates.default_config(task, avx512))["tile_f"][3] == rows
+    (x, w), (out,) = _run(task, templates.default_config(task, LLVM))
+    np.testing.assert_allclose(out, _np_conv(x, w, 1, 0, groups), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("shape,stride,pad,groups,expected", [
     ("1,16,28,28,16,3,3", 1, 1, 16, "inline"),   # depthwise: the checks inline cost less than a scalar copy
     ("1,16,28,28,16,3,3", 2, 1, 16, "inline"),
