@@ -381,8 +381,8 @@ def _rows_tile(task: Task, rows: int, cap: int) -> int:
     """The register tile's rows (S3): the largest divisor of ``rows`` up to ``cap``, and in a grouped conv one
     that covers whole groups or a whole share of one.  A tile straddling a group boundary reads two groups'
     inputs at rows that vary from tile to tile: ShuffleNet v1's 240 -> 60 1x1 in 3 groups (20 filters each) at
-    28x28 ran 0.166 ms in tiles of 6 filters, 0.081 in tiles of 5 (Intel Xeon, 2 threads); ResNeXt's 4-filter
-    groups run as fast in tiles of 8 as of 4 (0.470 and 0.461 ms at 56x56)."""
+    28x28 ran 0.081 ms in tiles of 6 filters, 0.040 in tiles of 5 (Intel Xeon, 2 threads); ResNeXt's 4-filter
+    groups run about as fast in tiles of 8 as of 4 (0.215 and 0.209 ms at 56x56)."""
     width = task.dims["F"] // task.dims["G"] if task.kind == "conv2d" else rows
     return max(d for d in divisors(rows) if d <= cap and (width % d == 0 or d % width == 0))
 
