@@ -207,13 +207,28 @@ def at_sizes(extents, values: Mapping[str, int]) -> list:
 
 def specialize(func: tirx.PrimFunc, values: Mapping[str, int]) -> tirx.PrimFunc:
     """``func`` with the symbolic sizes named in ``values`` bound to them: the kernel's instance at the
-    representative size, which the templates, the default tiles and tuning work on."""
+    representative size, which the templates, the default tiles and tuning work on.
+
+    TIR's ``Specialize`` binds a size through a scalar parameter or a buffer dimension that is the size alone,
+    and substitutes it everywhere else.  A dimension computed from sizes (attention heads folded into the
+    batch, ``batch * 12``) cannot be matched: it is left as it is in the buffer given, and follows the sizes
+    once they are bound."""
     params = {}
     for p in func.params:
-        shape = getattr(p, "shape", None)
-        if shape is None:
+        shape = _buffer_shape(p)
+        if shape is None:  # a scalar size the caller passes (Relax does where no buffer holds it bare)
+            if p.name in values:
+                params[p] = tvm.tirx.IntImm(str(p.ty.dtype), int(values[p.name]))
             continue
-        new = at_sizes(shape, values)
+        new = [at_sizes([d], values)[0] if isinstance(d, tirx.Var) else d for d in shape]
         if any(not n.same_as(d) for n, d in zip(new, shape)):
             params[p] = tvm.tirx.decl_buffer(new, str(p.dtype), p.name)
     return func.specialize(params) if params else func
+
+
+def _buffer_shape(param) -> list | None:
+    """A buffer parameter's shape; None for a scalar parameter."""
+    try:
+        return list(param.shape)
+    except AttributeError:  # "shape is only available on a Var with BufferType"
+        return None

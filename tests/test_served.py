@@ -373,3 +373,27 @@ def test_scores_with_a_symbolic_vector_axis_write_whole_tiles_unmasked():
         out = tvm.runtime.tensor(np.full((12, length, length), np.nan, np.float32))
         lib["main"](tvm.runtime.tensor(qv), tvm.runtime.tensor(kv), out)
         np.testing.assert_allclose(out.numpy(), qv @ kv, rtol=1e-4, atol=1e-4, err_msg=f"{length} tokens")
+
+
+def test_specialize_binds_sizes_folded_into_another_dimension():
+    """MiniLM's attention folds its heads into the batch (``[batch * 12, sequence, 32]``): a kernel whose buffers
+    hold ``batch`` only inside such a product takes it as a scalar parameter.  The instance at the
+    representative sizes has every dimension bound, the products included (TIR's Specialize refused the
+    product, and a build serving both batch and sequence stopped with an internal error)."""
+    from tvm import relax
+
+    batch, sequence = tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("sequence", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([batch, 2, sequence, 4], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            folded = bb.emit(relax.op.reshape(x, [batch * 2, sequence, 4]))
+            out = bb.emit_output(relax.op.permute_dims(folded, [0, 2, 1]))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    funcs = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    shapes = []
+    for func in funcs:
+        instance = specialize(func, {"batch": 3, "sequence": 5})
+        shapes.append(sorted(tuple(int(d) for d in p.shape) for p in instance.params))
+    assert sorted(shapes) == [[(3, 2, 5, 4), (6, 5, 4)], [(6, 4, 5), (6, 5, 4)]]
