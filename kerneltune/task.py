@@ -94,6 +94,9 @@ class Task:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     weights: tuple[str, ...] = ()  # input parameters the model feeds with constants (may be packed at build)
+    # roles whose extents follow a served size: the task is a kernel's instance at a representative size
+    # (pipeline.symbolic), and the kernel built from its config runs at every size in the range
+    served: frozenset[str] = frozenset()
     _ref_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

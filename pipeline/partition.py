@@ -11,6 +11,7 @@ it, so the scheduler's objective sum(weight x latency) is the model's kernel tim
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from kerneltune.describe import describe
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.opkinds import KINDS as OP_KINDS
 from kerneltune.opkinds import VARIANTS, base_kind
+from kerneltune.task import symbolic_axes
 from pipeline.passes import provenance
 from pipeline.passes.fast_sigmoid import FastSigmoid
 from pipeline.passes.fold import FoldConstants
@@ -195,6 +197,8 @@ def list_tasks(fused: tvm.IRModule, at: Mapping[str, int] | None = None) -> list
         instance = specialize(func, at) if at else func
         symbolic = not instance.same_as(func)
         kt = templates.task_for(gv.name_hint, instance)
+        if symbolic and kt is not None:
+            kt = dataclasses.replace(kt, served=frozenset(symbolic_axes(dataclasses.replace(kt, func=func))))
         kind = getattr(kt, "kind", None) or "other"
         flops = float(getattr(kt, "flops", 0) or 0) or _flops(instance)
         task = FusedTask(index=len(tasks), name=gv.name_hint, kind=kind, shapes=shapes, dtype=str(dtype), weight=1,

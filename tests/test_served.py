@@ -397,3 +397,22 @@ def test_specialize_binds_sizes_folded_into_another_dimension():
         instance = specialize(func, {"batch": 3, "sequence": 5})
         shapes.append(sorted(tuple(int(d) for d in p.shape) for p in instance.params))
     assert sorted(shapes) == [[(3, 2, 5, 4), (6, 5, 4)], [(6, 4, 5), (6, 5, 4)]]
+
+
+def test_a_served_batch_stays_whole_and_the_cores_split_the_other_axes():
+    """A batch axis whose extent follows a served size is not tiled (a tile pads it: batch 1 computed as 2) and
+    does not feed the cores (at batch 1 one core would idle): its S0 is the whole batch, and the rows and
+    columns give the parallel chunks.  A static batch is split as before."""
+    import dataclasses
+
+    from kerneltune.task import make_task
+    from kerneltune.templates import cpu
+
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})  # any host
+    static = make_task("batch_matmul", "4,128,384,1536")
+    served = dataclasses.replace(static, served=frozenset({"b0", "i"}))
+    tiles = {name: dict(zip(cpu.space(t).names, cpu.default_config(t, avx512, row_repeat=1)))
+             for name, t in (("static", static), ("served", served))}
+    assert tiles["served"]["tile_b0"] == (4, 1, 1, 1)
+    assert tiles["served"]["tile_i"][0] * tiles["served"]["tile_j"][0] >= 2
+    assert tiles["static"]["tile_b0"] != (4, 1, 1, 1)

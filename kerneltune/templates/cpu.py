@@ -439,6 +439,12 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
     depth, l1_block = k_block_depth(target), l1_block_bytes(target)
     inner = {a.role: _k_block(extent[a.role], max(1, depth // window)) if a.role in ("k", "rc")
              else extent[a.role] for a in task.axes if a.reduce}
+    # A served axis the register tile does not use (a batch, in a build serving a range of batches) stays whole
+    # in S0: tiled, it is padded to its tile at every size (batch 1 computed as 2) and, split to feed the
+    # cores, leaves one core idle at the range's low end (MiniLM served 1..4 x 2..512, one batch of 8 tokens:
+    # its matmuls 31-34 GFLOP/s, 68-69 in a build serving one batch; Intel Xeon, 2 threads).  The cores are
+    # fed from the other axes.
+    whole = {r for r in task.served if r not in (vec, rows)}
     cfg: dict = {}
     for a in task.axes:
         if a.extent == 1:
@@ -446,6 +452,9 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
         e = extent[a.role]
         if a.reduce:
             cfg[a.role] = [e // inner[a.role], inner[a.role]]
+            continue
+        if a.role in whole:
+            cfg[a.role] = [e, 1, 1, 1]
             continue
         s2 = 1
         if a.role == vec:
@@ -463,7 +472,7 @@ def default_config(task: Task, target: tvm.target.Target, row_repeat: int | None
         else:
             s3 = 1
         cfg[a.role] = [1, e // (s2 * s3), s2, s3]
-    split = [a.role for a in task.axes if not a.reduce and a.extent > 1]
+    split = [a.role for a in task.axes if not a.reduce and a.extent > 1 and a.role not in whole]
     if rows in split and vec in split and split.index(vec) > split.index(rows) and extent[vec] > extent[rows]:
         # the cores split the larger operand: B (K x N) is larger than A (M x K) when N > M, and split by rows
         # each core streams all of it (BERT's 128 x 768 x 3072, 2 threads, cold: 241 GFLOP/s by rows, 276 by
