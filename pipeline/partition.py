@@ -11,10 +11,9 @@ it, so the scheduler's objective sum(weight x latency) is the model's kernel tim
 """
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import tvm
@@ -198,7 +197,7 @@ def list_tasks(fused: tvm.IRModule, at: Mapping[str, int] | None = None) -> list
         symbolic = not instance.same_as(func)
         kt = templates.task_for(gv.name_hint, instance)
         if symbolic and kt is not None:
-            kt = dataclasses.replace(kt, served=frozenset(symbolic_axes(dataclasses.replace(kt, func=func))))
+            kt = replace(kt, served=frozenset(symbolic_axes(replace(kt, func=func))))
         kind = getattr(kt, "kind", None) or "other"
         flops = float(getattr(kt, "flops", 0) or 0) or _flops(instance)
         task = FusedTask(index=len(tasks), name=gv.name_hint, kind=kind, shapes=shapes, dtype=str(dtype), weight=1,

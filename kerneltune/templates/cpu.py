@@ -535,10 +535,11 @@ def _k_block(depth: int, cap: int) -> int:
 
 def _rows_fit_l1(rows: int, width: int, k_inner: int, dtype: str, l1_block: int) -> bool:
     """Whether the A block of every row (rows x k_inner) and one B block (k_inner x width) fit in ``l1_block``
-    bytes (:func:`~kerneltune.targets.caches.l1_block_bytes`): then the register tile repeats down all the rows inside one k-block (S2 = every
-    row tile) and each B block is read once, from L1.  A 35-token LM's 35 x 650 x 10048 decoder, cold, 2
-    threads, Intel Xeon: 2.96 -> 2.70 ms (it streams a 26 MB weight); its 35 x 650 x 2624 input projection
-    0.75 -> 0.73.  128 rows (BERT) need 32 KiB for A alone and keep the calibrated rows tile."""
+    bytes (:func:`~kerneltune.targets.caches.l1_block_bytes`): then the register tile repeats down all the
+    rows inside one k-block (S2 = every row tile) and each B block is read once, from L1.  A 35-token LM's
+    35 x 650 x 10048 decoder, cold, 2 threads, Intel Xeon: 2.96 -> 2.70 ms (it streams a 26 MB weight); its
+    35 x 650 x 2624 input projection 0.75 -> 0.73.  128 rows (BERT) need 32 KiB for A alone and keep the
+    calibrated rows tile."""
     return (rows + width) * k_inner * (tvm.DataType(dtype).bits // 8) <= l1_block
 
 
