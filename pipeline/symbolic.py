@@ -220,7 +220,8 @@ def specialize(func: tirx.PrimFunc, values: Mapping[str, int]) -> tirx.PrimFunc:
             if p.name in values:
                 params[p] = tvm.tirx.IntImm(str(p.ty.dtype), int(values[p.name]))
             continue
-        new = [at_sizes([d], values)[0] if isinstance(d, tirx.Var) else d for d in shape]
+        new = [tvm.tirx.IntImm(str(d.ty.dtype), int(values[d.name])) if isinstance(d, tirx.Var) and d.name in values
+               else d for d in shape]
         if any(not n.same_as(d) for n, d in zip(new, shape)):
             params[p] = tvm.tirx.decl_buffer(new, str(p.dtype), p.name)
     return func.specialize(params) if params else func

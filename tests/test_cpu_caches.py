@@ -30,7 +30,6 @@ def fake_cpu(tmp_path, monkeypatch):
     """``use(l1d, l2)``: from now on this machine's caches are the faked ones, and every llvm target counts as
     running here (so an AVX-512 target gets them on an AVX2 machine too)."""
     monkeypatch.setattr(host, "runs_here", lambda target: True)
-    monkeypatch.setattr(caches, "_RUNS_HERE", {})
 
     def use(l1d: str, l2: str) -> None:
         monkeypatch.setattr(caches, "CACHE_DIR", write_sysfs(tmp_path / f"{l1d}-{l2}", l1d, l2))

@@ -86,20 +86,12 @@ def _host() -> Caches:
     return read_caches(CACHE_DIR) or PORTABLE
 
 
-# str(target) -> whether its code runs here: asking LLVM for both CPUs' features takes ~0.6 ms, and every default
-# config asks (thousands of times in a tuning run)
-_RUNS_HERE: dict[str, bool] = {}
-
-
 def target_caches(target: "tvm.target.Target") -> Caches:
     """The caches ``target``'s kernels run with: this machine's where its code runs here, else
     :data:`PORTABLE`."""
     from .host import runs_here
 
-    key = str(target)
-    if key not in _RUNS_HERE:
-        _RUNS_HERE[key] = runs_here(target)
-    return _host() if _RUNS_HERE[key] else PORTABLE
+    return _host() if runs_here(target) else PORTABLE
 
 
 # ---------------------------------------------------------------------------------------- the derived budgets

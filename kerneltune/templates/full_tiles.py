@@ -14,9 +14,9 @@ iteration, derived term by term only where that is sound: a term free of the nes
 its loop-free side (a stronger test, never a weaker one).  Any other term leaves the nest as it is.  The
 kernel computes what it did; the whole tiles run in vectors.
 
-TVM 0.27's Python has no statement mutator, so the nest is rebuilt node by node (:func:`kerneltune.tir_rewrite.rewrite_stmts`),
-and the copy's loop and block variables are new ones, substituted through the analyzer (``bind``), so that each is
-defined once.
+TVM 0.27's Python has no statement mutator, so the nest is rebuilt node by node
+(:func:`kerneltune.tir_rewrite.rewrite_stmts`), and the copy's loop and block variables are new ones, substituted
+through the analyzer (``bind``), so that each is defined once.
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
+from ..targets.caches import CACHE_LINE
 from ..tir_rewrite import rebuilt_loop, rewrite_stmts
 
-CACHE_LINE = 64
 L2_LOCALITY = 2   # llvm.prefetch locality 2: x86 prefetcht1, into L2
 
 
