@@ -76,6 +76,10 @@ class Graph:
     ir_version: int = 8
     functions: list[Any] = field(default_factory=list)  # onnx.FunctionProto, kept verbatim for export
     producer_name: str = "optimize-model"
+    # convolutions (by their weight initializer) the compiler computes with its Winograd F(m x m, 3 x 3)
+    # kernel, m the value: graphopt.winograd.mark; exported as the model's metadata (WINOGRAD_METADATA), so
+    # the ONNX file still computes the same function and any runtime ignores it
+    winograd: dict[str, int] = field(default_factory=dict)
 
     # ---- queries -------------------------------------------------------------------------------------
     def tensor(self, name: str) -> TensorInfo | None:
@@ -218,6 +222,7 @@ class Graph:
         g.outputs = list(self.outputs)
         g.initializers = dict(self.initializers)
         g.value_info = dict(self.value_info)
+        g.winograd = dict(self.winograd)
         return g
 
     def fresh_name(self, base: str) -> str:
@@ -282,6 +287,9 @@ class Graph:
         h = hashlib.sha1()
         for o in self.output_names:
             h.update(tensor_key(o).encode())
+        for w, m in sorted(self.winograd.items()):  # the same function computed by another kernel
+            if w in self.initializers:
+                h.update(f"winograd{m}:{array_key(self.initializers[w])}".encode())
         return h.hexdigest()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -374,9 +375,27 @@ def import_onnx(model_or_path: onnx.ModelProto | str | os.PathLike,
         opset_imports={o.domain: o.version for o in model.opset_import},
         ir_version=model.ir_version, functions=list(model.functions),
         producer_name=model.producer_name or "optimize-model",
+        winograd=winograd_marks(model),
     )
     _remove_identities(graph)
     return graph
+
+
+# The model metadata key under which Graph.winograd travels: {weight initializer: tile size m}
+WINOGRAD_METADATA = "optimize-model.winograd"
+
+
+def winograd_marks(model: onnx.ModelProto) -> dict[str, int]:
+    """The convolutions a model marks for the Winograd kernel (:attr:`Graph.winograd`), by weight name; a
+    malformed entry marks nothing (the marks only choose a kernel, never the function)."""
+    for prop in model.metadata_props:
+        if prop.key == WINOGRAD_METADATA:
+            try:
+                marks = json.loads(prop.value)
+                return {str(w): int(m) for w, m in marks.items() if int(m) in (2, 4, 6)}
+            except (ValueError, TypeError, AttributeError):
+                return {}
+    return {}
 
 
 def _check_dtype(name: str, dtype: str) -> None:
@@ -555,6 +574,9 @@ def export_onnx(graph: Graph, check: bool = True) -> onnx.ModelProto:
     # readable by the pinned onnxruntime; at least IR_WEIGHTS_APART, since folded Constants are weights no input lists
     model.ir_version = min(max(graph.ir_version, IR_WEIGHTS_APART), ort_max_ir_version())
     model.functions.extend(graph.functions)
+    marked = {w: m for w, m in sorted(graph.winograd.items()) if w in graph.initializers}
+    if marked:
+        helper.set_model_props(model, {WINOGRAD_METADATA: json.dumps(marked)})
     if check:
         try:
             onnx.checker.check_model(model, full_check=False)

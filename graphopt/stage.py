@@ -118,6 +118,11 @@ WINOGRAD_GAIN = 0.05
 # saved (one-layer models on a 2-core Intel Xeon, default schedules: VGG's 64-channel layer at 224x224 0.74x
 # the direct conv, 128 channels at 112x112 0.79x; 256 at 56x56 1.24x, 512 at 28x28 1.49x).
 WINOGRAD_MIN_WIDTH = 48
+# The same bound where the engine has a Winograd kernel of its own (CostModel.blocked_winograd: kerneltune's
+# NCHW[x]c kernel, its transforms inside the kernel's tiles, no layout copies): ResNet-50's 64-channel
+# layer at 56x56 ran 1.2-2.0x faster as F(4x4) than direct alone (Intel Xeon, 2 threads), so thin layers
+# are priced too.
+KERNEL_MIN_WIDTH = 16
 # A layer whose neighbours are no candidates (fed by and feeding direct convs) is not priced: it pays a layout
 # transpose on each side, and none of the 16 such layers priced on a 2-core Intel Xeon paid (ResNet-50's,
 # Inception-v3's 80->192 at 73x73 by 1%, VGG-19's 128->128 at 112x112, all 9 of GoogLeNet's: its 64->192 at
@@ -537,7 +542,9 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
     result."""
     from graphopt import winograd
 
-    sites = [s for s in winograd.conv_sites(graph) if s.c * s.k >= WINOGRAD_MIN_WIDTH * (s.c + s.k)]
+    kernel = cost_model.blocked_winograd()
+    width = KERNEL_MIN_WIDTH if kernel else WINOGRAD_MIN_WIDTH
+    sites = [s for s in winograd.conv_sites(graph) if s.c * s.k >= width * (s.c + s.k)]
     if not sites:
         return None, WinogradAlternative()
     context = winograd.neighbours(graph, sites)  # (fed by, feeding) another candidate: no transposes between
@@ -552,22 +559,24 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
         site = group[0]
         # "convs": the layer's convs by their output tensors (ConvSite.node)
         layer = WinogradLayer(convs=tuple(s.node for s in group), n=site.n, c=site.c, k=site.k, h=site.h,
-                              w=site.w, tile=site.tile(), neighbours=context[site.node])
-        if not any(layer.neighbours):
+                              w=site.w, tile=site.kernel_tile() if kernel else site.tile(),
+                              neighbours=context[site.node])
+        if not kernel and not any(layer.neighbours):
             layer = replace(layer, decision="not priced: isolated (no candidate layer next to it)")
         elif clock is not None and clock.left() <= 0:
             layer, stopped_by = replace(layer, decision="not priced: time limit"), SearchStop.TIME_LIMIT
         else:
-            layer = _price_winograd(graph, site, layer, cost_model)
+            layer = _price_winograd(graph, site, layer, cost_model, kernel)
             if layer is None:
                 return None, WinogradAlternative(skipped=f"the {cost_model.name} cost model does not price kernels")
             if layer.decision != "direct":
-                tiles.update({s.node: site.tile() for s in group})
+                tiles.update({s.node: layer.tile for s in group})
         layers.append(layer)
     if not tiles:
         return None, WinogradAlternative(layers=tuple(layers), stopped_by=stopped_by)
-    candidate = winograd.rewrite(graph, tiles)
-    applied = dict(Counter(f"winograd F({m}x{m},3x3)" for m in tiles.values()))
+    candidate = winograd.mark(graph, tiles) if kernel else winograd.rewrite(graph, tiles)
+    form = "kernel" if kernel else "operators"
+    applied = dict(Counter(f"winograd F({m}x{m},3x3) {form}" for m in tiles.values()))
     # the layers' prices are the gate's (no second pricing of both whole models): the priced layers, direct
     # and as chosen (the operator-sum price, which times every conv alone in NCHW, says 1029 ms for a VGG-19
     # that runs in 156)
@@ -580,18 +589,24 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
     return (candidate if alternative.kept else None), alternative
 
 
-def _price_winograd(graph: Graph, site: ConvSite, layer: WinogradLayer, cost_model: CostModel) -> WinogradLayer | None:
-    """``layer`` priced alone, direct and as Winograd (its neighbours' transposes cancelled), and its choice:
-    Winograd where that is :data:`WINOGRAD_GAIN` cheaper; None when the cost model prices no kernels."""
+def _price_winograd(graph: Graph, site: ConvSite, layer: WinogradLayer, cost_model: CostModel,
+                    kernel: bool) -> WinogradLayer | None:
+    """``layer`` priced alone, direct and as Winograd (``kernel``: the engine's own kernel, marked; else the
+    plain-operator rewrite, its neighbours' transposes cancelled), and its choice: Winograd where that is
+    :data:`WINOGRAD_GAIN` cheaper; None when the cost model prices no kernels."""
     from graphopt import winograd
 
-    wino = winograd.rewrite(winograd.layer_graph(graph, site, layer.neighbours), {site.node: site.tile()})
+    m = layer.tile
+    if kernel:
+        wino = winograd.mark(winograd.layer_graph(graph, site), {site.node: m})
+    else:
+        wino = winograd.rewrite(winograd.layer_graph(graph, site, layer.neighbours), {site.node: m})
     prices = cost_model.kernel_times([winograd.layer_graph(graph, site), wino])
     if prices is None:
         return None
-    pays = prices[1] <= (1.0 - WINOGRAD_GAIN) * prices[0]
+    pays = prices[1] < (1.0 - WINOGRAD_GAIN) * prices[0]  # strictly: a layer priced 0 (shared) stays direct
     return replace(layer, direct_ms=prices[0] * 1e3, winograd_ms=prices[1] * 1e3,
-                   decision=f"F({site.tile()}x{site.tile()},3x3)" if pays else "direct")
+                   decision=f"F({m}x{m},3x3)" if pays else "direct")
 
 
 def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | None = None) -> GraphStageResult:

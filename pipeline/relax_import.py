@@ -37,6 +37,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from graphopt.errors import UserError
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, import_onnx, load_model, subgraphs
+from kerneltune.templates import winograd_nchwc
 from kerneltune.templates.cpu import vector_padding, weight_padding
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.passes.fold import fold_constants
@@ -113,7 +114,11 @@ def to_relax(model: onnx.ModelProto, graph: Graph, symbolic: bool = False, fix: 
     mod = integer_compute(mod, int8)
     with quiet_native_stderr():
         mod = fold_constants(mod)
-    return sink_padding_slices(import_rewrites(mod))
+    # the convolutions the graph stage chose the Winograd kernel for (graphopt.winograd.mark), by their
+    # weights' bytes: Relax constants have no names (the layout stage lowers them, pipeline.layout.nchwc)
+    marks = {winograd_nchwc.weight_digest(graph.initializers[w]): m for w, m in graph.winograd.items()
+             if w in graph.initializers}
+    return winograd_nchwc.with_marks(sink_padding_slices(import_rewrites(mod)), marks)
 
 
 def _unresolved_read(g: onnx.GraphProto, visible: set[str]) -> tuple[onnx.NodeProto, str] | None:

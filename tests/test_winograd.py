@@ -170,7 +170,7 @@ def test_stage_keeps_winograd_where_its_layers_price_cheaper_and_it_runs_faster(
     cost = PricedCost(conv=10.0, matmul=2.0, before_ms=10.0, after_ms=8.0)
     out, alt = winograd_alternative(g, cost, GraphStageOptions(), StageClock(60.0))
     assert out is not None and alt.kept and alt.check.status == "measured"
-    assert alt.applied == {"winograd F(4x4,3x3)": 2}
+    assert alt.applied == {"winograd F(4x4,3x3) operators": 2}
     assert [(r.c, r.k, r.h, r.w, r.tile) for r in alt.layers] == [(128, 128, 8, 8, 4)] * 2
     # both convs are 128 -> 128 on 8x8, one feeding the other: priced apart (each has one transpose the pair
     # cancels); their prices are the gate's (no second pricing of the whole models)

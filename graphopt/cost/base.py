@@ -65,6 +65,11 @@ class CostModel:
         :meth:`graphopt.cost.runners.GraphRunner.kernel_times`), or None when this model has no such engine."""
         return None
 
+    def blocked_winograd(self) -> bool:
+        """Whether the engine this model prices for computes marked convolutions
+        (:func:`graphopt.winograd.mark`) with a Winograd kernel of its own."""
+        return False
+
     def set_deadline(self, deadline: float | None) -> None:
         """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate
         instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""

@@ -103,6 +103,9 @@ class GuardedCost(CostModel):
             self._fail("(kernel prices of a whole graph)", exc)
             return None
 
+    def blocked_winograd(self) -> bool:
+        return self.inner.blocked_winograd()
+
     def set_deadline(self, deadline: float | None) -> None:
         self.inner.set_deadline(deadline)
 

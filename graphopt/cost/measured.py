@@ -192,6 +192,9 @@ class MeasuredCost(CostModel):
             self.cache.flush()
         return list(hits)
 
+    def blocked_winograd(self) -> bool:
+        return self.runner.blocked_winograd
+
     def _prepare(self, runner: GraphRunner, graph: Graph, digest: str, whole: bool = False) -> Callable[[], object]:
         key = (runner.name, digest, whole)
         if key not in self._prepared:

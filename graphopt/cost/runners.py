@@ -22,6 +22,9 @@ class GraphRunner(ABC):
     """Builds, per graph, a callable that runs it once on this machine with ``threads`` threads."""
 
     name: str = "base"  # the engine, e.g. "ort" or "tvm": part of the cost cache's file name and reports
+    # whether the engine computes the convolutions graphopt.winograd.mark marks with a Winograd kernel of
+    # its own (else a Winograd layer is priced, and shipped, as graphopt.winograd.rewrite's plain operators)
+    blocked_winograd: bool = False
 
     def __init__(self, threads: int = 1):
         self.threads = threads

@@ -16,7 +16,8 @@ API used by the searchers, the measurer and the pipeline:
 
 Which family a target kind uses is the ``template`` of its entry in :mod:`kerneltune.targets.registry` (``llvm`` ->
 :mod:`.cpu`, Ansor SSRSRS multi-level tiling; ``cuda``/``rocm`` -> :mod:`.gpu`); NCHWc convolutions
-(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; u8 x s8 matmuls and implicit-GEMM
+(:mod:`kerneltune.templates.conv_nchwc`, llvm only) -> :mod:`.cpu_nchwc`; their Winograd kernel
+(:mod:`.winograd_nchwc`) -> :mod:`.cpu_winograd`; u8 x s8 matmuls and implicit-GEMM
 NHWC convs by a weight on an x86 CPU (VNNI, or exact 16-bit multiply-adds on AVX2) -> :mod:`.int8`.  For CPU code use
 :func:`kerneltune.targets.host.llvm_target` (a bare ``llvm`` target gets no AVX/FMA code at all).
 """
@@ -28,7 +29,7 @@ from tvm import s_tir
 from ..space import SearchSpace
 from ..task import IMPLICIT_CONV, Task, classify_primfunc
 from ..targets.registry import kind_of
-from . import conv_nchwc, cpu, cpu_nchwc, gpu, int8
+from . import conv_nchwc, cpu, cpu_nchwc, cpu_winograd, gpu, int8, winograd_nchwc
 from .common import InvalidConfig
 
 __all__ = ["space_for", "apply", "schedule", "default_config", "InvalidConfig", "template_for", "task_for"]
@@ -47,12 +48,12 @@ def _target(target) -> tvm.target.Target:
 
 def _template(task: Task, t: tvm.target.Target):
     """NCHWc convolutions (a CPU layout, :mod:`kerneltune.templates.conv_nchwc`) have their own CPU template."""
-    if task.kind == conv_nchwc.KIND:
+    if task.kind in (conv_nchwc.KIND, winograd_nchwc.KIND):
         if t.kind.name != "llvm":
             from graphopt.errors import UserError
 
             raise UserError(f"NCHWc convolutions are a CPU layout; no {t.kind.name} template for {task.name}")
-        return cpu_nchwc
+        return cpu_nchwc if task.kind == conv_nchwc.KIND else cpu_winograd
     if int8.applies(task, t):  # u8 x s8 products by a weight, where the CPU has a dot-product instruction
         return int8
     return template_for(t)
@@ -61,7 +62,7 @@ def _template(task: Task, t: tvm.target.Target):
 def space_for(task: Task, target) -> SearchSpace:
     t = _target(target)
     template = _template(task, t)
-    return template.space(task, t) if template in (cpu_nchwc, int8) else template.space(task)
+    return template.space(task, t) if template in (cpu_nchwc, cpu_winograd, int8) else template.space(task)
 
 
 def schedule(task: Task, config, target) -> s_tir.Schedule:
@@ -87,7 +88,8 @@ def default_config(task: Task, target):
 def task_for(name: str, func: tvm.tirx.PrimFunc) -> Task | None:
     """A fused PrimFunc as a tuning task, or None when it has no anchor or the CPU template cannot schedule
     it (e.g. an epilogue that cannot follow the tiles)."""
-    task = conv_nchwc.classify(name, func) or classify_primfunc(name, func)
+    task = (conv_nchwc.classify(name, func) or winograd_nchwc.classify(name, func)
+            or classify_primfunc(name, func))
     if task is None:
         return None
     # an implicit-GEMM conv exists only where the int8 pass found a dot-product instruction: checked with the

@@ -36,6 +36,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from functools import reduce
+from typing import Callable
 
 import numpy as np
 import tvm
@@ -384,10 +385,12 @@ EPILOGUES = ("none", "bias", "bn", "relu", "relu6", "silu", "hardswish", "residu
              "bn_relu_residual")
 
 
-def make_relax(spec: ConvSpec, epilogue: str = "none", weight_const: np.ndarray | None = None):
+def make_relax(spec: ConvSpec, epilogue: str = "none", weight_const: np.ndarray | None = None,
+               kernel: tuple[tuple[int, ...], Callable] | None = None):
     """A Relax module ``main(data, weight, [extra inputs]) -> conv + epilogue`` in the blocked layouts, the
     epilogue written with the Relax ops the ONNX importer produces (``bn``: per-channel multiply + add, as
-    BatchNormalization folds to; ``relu6``: maximum/minimum as ONNX Clip imports)."""
+    BatchNormalization folds to; ``relu6``: maximum/minimum as ONNX Clip imports).  ``kernel``: another
+    computation of the same conv, ``(its weight's shape, emit(bb, data, weight))`` (the Winograd kernel's)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; use one of {', '.join(EPILOGUES)}")
     dt = spec.dtype
@@ -395,7 +398,7 @@ def make_relax(spec: ConvSpec, epilogue: str = "none", weight_const: np.ndarray 
     chan = (1, _ceil(spec.f, d), 1, 1, d)
     bb = relax.BlockBuilder()
     data = relax.Var("data", relax.TensorType(spec.data_shape, dt))
-    weight = relax.Var("weight", relax.TensorType(spec.weight_shape, dt))
+    weight = relax.Var("weight", relax.TensorType(kernel[0] if kernel else spec.weight_shape, dt))
     params = [data, weight]
     extra = {}
     for part in epilogue.split("_"):
@@ -407,7 +410,9 @@ def make_relax(spec: ConvSpec, epilogue: str = "none", weight_const: np.ndarray 
     params += list(extra.values())
     with bb.function("main", params):
         with bb.dataflow():
-            if spec.c % spec.ic_block == 0 and spec.f % d == 0:  # what ConvertLayout emits; legalize() lowers it
+            if kernel:
+                y = kernel[1](bb, data, weight)
+            elif spec.c % spec.ic_block == 0 and spec.f % d == 0:  # what ConvertLayout emits; legalize() lowers it
                 y = bb.emit(relax.op.nn.conv2d(data, weight, strides=spec.stride, padding=spec.pad,
                                                dilation=spec.dilation, groups=spec.groups,
                                                data_layout=f"NCHW{spec.ic_block}c", kernel_layout="OIHW",
@@ -457,15 +462,20 @@ def _legalize_any(bb, call):
     return legalize(bb, call)
 
 
+def fused_kernel(mod) -> tuple[str, tirx.PrimFunc]:
+    """The one kernel a standalone module fuses into (:func:`fuse_relax`): its name and PrimFunc."""
+    fused = fuse_relax(mod)
+    funcs = [(gv.name_hint, f) for gv, f in fused.functions.items() if isinstance(f, tirx.PrimFunc)]
+    if len(funcs) != 1:
+        raise ValueError(f"expected one fused kernel, got {[n for n, _ in funcs]}")
+    return funcs[0]
+
+
 def make_task(spec: ConvSpec, epilogue: str = "none", name: str | None = None) -> Task:
     """A standalone NCHWc conv task shaped exactly like the pipeline's fused kernels.  The weight is a
     parameter marked layout-free (as the pipeline's constant weights are), so the template may pre-pack it."""
     spec.check()
-    fused = fuse_relax(make_relax(spec, epilogue))
-    funcs = [(gv.name_hint, f) for gv, f in fused.functions.items() if isinstance(f, tirx.PrimFunc)]
-    if len(funcs) != 1:
-        raise ValueError(f"expected one fused kernel, got {[n for n, _ in funcs]}")
-    fname, func = funcs[0]
+    fname, func = fused_kernel(make_relax(spec, epilogue))
     # The standalone weight is a parameter; in a model it is a constant, which is what layout-free means.
     if not list((func.attrs or {}).get("layout_free_buffers", [])):
         func = func.with_attr("layout_free_buffers", [int(_weight_param(func, spec))])

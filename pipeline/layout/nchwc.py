@@ -43,7 +43,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from kerneltune.templates import conv_nchwc
+from kerneltune.templates import conv_nchwc, winograd_nchwc
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.passes import provenance
 from pipeline.passes.fold import FoldConstants
@@ -64,6 +64,8 @@ class LayoutReport:
     reshaped_constants: int = 0  # constant operands given the rank the blocked layout needs (constant_rank)
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
     kept_nchw: list[str] = field(default_factory=list)  # why convs stayed NCHW
+    marks: dict[str, int] = field(default_factory=dict)  # Winograd marks: weight digest -> m (winograd_nchwc)
+    winograd: int = 0  # blocked convs lowered to the Winograd kernel
     search: dict | None = None  # the cost-based search's summary (mode auto)
     failed: str | None = None  # TVM could not realize the blocked layout: the model runs as imported
 
@@ -73,6 +75,8 @@ class LayoutReport:
             reasons[r] = reasons.get(r, 0) + 1
         out = {"mode": self.mode, "convs": self.convs, "blocked": self.blocked, "transforms": self.transforms,
                "merged_groups": self.merged_groups, "kept_nchw": reasons}
+        if self.marks:
+            out["winograd"] = self.winograd
         if self.search is not None:
             out["search"] = self.search
         if self.failed is not None:
@@ -612,12 +616,19 @@ def _layout_callback(plans: _Plans, report: LayoutReport):
 
 @mutator
 class _LowerBlockedConvs(_Rewriter):
-    """Blocked convs lowered to our NCHWc compute (Relax's LegalizeOps does not lower them)."""
+    """Blocked convs lowered to our NCHWc compute (Relax's LegalizeOps does not lower them): the Winograd
+    kernel where the graph stage marked the conv (``report.marks``), else the direct conv."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
         if _is_op(call, CONV) and str(call.attrs.data_layout) != "NCHW":
-            return provenance.tag_normalized(self.builder_, conv_nchwc.legalize(self.builder_, call), call.span)
+            m = winograd_nchwc.marked_tile(call, self.report.marks) if self.report is not None else None
+            if m is not None:
+                self.report.winograd += 1
+                lowered = winograd_nchwc.legalize(self.builder_, call, m)
+            else:
+                lowered = conv_nchwc.legalize(self.builder_, call)
+            return provenance.tag_normalized(self.builder_, lowered, call.span)
         return call
 
 
@@ -653,7 +664,7 @@ def to_nchwc(mod: tvm.IRModule, lanes: int, narrow_groups: str = "nchw",
     module's :class:`LayoutGraph` (default :func:`heuristic_plans` with ``narrow_groups``, see :func:`plan`)."""
     if narrow_groups not in NARROW_GROUPS:
         raise ValueError(f"narrow_groups={narrow_groups!r}: use one of {NARROW_GROUPS}")
-    report = LayoutReport(mode="nchwc")
+    report = LayoutReport(mode="nchwc", marks=winograd_nchwc.marks_of(mod))
     mod = prepare(mod, report)
     graph = analyze(mod)
     plans = planner(graph) if planner is not None else heuristic_plans(graph, lanes, narrow_groups)
@@ -728,6 +739,6 @@ def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm
         mod = tvm.transform.Sequential([FoldConstants, T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
                                         T.DeadCodeElimination()])(mod)
     report.transforms = count_transforms(mod)
-    mod = _LowerBlockedConvs(mod).transform()
+    mod = _LowerBlockedConvs(mod, report).transform()
     mod = T.DeadCodeElimination()(mod)
     return mod, report

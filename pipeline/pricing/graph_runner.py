@@ -56,6 +56,11 @@ class TvmRunner(GraphRunner):
             self._spec = build_spec(self._request or check_name("llvm"), self.threads)
         return self._spec
 
+    @property
+    def blocked_winograd(self) -> bool:
+        """A CPU target computes marked convs with kerneltune's Winograd NCHWc kernel (pipeline.layout)."""
+        return self._target().kind == "llvm"
+
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         if self.price_kernels is None:
             return None
