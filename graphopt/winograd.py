@@ -196,17 +196,19 @@ class ConvSite:
         return min(TILES, key=lambda m: (covered(m), -m))
 
     def kernel_tile(self) -> int:
-        """The tile size for the compiler's Winograd kernel (:func:`mark`), which also offers F(6x6): the
-        largest whose padded output is at most an eighth over the least padded one.  On an Intel Xeon, 2
-        threads: F(6x6) on a 56x56 map (60x60 computed, 15% over F(4x4)'s exact 56x56) ran 0.68 ms to
-        F(4x4)'s 0.63-0.75, ResNet-50's 128 3x3 at 28x28 0.62 to 0.46 (30x30 against 28x28)."""
+        """The tile size for the compiler's Winograd kernel (:func:`mark`), which also offers F(6x6): the one
+        with the fewest multiplies over its padded output, ``covered(m) * (m+2)^2 / m^2``, F(6x6) charged 15%
+        more for its longer transforms (and lost digits).  On an Intel Xeon, 2 threads, default schedules:
+        64 -> 64 at 224x224 F(6x6) 5.4 ms, F(4x4) 7.2 (18% fewer multiplies); at 56x56 F(4x4) 0.43, F(6x6)
+        0.50 (9% fewer); 256 -> 256 at 14x14 F(4x4) 0.49-0.50, F(2x2) 0.52-0.72 (26% fewer for F(4x4)
+        despite its 16x16 outputs)."""
         ho, wo = self.out_hw
 
-        def covered(m: int) -> int:
-            return -(-ho // m) * m * -(-wo // m) * m
+        def cost(m: int) -> float:
+            covered = -(-ho // m) * m * -(-wo // m) * m
+            return covered * (m + 2) ** 2 / m ** 2 * (1.15 if m == 6 else 1.0)
 
-        least = min(covered(m) for m in POINTS)
-        return max(m for m in POINTS if covered(m) * 8 <= least * 9)
+        return min(sorted(POINTS, reverse=True), key=cost)
 
 
 def conv_sites(graph: Graph) -> list[ConvSite]:

@@ -55,7 +55,8 @@ BOUND = {2: 3e-6, 4: 3e-5, 6: 6e-5}
     ConvSpec(1, 32, 13, 11, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16),  # not whole tiles
     ConvSpec(2, 16, 8, 8, 32, 3, 3, pad=(0, 0, 0, 0), ic_block=8, oc_block=16),     # batch 2, no padding
     ConvSpec(1, 64, 12, 12, 48, 3, 3, pad=(2, 1, 0, 1), ic_block=16, oc_block=16),  # asymmetric padding
-], ids=["13x11", "batch2-valid", "asym-pad"])
+    ConvSpec(1, 16, 4, 26, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16),  # 13 tiles of 2 (a prime)
+], ids=["13x11", "batch2-valid", "asym-pad", "prime-tiles"])
 def test_every_tile_size_and_sampled_configs_match_numpy(m, conv):
     task, inputs, want = _task_inputs(W.WinogradSpec(conv, m), "bias_relu")
     space = templates.space_for(task, LLVM)
@@ -78,8 +79,22 @@ def test_epilogues_match_numpy_with_channel_chunks_outside_the_rows(epilogue):
     task, inputs, want = _task_inputs(W.WinogradSpec(conv, 4), epilogue)
     space = templates.space_for(task, LLVM)
     values = space.as_dict(templates.default_config(task, LLVM))
-    values.update(tile_c=(4, 16), c_order="outer")
+    values.update(tile_c=(4, 16), c_order="outer", tile_fb=(2, 1, 1))  # the cores split channels too
     assert _error(task, space.from_dict(values), inputs, want, conv.f) <= BOUND[4]
+
+
+def test_default_chunks_split_tiles_or_output_channels_by_what_outweighs_the_other():
+    def default(c: int, hw: int, m: int) -> dict:
+        task = W.make_task(W.WinogradSpec(ConvSpec(1, c, hw, hw, c, 3, 3, pad=(1, 1, 1, 1), ic_block=16,
+                                                   oc_block=16), m))
+        return templates.space_for(task, LLVM).as_dict(templates.default_config(task, LLVM))
+
+    wide = default(64, 56, 4)  # 14x14 tiles: chunks of tile rows, every core reads the small U
+    assert wide["tile_fb"][0] == 1 and wide["tile_ty"][0] >= 4 and wide["tile_tx"][2] == 7
+    deep = default(512, 7, 4)  # 2x2 tiles, 37.7 MB of U: the cores take half the output channels each
+    assert deep["tile_fb"][0] == 2 and deep["c_order"] == "outer"
+    # 13 tile columns of F(2x2) on 26 columns are computed as 14: a register tile of 7, not 1
+    assert W.WinogradSpec(ConvSpec(1, 16, 4, 26, 16, 3, 3, pad=(1, 1, 1, 1)), 2).tiles_w == 14
 
 
 def test_the_kernel_takes_only_what_it_computes():
@@ -97,9 +112,9 @@ def test_the_kernel_takes_only_what_it_computes():
 def test_f6_is_proven_exact_and_its_tile_is_chosen_only_where_it_fits_the_map():
     assert wg.prove(6)
     site = lambda hw: wg.ConvSite("y", 1, 64, 64, hw, hw, (1, 1, 1, 1), False)  # noqa: E731
-    # 224 and 112 are F(6x6)'s within 4%; 56 and 28 are whole F(4x4) tiles (F(6x6) computes 15% more);
-    # 14x14 is whole F(2x2) tiles (F(4x4) computes 31% more); 7x7: 8x8 either way, F(4x4) multiplies less
-    assert [site(hw).kernel_tile() for hw in (224, 112, 56, 28, 14, 7)] == [6, 6, 4, 4, 2, 4]
+    # 224 and 112: F(6x6) multiplies 18% less than F(4x4); 56 and 28: 9% less, under its 15% charge;
+    # 14x14 and 7x7: F(4x4)'s padded outputs (16x16, 8x8) still take fewer multiplies than F(2x2)'s
+    assert [site(hw).kernel_tile() for hw in (224, 112, 56, 28, 14, 7)] == [6, 6, 4, 4, 4, 4]
 
 
 class KernelPriced(PricedCost):

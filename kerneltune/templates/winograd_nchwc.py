@@ -12,12 +12,12 @@ F(m x m, 3 x 3) (Lavin and Gray, "Fast Algorithms for Convolutional Neural Netwo
 ``alpha = m + 2``; the matrices are :func:`graphopt.winograd.transform_matrices`, proven exact with Z3 there.
 The stages, all in one PrimFunc (blocks in this order):
 
-* ``wino_pad``: the input zero-padded to whole tiles, ``[N, C/a, TH*m + 2, TW*m + 2, a]`` (a parallel copy:
-  the tiles then read it without bounds checks);
-* ``wino_bt`` / ``wino_v``: ``V = B^T d B`` per tile and channel, ``V[alpha, alpha, P, C]`` (``P = N*TH*TW``
-  tiles, row-major);
-* ``wino_gemm`` (the anchor, tagged :data:`ANCHOR_ATTR`): ``M[e, nu, P, F/d, d] = sum_c V[e, nu, P, c] *
-  U[e, nu, F/d, c, d]``, alpha^2 independent GEMMs;
+* ``wino_pad``: the input zero-padded to whole tiles, ``[N, C/a, TH*m + 2, TW*m + 2, a]`` (a copy of the
+  rows a chunk reads: the tiles then read it without bounds checks);
+* ``wino_bt`` / ``wino_v``: ``V = B^T d B`` per tile and channel, ``V[alpha, alpha, N, TH, TW, C]``;
+* ``wino_gemm`` (the anchor, tagged :data:`ANCHOR_ATTR`): ``M[e, nu, N, TH, TW, F/d, d] = sum_c V[e, nu, ...,
+  c] * U[e, nu, F/d, c, d]``, alpha^2 independent GEMMs whose rows are the tiles (two axes, so a chunk of
+  tile rows maps back to output rows affinely and the template can keep a chunk's stages in cache);
 * ``wino_at`` / ``wino_out``: ``Y = A^T M A`` per tile, written at the conv's exact ``OH x OW`` (the last
   tiles' extra rows and columns are never written).
 
@@ -40,7 +40,7 @@ from tvm import relax, te, tirx
 from graphopt import winograd as algorithm
 
 from ..task import Axis, Task, _epilogue_names, _int, _io_specs, root_blocks
-from .conv_nchwc import ConvSpec, _ceil, fused_kernel
+from .conv_nchwc import ConvSpec, _ceil, compute_width, fused_kernel
 from .conv_nchwc import make_relax as direct_relax
 
 ANCHOR_ATTR = "kerneltune.winograd_nchwc"
@@ -65,7 +65,11 @@ class WinogradSpec:
 
     @property
     def tiles_w(self) -> int:
-        return _ceil(self.conv.out_w, self.m)
+        """Tile columns, as many as the GEMMs' register tiles need: a prime count (VGG-19's 112x112 in F(6x6):
+        19) would leave one tile a register tile, so it is computed as the next count with a divisor of 4-12
+        (:func:`~kerneltune.templates.conv_nchwc.compute_width`; 20), the extra tiles reading zeros and
+        never stored (F(6x6) at 128 -> 128 x 112x112: 10.5 ms with 19 tiles, to F(4x4)'s 6.5)."""
+        return compute_width(_ceil(self.conv.out_w, self.m))
 
     @property
     def tiles(self) -> int:
@@ -150,27 +154,23 @@ def compute(data: te.Tensor, u: te.Tensor, spec: WinogradSpec) -> te.Tensor:
                                               tirx.min(tirx.max(xx, 0), conv.w - 1), ci], tirx.const(0.0, dt))
 
     padded = te.compute((conv.n, conv.c // a, th * m + 2, tw * m + 2, a), pad_body, name="wino_pad")
+    tiles = (conv.n, th, tw)
 
-    def tile_origin(p):
-        return p // (th * tw), (p // tw) % th * m, p % tw * m
+    def bt_body(e, s, n, ty, tx, cb, ci):  # B^T d: rows of the tile combined
+        return _row_sums(bt, e, lambda r: padded[n, cb, ty * m + r, tx * m + s, ci], dt)
 
-    def bt_body(e, s, p, cb, ci):  # B^T d: rows of the tile combined
-        n, y0, x0 = tile_origin(p)
-        return _row_sums(bt, e, lambda r: padded[n, cb, y0 + r, x0 + s, ci], dt)
-
-    tmp = te.compute((al, al, spec.tiles, conv.c // a, a), bt_body, name="wino_bt")
-    v = te.compute((al, al, spec.tiles, conv.c),
-                   lambda e, nu, p, c: _row_sums(bt, nu, lambda s: tmp[e, s, p, c // a, c % a], dt), name="wino_v")
+    tmp = te.compute((al, al, *tiles, conv.c // a, a), bt_body, name="wino_bt")
+    v = te.compute((al, al, *tiles, conv.c), lambda e, nu, n, ty, tx, c: _row_sums(
+        bt, nu, lambda s: tmp[e, s, n, ty, tx, c // a, c % a], dt), name="wino_v")
     rc = te.reduce_axis((0, conv.c), name="rc")
-    gemm = te.compute((al, al, spec.tiles, conv.f // d, d),
-                      lambda e, nu, p, fb, fi: te.sum(v[e, nu, p, rc] * u[e, nu, fb, rc, fi], axis=rc),
-                      name="wino_gemm", attrs={ANCHOR_ATTR: spec.to_json()})
-    za = te.compute((m, al, spec.tiles, conv.f // d, d),
-                    lambda i, nu, p, fb, fi: _row_sums(at, i, lambda e: gemm[e, nu, p, fb, fi], dt), name="wino_at")
+    gemm = te.compute((al, al, *tiles, conv.f // d, d), lambda e, nu, n, ty, tx, fb, fi: te.sum(
+        v[e, nu, n, ty, tx, rc] * u[e, nu, fb, rc, fi], axis=rc), name="wino_gemm",
+        attrs={ANCHOR_ATTR: spec.to_json()})
+    za = te.compute((m, al, *tiles, conv.f // d, d), lambda i, nu, n, ty, tx, fb, fi: _row_sums(
+        at, i, lambda e: gemm[e, nu, n, ty, tx, fb, fi], dt), name="wino_at")
 
     def out_body(n, fb, y, x, fi):
-        p = (n * th + y // m) * tw + x // m
-        return _row_sums(at, x % m, lambda nu: za[y % m, nu, p, fb, fi], dt)
+        return _row_sums(at, x % m, lambda nu: za[y % m, nu, n, y // m, x // m, fb, fi], dt)
 
     return te.compute(conv.out_shape, out_body, name="wino_out")
 
@@ -270,7 +270,7 @@ def anchor_spec(block) -> WinogradSpec | None:
     return WinogradSpec.from_json(str(ann[ANCHOR_ATTR])) if ANCHOR_ATTR in ann else None
 
 
-ROLES = ("e", "nu", "p", "fb", "fi", "rc")
+ROLES = ("e", "nu", "n", "ty", "tx", "fb", "fi", "rc")
 
 
 def classify(name: str, func: tirx.PrimFunc) -> Task | None:
@@ -293,7 +293,7 @@ def classify(name: str, func: tirx.PrimFunc) -> Task | None:
     ins, outs = _io_specs(func, blocks)
     dims = {"N": conv.n, "C": conv.c, "H": conv.h, "W": conv.w, "F": conv.f, "KH": 3, "KW": 3,
             "OH": conv.out_h, "OW": conv.out_w, "a": conv.ic_block, "d": conv.oc_block, "m": spec.m,
-            "P": spec.tiles, "useful_flops": conv.flops}
+            "TH": spec.tiles_h, "TW": spec.tiles_w, "useful_flops": conv.flops}
     shash = tvm_ffi.structural_hash(func) & 0xFFFFFFFF
     shape_part = "x".join(f"{k}{v}" for k, v in dims.items() if k != "useful_flops")
     key = f"{KIND}_{shape_part}_{conv.dtype}_{'+'.join(epi) or 'none'}_{shash:08x}"
