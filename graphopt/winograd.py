@@ -41,6 +41,10 @@ TILES = (2, 4)  # the output tile sizes m of F(m x m, 3 x 3) the plain-operator 
 # Interpolation points of each tile size (the point at infinity is added): Lavin and Gray's choice; F(6x6)
 # needs the fractions +-1/2, whose reciprocals in B^T (5.25, 4.25) cost it digits (kerneltune's Winograd
 # kernel, which offers it, measures how many).
+# A CPU's multiply-add rate over the memory bandwidth one layer's weights stream at (FLOP per byte; 2 cores
+# at 250 GFLOP/s over ~15 GB/s): what weighs the transformed weights' size against the GEMMs' work
+# (ConvSite.kernel_tile).
+FLOPS_PER_BYTE = 16
 POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -2), 6: (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))}
 # The rewrite's Pad takes its pads as an input (opset 11; Slice's inputs: opset 10): an older graph (the
 # opset-9 model zoo) is left as it is rather than given operators its opset spells otherwise.
@@ -196,17 +200,18 @@ class ConvSite:
         return min(TILES, key=lambda m: (covered(m), -m))
 
     def kernel_tile(self) -> int:
-        """The tile size for the compiler's Winograd kernel (:func:`mark`), which also offers F(6x6): the one
-        with the fewest multiplies over its padded output, ``covered(m) * (m+2)^2 / m^2``, F(6x6) charged 15%
-        more for its longer transforms (and lost digits).  On an Intel Xeon, 2 threads, default schedules:
-        64 -> 64 at 224x224 F(6x6) 5.4 ms, F(4x4) 7.2 (18% fewer multiplies); at 56x56 F(4x4) 0.43, F(6x6)
-        0.50 (9% fewer); 256 -> 256 at 14x14 F(4x4) 0.49-0.50, F(2x2) 0.52-0.72 (26% fewer for F(4x4)
-        despite its 16x16 outputs)."""
+        """The tile size for the compiler's Winograd kernel (:func:`mark`), which also offers F(6x6): the
+        least ``(m+2)^2 * (2 * tiles + 4 * R)`` per input x output channel pair, the GEMMs' multiply-adds and
+        the transformed weights' bytes read from memory (U is (m+2)^2 / 9 times the weights) at
+        :data:`FLOPS_PER_BYTE`; F(6x6) charged 5% more for its longer transforms.  Many tiles (large maps)
+        favour large tiles, few tiles with many channels favour small ones, whose U is smaller.  Measured on
+        an Intel Xeon, 2 threads, cold weights: 256 -> 256 at 14x14 F(2x2) 0.87 ms, F(4x4) 1.21, direct 1.07-1.19;
+        64 -> 64 at 224x224 F(6x6) 5.4, F(4x4) 7.2; at 56x56 F(4x4) 0.43, F(6x6) 0.50."""
         ho, wo = self.out_hw
 
         def cost(m: int) -> float:
-            covered = -(-ho // m) * m * -(-wo // m) * m
-            return covered * (m + 2) ** 2 / m ** 2 * (1.15 if m == 6 else 1.0)
+            tiles = self.n * -(-ho // m) * -(-wo // m)
+            return (m + 2) ** 2 * (2 * tiles + 4 * FLOPS_PER_BYTE) * (1.05 if m == 6 else 1.0)
 
         return min(sorted(POINTS, reverse=True), key=cost)
 

@@ -112,9 +112,10 @@ def test_the_kernel_takes_only_what_it_computes():
 def test_f6_is_proven_exact_and_its_tile_is_chosen_only_where_it_fits_the_map():
     assert wg.prove(6)
     site = lambda hw: wg.ConvSite("y", 1, 64, 64, hw, hw, (1, 1, 1, 1), False)  # noqa: E731
-    # 224 and 112: F(6x6) multiplies 18% less than F(4x4); 56 and 28: 9% less, under its 15% charge;
-    # 14x14 and 7x7: F(4x4)'s padded outputs (16x16, 8x8) still take fewer multiplies than F(2x2)'s
-    assert [site(hw).kernel_tile() for hw in (224, 112, 56, 28, 14, 7)] == [6, 6, 4, 4, 4, 4]
+    # many tiles (224, 112: 1444 and 361 of 6x6) take the largest tile; 56 and 28 F(4x4), where F(6x6)'s
+    # larger U outweighs its 9% fewer multiplies; 14x14 and 7x7 (16 and 4 tiles of 4x4) F(2x2), whose U is
+    # 16/36 of F(4x4)'s: there the weights' bytes cost more than the multiplies
+    assert [site(hw).kernel_tile() for hw in (224, 112, 56, 28, 14, 7)] == [6, 6, 4, 4, 2, 2]
 
 
 class KernelPriced(PricedCost):
