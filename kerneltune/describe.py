@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tvm.sym.pattern import detect_linear_equation
 
-from .templates import conv_nchwc
+from .templates import conv_nchwc, winograd_nchwc
 from .task import IMPLICIT_CONV, Task, root_blocks
 
 
@@ -84,6 +84,9 @@ def describe(task: Task) -> str:
     d = task.dims
     if task.kind == conv_nchwc.KIND:
         return describe_conv_nchwc(conv_spec(task))
+    if task.kind == winograd_nchwc.KIND:
+        spec = next(s for s in map(winograd_nchwc.anchor_spec, root_blocks(task.func)) if s is not None)
+        return f"{describe_conv_nchwc(spec.conv)}, Winograd F({spec.m}x{spec.m},3x3)"
     if task.kind == "conv2d":
         data = next((t.shape for t in task.inputs if len(t.shape) == 4 and t.shape[1] == d["C"]), None)
         weight = (d["F"], d["C"] // d["G"], d["KH"], d["KW"])

@@ -227,7 +227,8 @@ def test_stage_prices_layers_with_the_tvm_runner(tmp_path):
                         path=tmp_path / "cost.json")
     out, alt = winograd_alternative(g, cost, GraphStageOptions(e2e_runs=3), StageClock(600.0))
     assert [r.neighbours for r in alt.layers] == [(False, True), (True, False)]
-    assert all(r.direct_ms > 0 and r.winograd_ms > 0 and r.decision in ("direct", "F(4x4,3x3)")
+    # the TVM runner on llvm has the Winograd kernel: the 8x8 maps take F(2x2) (few tiles, 128 channels)
+    assert all(r.direct_ms > 0 and r.winograd_ms > 0 and r.decision in ("direct", "F(2x2,3x3)")
                for r in alt.layers)
     chosen = sum(r.decision != "direct" for r in alt.layers)
     assert (out is not None) == alt.kept and (chosen > 0 or out is None)

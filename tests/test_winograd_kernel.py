@@ -143,11 +143,12 @@ def test_with_an_engine_kernel_the_stage_marks_convs_instead_of_rewriting_them()
     g = import_onnx(_wide_chain())
     cost = KernelPriced(conv=10.0, wino=6.0, before_ms=10.0, after_ms=8.0)
     out, alt = winograd_alternative(g, cost, GraphStageOptions(), StageClock(60.0))
-    assert out is not None and alt.kept and alt.applied == {"winograd F(4x4,3x3) kernel": 2}
+    # 8x8 maps of 128 channels: 16 tiles of F(2x2), whose U is smaller than F(4x4)'s (ConvSite.kernel_tile)
+    assert out is not None and alt.kept and alt.applied == {"winograd F(2x2,3x3) kernel": 2}
     # the operators are the input's: only the marks differ, and they travel in the ONNX file's metadata
     assert [n.op_type for n in out.nodes] == [n.op_type for n in g.nodes]
     weights = {s.weight for s in wg.conv_sites(g)}  # the two 3x3 stride-1 convs, not the stride-2 or 1x1
-    assert out.winograd == {w: 4 for w in weights} and not g.winograd
+    assert out.winograd == {w: 2 for w in weights} and not g.winograd
     proto = export_onnx(out)
     assert json.loads({p.key: p.value for p in proto.metadata_props}[WINOGRAD_METADATA]) == out.winograd
     assert import_onnx(proto).winograd == out.winograd
@@ -176,3 +177,21 @@ def test_a_marked_model_builds_with_the_kernel_and_matches_onnxruntime():
     assert W.KIND not in kinds(export_onnx(g))[0]
     res = check_outputs(compile_model(marked, spec), g, _wide_chain(), seed=0)
     assert res.ok, res
+
+
+def test_opevo_tunes_a_winograd_task_and_the_task_reads_as_its_conv():
+    from kerneltune.describe import describe
+    from kerneltune.measure import MeasureOptions, Measurer
+    from kerneltune.searchers import make_searcher
+    from kerneltune.tune import TaskRecords, tune
+
+    task = W.make_task(W.WinogradSpec(ConvSpec(1, 32, 12, 12, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=16,
+                                               oc_block=16), 4), "bias_relu")
+    assert describe(task) == ("conv 1x32x12x12 * 32x32x3x3 (N,C,H,W * O,I,KH,KW) stride 1 pad 1 -> 1x32x12x12, "
+                              "NCHW16c -> NCHW16c, Winograd F(4x4,3x3)")
+    space = templates.space_for(task, LLVM)
+    searcher = make_searcher("opevo", space, seed=0)
+    with Measurer(LLVM, MeasureOptions(number=2, repeat=2), workers=1) as m:
+        result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, TaskRecords(task.key, str(LLVM)),
+                      progress=False)
+    assert result.trials == 6 and result.best_gflops > 0 and result.failures < 6

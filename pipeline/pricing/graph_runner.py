@@ -58,8 +58,9 @@ class TvmRunner(GraphRunner):
 
     @property
     def blocked_winograd(self) -> bool:
-        """A CPU target computes marked convs with kerneltune's Winograd NCHWc kernel (pipeline.layout)."""
-        return self._target().kind == "llvm"
+        """A CPU target computes marked convs with kerneltune's Winograd NCHWc kernel (pipeline.layout).  Read
+        off the request: asking loads nothing and sizes no thread pool."""
+        return (self._request or check_name("llvm")).kind == "llvm"
 
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         if self.price_kernels is None:
