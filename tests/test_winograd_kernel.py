@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+import tvm
 
 from graphopt import winograd as wg
 from graphopt.onnx_io import WINOGRAD_METADATA, export_onnx, import_onnx
@@ -93,6 +94,12 @@ def test_default_chunks_split_tiles_or_output_channels_by_what_outweighs_the_oth
     assert wide["tile_fb"][0] == 1 and wide["tile_ty"][0] >= 4 and wide["tile_tx"][2] == 7
     deep = default(512, 7, 4)  # 2x2 tiles, 37.7 MB of U: the cores take half the output channels each
     assert deep["tile_fb"][0] == 2 and deep["c_order"] == "outer"
+    # AVX2's 16 registers: a row of 7 tiles (28x28 in F(4x4)) takes one output block by 7 tiles, not two by 1
+    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 2})
+    task = W.make_task(W.WinogradSpec(ConvSpec(1, 64, 28, 28, 64, 3, 3, pad=(1, 1, 1, 1), ic_block=8,
+                                               oc_block=8), 4))
+    tiles = templates.space_for(task, avx2).as_dict(templates.default_config(task, avx2))
+    assert tiles["tile_tx"][2] * tiles["tile_ty"][2] == 7 and tiles["tile_fb"][2] == 1
     # 13 tile columns of F(2x2) on 26 columns are computed as 14: a register tile of 7, not 1
     assert W.WinogradSpec(ConvSpec(1, 16, 4, 26, 16, 3, 3, pad=(1, 1, 1, 1)), 2).tiles_w == 14
 

@@ -193,12 +193,20 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     dims = task.dims
     nvec = _vectors(task, target)
     fbs = dims["F"] // dims["d"]
-    fb1 = 2 if fbs % 2 == 0 and nvec == 1 else 1
     regs = vector_registers(target)
-    rows = max(1, min(12, (regs - fb1 * nvec) // (fb1 * nvec + 1)))
     th, tw = _extent(task, "ty"), _extent(task, "tx")
-    tx2 = _largest_divisor_at_most(tw, rows)
-    ty2 = _largest_divisor_at_most(th, max(1, rows // tx2)) if tx2 < rows // 2 else 1
+
+    def tile(fb1: int) -> tuple[int, int, int]:
+        rows = max(1, min(12, (regs - fb1 * nvec) // (fb1 * nvec + 1)))
+        tx2 = _largest_divisor_at_most(tw, rows)
+        ty2 = _largest_divisor_at_most(th, max(1, rows // tx2)) if tx2 < rows // 2 else 1
+        return fb1, tx2, ty2
+
+    # two output blocks unless one holds more tiles: AVX2's 16 registers leave 4 rows beside two blocks,
+    # and a prime row of 7 tiles (28x28 in F(4x4)) would get 1 of them (2 accumulators) where one block
+    # takes all 7
+    options = [tile(2)] if fbs % 2 == 0 and nvec == 1 else []
+    fb1, tx2, ty2 = max(options + [tile(1)], key=lambda o: o[0] * o[1] * o[2])
     # parallel chunks of whole tile rows where there are enough of them, else of fewer columns
     cores = max(1, num_cores(target))
     itemsize = tvm.DataType(task.dtype).bits // 8
