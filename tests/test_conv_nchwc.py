@@ -290,15 +290,20 @@ def test_blocked_layout_round_trip():
     np.testing.assert_array_equal(from_blocked(b, 10), x)
 
 
-def test_measurer_and_opevo_tune_an_nchwc_task():
+def opevo_trials(task, trials: int = 6):
+    """``trials`` OpEvo trials of ``task`` measured here: the tuning result."""
     from kerneltune.measure import MeasureOptions, Measurer
     from kerneltune.searchers import make_searcher
     from kerneltune.tune import TaskRecords, tune
 
-    task = make_task(ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bias_relu")
     space = templates.space_for(task, LLVM)
     searcher = make_searcher("opevo", space, seed=0)
     with Measurer(LLVM, MeasureOptions(number=2, repeat=2), workers=1) as m:
-        result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, TaskRecords(task.key, str(LLVM)),
-                      progress=False)
+        return tune(space, searcher, lambda cs: m.measure(task, cs), trials, TaskRecords(task.key, str(LLVM)),
+                    progress=False)
+
+
+def test_measurer_and_opevo_tune_an_nchwc_task():
+    task = make_task(ConvSpec(1, 16, 8, 8, 16, 3, 3, pad=(1, 1, 1, 1), ic_block=16, oc_block=16), "bias_relu")
+    result = opevo_trials(task)
     assert result.trials == 6 and result.best_gflops > 0 and result.failures < 6

@@ -17,7 +17,7 @@ from graphopt.stage import GraphStageOptions, StageClock, winograd_alternative
 from kerneltune import templates
 from kerneltune.templates import winograd_nchwc as W
 from kerneltune.templates.conv_nchwc import ConvSpec, from_blocked, to_blocked
-from tests.test_conv_nchwc import LLVM, np_conv, np_epilogue, run_config
+from tests.test_conv_nchwc import LLVM, np_conv, np_epilogue, opevo_trials, run_config
 from tests.test_winograd import PricedCost, _wide_chain
 
 
@@ -200,14 +200,5 @@ def test_a_winograd_task_reads_as_its_conv_and_its_kernel():
 
 @pytest.mark.slow
 def test_opevo_tunes_a_winograd_task():
-    from kerneltune.measure import MeasureOptions, Measurer
-    from kerneltune.searchers import make_searcher
-    from kerneltune.tune import TaskRecords, tune
-
-    task = _small_task()
-    space = templates.space_for(task, LLVM)
-    searcher = make_searcher("opevo", space, seed=0)
-    with Measurer(LLVM, MeasureOptions(number=2, repeat=2), workers=1) as m:
-        result = tune(space, searcher, lambda cs: m.measure(task, cs), 6, TaskRecords(task.key, str(LLVM)),
-                      progress=False)
+    result = opevo_trials(_small_task())
     assert result.trials == 6 and result.best_gflops > 0 and result.failures < 6
