@@ -176,13 +176,13 @@ def compute(data: te.Tensor, u: te.Tensor, spec: WinogradSpec) -> te.Tensor:
 
 
 def transform_weight(weight: np.ndarray, spec: WinogradSpec) -> np.ndarray:
-    """``U[e, nu, F/d, C, d] = (G w G^T)[e, nu]`` of an OIHW weight, in float64 then float32: the build-time
-    constant the kernel reads (one contiguous ``d``-vector per channel, as the GEMM's register tile loads)."""
-    _, g, _ = _matrices(spec.m)
-    conv = spec.conv
-    u = np.einsum("ir,kcrs,js->ijck", g, weight.astype(np.float64), g)  # [alpha, alpha, C, F]
-    u = u.reshape(spec.alpha, spec.alpha, conv.c, conv.f // conv.oc_block, conv.oc_block).transpose(0, 1, 3, 2, 4)
-    return np.ascontiguousarray(u).astype(np.float32)
+    """``U[e, nu, F/d, C, d] = (G w G^T)[e, nu]`` of an OIHW weight (:func:`graphopt.winograd.filter_transform`,
+    float64 then float32): the build-time constant the kernel reads, one contiguous ``d``-vector per channel,
+    as the GEMM's register tile loads it."""
+    conv, al = spec.conv, spec.alpha
+    u = algorithm.filter_transform(weight, spec.m)  # [alpha*alpha, C, F]
+    u = u.reshape(al, al, conv.c, conv.f // conv.oc_block, conv.oc_block).transpose(0, 1, 3, 2, 4)
+    return np.ascontiguousarray(u)
 
 
 # ------------------------------------------------------------------------------------------------ relax
