@@ -29,23 +29,15 @@ from tvm import s_tir
 
 from ..space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
 from ..targets.caches import l1_block_bytes
-from ..targets.host import num_cores, vector_lanes, vector_registers
+from ..targets.host import num_cores, vector_registers
 from ..task import Task
 from .common import InvalidConfig, check_config
 from .cpu import _largest_divisor_at_most
+from .cpu_nchwc import _extent, _factors, _vectors_per_block
 
 UNROLL = (0, 16, 64)
 # Register tiles with more vector accumulators than this spill (see cpu_nchwc.MAX_ACCUMULATORS).
 MAX_ACCUMULATORS = 28
-
-
-def _vectors(task: Task, target: tvm.target.Target | None) -> int:
-    d = task.dims["d"]
-    return -(-d // vector_lanes(target, task.dtype)) if target is not None else 1
-
-
-def _extent(task: Task, role: str) -> int:
-    return next((a.extent for a in task.axes if a.role == role), 1)
 
 
 def space(task: Task, target: tvm.target.Target | None = None) -> SearchSpace:
@@ -59,17 +51,12 @@ def space(task: Task, target: tvm.target.Target | None = None) -> SearchSpace:
     knobs.append(FactorKnob("tile_c", dims["C"], 2))
     knobs.append(ChoiceKnob("c_order", ("inner", "outer")))
     knobs.append(DiscreteKnob("unroll", UNROLL))
-    tile = ProductLimit((("tile_ty", 2), ("tile_tx", 2), ("tile_fb", 2)), MAX_ACCUMULATORS, _vectors(task, target))
+    tile = ProductLimit((("tile_ty", 2), ("tile_tx", 2), ("tile_fb", 2)), MAX_ACCUMULATORS, _vectors_per_block(task, target))
     return SearchSpace(knobs, (tile,))
 
 
 def _blocks(sch: s_tir.Schedule, task: Task) -> dict:
     return {name: sch.get_sblock(name) for name in task.block_names}
-
-
-def _factors(cfg: dict, role: str, task: Task, levels: int) -> tuple[int, ...]:
-    key = f"tile_{role}"
-    return tuple(cfg[key]) if key in cfg else (_extent(task, role),) + (1,) * (levels - 1)
 
 
 def _chunk_loops(sch: s_tir.Schedule, block, extents: list[tuple[str, int]]) -> dict:
@@ -89,7 +76,7 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     al = m + 2
     fy, fx = _factors(cfg, "ty", task, 3), _factors(cfg, "tx", task, 3)
     ffb, fc = _factors(cfg, "fb", task, 3), tuple(cfg["tile_c"])
-    if fy[2] * fx[2] * ffb[2] * _vectors(task, target) > MAX_ACCUMULATORS:
+    if fy[2] * fx[2] * ffb[2] * _vectors_per_block(task, target) > MAX_ACCUMULATORS:
         raise InvalidConfig(f"register tile of {fy[2] * fx[2] * ffb[2]} vectors exceeds {MAX_ACCUMULATORS}")
     rows, cols = fy[1] * fy[2], fx[1] * fx[2]  # a chunk's tiles
     fbs = ffb[1] * ffb[2]  # a chunk's output blocks
@@ -191,7 +178,7 @@ def _default_dict(task: Task, target: tvm.target.Target) -> dict:
     channels in one chunk unless one register tile's U panel (``C x fb1 x d``) is over two L1 blocks, where
     chunks of one L1 block go outside the register tiles (``c_order=outer``)."""
     dims = task.dims
-    nvec = _vectors(task, target)
+    nvec = _vectors_per_block(task, target)
     fbs = dims["F"] // dims["d"]
     regs = vector_registers(target)
     th, tw = _extent(task, "ty"), _extent(task, "tx")

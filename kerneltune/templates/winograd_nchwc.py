@@ -72,10 +72,6 @@ class WinogradSpec:
         return compute_width(_ceil(self.conv.out_w, self.m))
 
     @property
-    def tiles(self) -> int:
-        return self.conv.n * self.tiles_h * self.tiles_w
-
-    @property
     def weight_shape(self) -> tuple[int, ...]:
         """The transformed weight ``U[alpha, alpha, F/d, C, d]``."""
         c = self.conv
@@ -114,11 +110,6 @@ def unsupported(conv: ConvSpec) -> str | None:
     return None
 
 
-def _matrices(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(A^T, G, B^T)`` as float64 arrays."""
-    return algorithm.float_matrices(m)
-
-
 def _row_sums(mat: np.ndarray, row, term, dtype: str):
     """``sum_k mat[row, k] * term(k)`` for a symbolic ``row``: one explicit sum per row (zero entries
     skipped, +-1 without a multiply), chosen by a select that folds once ``row`` is an unrolled constant."""
@@ -143,7 +134,7 @@ def compute(data: te.Tensor, u: te.Tensor, spec: WinogradSpec) -> te.Tensor:
     spec.check()
     conv, m, al = spec.conv, spec.m, spec.alpha
     a, d, dt = conv.ic_block, conv.oc_block, conv.dtype
-    at, _, bt = _matrices(m)
+    at, _, bt = algorithm.float_matrices(m)  # (A^T, G, B^T) in float64
     th, tw = spec.tiles_h, spec.tiles_w
     top, left = conv.pad[0], conv.pad[1]
 

@@ -53,14 +53,18 @@ class TvmRunner(GraphRunner):
     def _target(self) -> TargetSpec:
         set_num_threads(self.threads)
         if self._spec is None:  # built as optimize-model's BuildContext builds its spec: from the parsed request
-            self._spec = build_spec(self._request or check_name("llvm"), self.threads)
+            self._spec = build_spec(self._requested(), self.threads)
         return self._spec
 
     @property
     def blocked_winograd(self) -> bool:
         """A CPU target computes marked convs with kerneltune's Winograd NCHWc kernel (pipeline.layout).  Read
         off the request: asking loads nothing and sizes no thread pool."""
-        return (self._request or check_name("llvm")).kind == "llvm"
+        return self._requested().kind == "llvm"
+
+    def _requested(self) -> TargetRequest:
+        """The ``--target`` this runner prices for; this machine's llvm when none was given."""
+        return self._request or check_name("llvm")
 
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         if self.price_kernels is None:
