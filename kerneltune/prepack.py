@@ -16,8 +16,8 @@ How, with TVM's own machinery (the path MetaSchedule's ``RewriteLayout`` takes):
   the parameter takes the packed layout) and returns how to pack each such input, which
   :func:`pack_inputs` applies to the numpy inputs, so the output check still compares with the
   reference computed on unpacked inputs;
-* the compiled model splits the copy into its own function (``relax.transform.SplitLayoutRewritePreproc``)
-  and ``FoldConstant`` runs it on the weights at build time (:func:`fold_weight_packing`).
+* the compiled model splits the copy into its own function (``relax.transform.SplitLayoutRewritePreproc``,
+  :func:`split_weight_packing`) and the build's constant folding runs it on the weights.
 """
 from __future__ import annotations
 
@@ -104,13 +104,13 @@ def kernel_timer(func: tirx.PrimFunc, task: Task, inputs: Sequence[np.ndarray], 
     return lambda: [float(t) for t in evaluator(*args).results]
 
 
-def fold_weight_packing(mod: tvm.IRModule) -> tvm.IRModule:
-    """Move every kernel's packing copy into its own function and run it on the constant weights now."""
+def split_weight_packing(mod: tvm.IRModule) -> tvm.IRModule:
+    """Move every kernel's packing copy into its own function, called on the constant weight, for the
+    caller's constant folding to run at build time (``pipeline.passes.fold`` evaluates such copies in numpy;
+    ``FoldConstant`` would build each with LLVM)."""
     from tvm import relax
 
-    seq = tvm.transform.Sequential([_give_root_block, relax.transform.SplitLayoutRewritePreproc(),
-                                    relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])
-    return seq(mod)
+    return tvm.transform.Sequential([_give_root_block, relax.transform.SplitLayoutRewritePreproc()])(mod)
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="GiveRootBlock")

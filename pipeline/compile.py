@@ -34,13 +34,14 @@ from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
 from kerneltune.native_log import quiet_native_stderr
-from kerneltune.prepack import fold_weight_packing
+from kerneltune.prepack import split_weight_packing
 from kerneltune import stack_locals
 from pipeline.artifact import outputs_numpy  # noqa: F401 - the one flattening of VM results; callers import it from here too
 from pipeline.artifact import synced
 from kerneltune.targets.registry import TargetSpec, device_for
 from pipeline import cpu_pool
 from pipeline.partition import FusedTask, Partition
+from pipeline.passes.fold import fold_constants
 from pipeline.passes.int8 import SCHEDULED_BY
 from pipeline.relax_import import ImportedModel
 from pipeline.schedule_sources import ScheduleSource, schedule_sources
@@ -149,11 +150,12 @@ def _first_schedule(task: FusedTask, target: tvm.target.Target,
 
 def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
     """relax.build of an already fused and scheduled module (the default pipeline only lowers it now),
-    after running the kernels' weight-packing copies on the constant weights (kerneltune.prepack)."""
+    after running the kernels' weight-packing copies on the constant weights (kerneltune.prepack, folded by
+    :func:`pipeline.passes.fold.fold_constants`)."""
     kernels = {gv.name_hint for gv in mod.get_global_vars()}
     pipeline = tvm.transform.Sequential([relax.get_pipeline("default"), _helpers_noalias(kernels)])
     with quiet_native_stderr():  # TVM's codegen notes ("Unknown pragma pragma_scope"): not the user's business
-        return relax.build(fold_weight_packing(mod), spec.target, relax_pipeline=pipeline,
+        return relax.build(fold_constants(split_weight_packing(mod)), spec.target, relax_pipeline=pipeline,
                            tir_pipeline=stack_locals.PIPELINE)
 
 

@@ -86,3 +86,42 @@ def test_leaves_what_numpy_cannot_evaluate_to_foldconstant():
     assert _calls(full) == ["relax.add"]
     for a, b in zip(_run(full, [x]), _run(mod, [x])):
         assert np.array_equal(a, b)
+
+
+def _packing(scale: bool = False):
+    """A kernel's weight-packing copy as ``SplitLayoutRewritePreproc`` writes it (``dst[f(v)] = src[v]`` over
+    all of ``src``): a [32, 16, 3, 3] weight into [32 / 16, 16 / 8, 3, 3, 8, 16] blocks; ``scale``: a
+    multiply into those blocks, not a copy."""
+    from tvm import te
+
+    src = te.placeholder((32, 16, 3, 3), "float32", "w")
+
+    def body(o, i, h, w):
+        return src[o, i, h, w] * 2.0 if scale else src[o, i, h, w]
+    sch = tvm.s_tir.Schedule(te.create_prim_func([src, te.compute(src.shape, body, "packed")]))
+    # the output written in the blocked layout, as TVM's layout-rewrite copies write it
+    sch.transform_layout(sch.get_sblock("packed"), ("write", 0),
+                         lambda o, i, h, w: (o // 16, i // 8, h, w, i % 8, o % 16))
+    return sch.mod["main"].without_attr("global_symbol"), (2, 2, 3, 3, 8, 16)
+
+
+def test_folds_a_weight_packing_copy_bit_for_bit_and_leaves_other_kernels():
+    """The kernels' packing copies (kerneltune.prepack) are folded in numpy, equal to FoldConstant's value;
+    a kernel that computes (here a multiply) is left to FoldConstant."""
+    for scale, expect_left in ((False, 0), (True, 1)):
+        kernel, dst = _packing(scale)
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType(dst, "float32"))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                gv = bb.add_func(kernel, "pack")
+                packed = bb.emit(relax.call_tir(gv, (_const(32, 16, 3, 3),), relax.TensorType(dst, "float32")))
+                out = bb.emit_output(bb.emit(relax.op.add(x, packed)))
+            bb.emit_func_output(out)
+        mod = bb.get()
+        folded, left = fold_numpy(mod)
+        assert left == expect_left
+        assert ("relax.call_tir" in _calls(folded)) == bool(expect_left)
+        x_in = RNG.standard_normal(dst).astype("float32")
+        ours, theirs = _run(fold_constants(mod), [x_in]), _run(relax.transform.FoldConstant()(mod), [x_in])
+        assert np.array_equal(ours[0], theirs[0])

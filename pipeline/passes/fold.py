@@ -11,8 +11,11 @@ The operators folded here are the ones weights and their parameters go through: 
 (reshape, permute_dims, expand_dims, squeeze, flatten, broadcast_to), ``layout_transform`` by an index map
 that splits and reorders axes (the blocked conv weights), casts, concat and IEEE arithmetic (+ - * /, sqrt,
 negation, maximum, minimum: each correctly rounded in float32 in numpy as in LLVM's code, so the folded
-constant is the one ``FoldConstant`` computes).  Anything else (a padded layout transform, a Gather) is left
-to ``FoldConstant``, which runs after this and finds only those.  Like ``FoldConstant``, a folded constant
+constant is the one ``FoldConstant`` computes), and the kernels' weight-packing copies
+(:mod:`kerneltune.prepack`: a ``call_tir`` of a PrimFunc that only copies its input by such an index map;
+ResNet-50's 21 of them cost ``FoldConstant`` 2.4 s of a 8.4 s whole-model compile, one LLVM build each).
+Anything else (a padded layout transform, a Gather) is left to ``FoldConstant``, which runs after this and
+finds only those.  Like ``FoldConstant``, a folded constant
 replaces its uses in place (an operator that looks for a constant weight argument still sees one).
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, s_tir, tirx
 from tvm.ir.prim import expr as prim
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -77,10 +80,50 @@ def _split_axes(index_map, shape: tuple[int, ...]) -> tuple[list[int], list[int]
     return split, [order.index(d) for d in range(len(order))]
 
 
-def evaluate(call: relax.Call, args: list[np.ndarray], typed: relax.Expr | None = None) -> np.ndarray | None:
+def _permuted(x: np.ndarray, index_map) -> np.ndarray | None:
+    """``x`` rearranged by ``index_map`` when that splits and reorders its axes (see :func:`_split_axes`)."""
+    plan = _split_axes(index_map, x.shape)
+    return None if plan is None else np.transpose(x.reshape(plan[0]), plan[1])
+
+
+def copy_map(func: tirx.PrimFunc):
+    """The index map of a PrimFunc that only copies its first buffer into its second, ``dst[f(v)] = src[v]``
+    over all of ``src`` (the weight-packing copies ``SplitLayoutRewritePreproc`` splits out), or None."""
+    if len(func.params) != 2 or not isinstance(func.body, s_tir.SBlockRealize):
+        return None
+    src, dst = func.params  # TVM 0.27: a PrimFunc's parameters are its buffers
+    stmt, loops = func.body.block.body, []
+    while isinstance(stmt, tirx.For):
+        if (stmt.kind != tirx.ForKind.SERIAL or not isinstance(stmt.min, tirx.IntImm) or stmt.min.value != 0
+                or stmt.step is not None and not (isinstance(stmt.step, tirx.IntImm) and stmt.step.value == 1)):
+            return None
+        loops.append(stmt)
+        stmt = stmt.body
+    if not isinstance(stmt, s_tir.SBlockRealize):
+        return None
+    block, store = stmt.block, stmt.block.body
+    if (not isinstance(store, tirx.BufferStore) or not store.buffer.same_as(dst)
+            or not isinstance(store.value, tvm.ir.TensorLoad) or not store.value.source.same_as(src)
+            or block.init is not None or block.alloc_buffers or block.match_buffers
+            or not (isinstance(stmt.predicate, tirx.IntImm) and stmt.predicate.value == 1)):
+        return None
+    shape = [int(d) for d in src.shape] if all(isinstance(d, tirx.IntImm) for d in src.shape) else None
+    variables = [iv.var for iv in block.iter_vars]
+    whole = shape is not None and len(loops) == len(variables) == len(shape) and all(
+        v.same_as(loop.loop_var) and isinstance(loop.extent, tirx.IntImm) and int(loop.extent) == n
+        for v, loop, n in zip(stmt.iter_values, loops, shape))
+    if not whole or not all(isinstance(i, tirx.Var) and i.same_as(v)
+                            for i, v in zip(store.value.indices, variables)) or len(store.value.indices) != len(shape):
+        return None
+    return tirx.IndexMap(variables, list(store.indices), None)
+
+
+def evaluate(call: relax.Call, args: list[np.ndarray], typed: relax.Expr | None = None,
+             index_map=None) -> np.ndarray | None:
     """The value of ``call`` on constant ``args`` (see the module docstring), or None when it is not one of
     the operators folded here or the result would not have the call's static shape and dtype (those of
-    ``typed``, the call before its arguments were replaced, when given: a new call has no type yet)."""
+    ``typed``, the call before its arguments were replaced, when given: a new call has no type yet).
+    ``index_map``: for a ``call_tir``, its kernel's :func:`copy_map`."""
     name = call.op.name
     typed = call if typed is None else typed
     out_shape, dtype = static_shape(typed), str(getattr(typed.ty, "dtype", ""))
@@ -113,8 +156,9 @@ def evaluate(call: relax.Call, args: list[np.ndarray], typed: relax.Expr | None 
     elif name == "relax.layout_transform":
         if call.attrs.pad_value is not None:
             return None
-        plan = _split_axes(call.attrs.index_map, x.shape)
-        value = None if plan is None else np.transpose(x.reshape(plan[0]), plan[1])
+        value = _permuted(x, call.attrs.index_map)
+    elif name == "relax.call_tir":
+        value = None if index_map is None or len(args) != 1 else _permuted(x, index_map)
     else:
         return None
     if value is None or tuple(value.shape) != out_shape or value.dtype != np.dtype(dtype):
@@ -178,7 +222,14 @@ class _Folder(PyExprMutator):
             tensors = [self._constant(f) for f in args[-1].fields]  # the concatenated / the kernel's inputs
         if not tensors or not all(isinstance(a, tvm.ir.expr.GenericConst) for a in tensors):
             return call
-        value = None if call.op.name == "relax.call_tir" else evaluate(call, [_array(a) for a in tensors], typed)
+        index_map = None
+        if call.op.name == "relax.call_tir":
+            kernel = self.builder_.get()[args[0]] if isinstance(args[0], relax.GlobalVar) else None
+            index_map = copy_map(kernel) if isinstance(kernel, tirx.PrimFunc) else None
+            if index_map is None:
+                self.left += 1
+                return call
+        value = evaluate(call, [_array(a) for a in tensors], typed, index_map)
         if value is None:
             self.left += 1
             return call
@@ -197,7 +248,9 @@ def fold_constants(mod: tvm.IRModule) -> tvm.IRModule:
     """Every call on constants folded: numpy's first, then Relax's ``FoldConstant`` for the rest, if any (it
     costs 0.4-0.6 s on Inception-v3 even with nothing left to fold)."""
     mod, left = fold_numpy(mod)
-    return relax.transform.FoldConstant()(mod) if left else mod
+    if not left:
+        return mod
+    return tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])(mod)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FoldConstants")
