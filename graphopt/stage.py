@@ -544,7 +544,7 @@ def winograd_alternative(graph: Graph, cost_model: CostModel, options: GraphStag
 
     kernel = cost_model.blocked_winograd()
     width = KERNEL_MIN_WIDTH if kernel else WINOGRAD_MIN_WIDTH
-    sites = [s for s in winograd.conv_sites(graph) if s.c * s.k >= width * (s.c + s.k)]
+    sites = [s for s in winograd.conv_sites(graph, operators=not kernel) if s.c * s.k >= width * (s.c + s.k)]
     if not sites:
         return None, WinogradAlternative()
     context = winograd.neighbours(graph, sites)  # (fed by, feeding) another candidate: no transposes between
@@ -624,6 +624,7 @@ def optimize_graph(graph: Graph, cost: CostModel, options: GraphStageOptions | N
     guarded.set_deadline(search_end)
     estimated_before = getattr(cost, "estimated", 0)
     try:
+        guarded.prefetch(searched)
         result = search(searched, rules, guarded, options.alpha, options.budget, clock.left(search_end),
                         options.progress, options.patience)
         best, folded, deduplicated = finish(result.graph)

@@ -46,8 +46,9 @@ TILES = (2, 4)  # the output tile sizes m of F(m x m, 3 x 3) the plain-operator 
 # (ConvSite.kernel_tile).
 FLOPS_PER_BYTE = 16
 POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -2), 6: (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))}
-# The rewrite's Pad takes its pads as an input (opset 11; Slice's inputs: opset 10): an older graph (the
-# opset-9 model zoo) is left as it is rather than given operators its opset spells otherwise.
+# The plain-operator rewrite's Pad takes its pads as an input (opset 11; Slice's inputs: opset 10): an older
+# graph (the opset-9 model zoo) is not given operators its opset spells otherwise.  A mark (the compiler's
+# kernel) adds no operator, so it takes convolutions at any opset.
 MIN_OPSET = 11
 NCHW_TO_NHWC, NHWC_TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 # Elementwise unary operators a layout transpose commutes with (cancel_transposes moves them across).
@@ -216,10 +217,10 @@ class ConvSite:
         return min(sorted(POINTS, reverse=True), key=cost)
 
 
-def conv_sites(graph: Graph) -> list[ConvSite]:
-    """Every convolution of ``graph`` the rewrite can take (see :class:`ConvSite`); none below
-    :data:`MIN_OPSET`."""
-    if graph.onnx_opset < MIN_OPSET:
+def conv_sites(graph: Graph, operators: bool = True) -> list[ConvSite]:
+    """Every convolution of ``graph`` Winograd can take (see :class:`ConvSite`); for the plain-operator rewrite
+    (``operators``), none below :data:`MIN_OPSET`."""
+    if operators and graph.onnx_opset < MIN_OPSET:
         return []
     sites = []
     for n in graph.nodes:
@@ -397,7 +398,7 @@ def mark(graph: Graph, tiles: dict[str, int]) -> Graph:
     graph's operators are unchanged, so the model still computes the same function, and the compiler's
     kernel reads and writes the blocked layout of the direct conv, no transposes around it."""
     out = graph.copy()
-    for site in conv_sites(out):
+    for site in conv_sites(out, operators=False):
         if site.node in tiles:
             out.winograd[site.weight] = tiles[site.node]
     return out

@@ -10,7 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from typing import Iterator
+
+# fd 2 is the process's: threads building side by side (kerneltune.machine_gate) share one redirection, made
+# by the first to enter and undone by the last to leave (each saving and restoring its own left fd 2 on
+# /dev/null when two interleaved)
+_lock = threading.Lock()
+_held = {"count": 0, "saved": -1}
 
 
 @contextlib.contextmanager
@@ -19,14 +26,20 @@ def quiet_native_stderr() -> Iterator[None]:
     if os.environ.get("OPTIMIZE_MODEL_VERBOSE") == "1":
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
+    with _lock:
+        if _held["count"] == 0:
+            sys.stderr.flush()
+            _held["saved"] = os.dup(2)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        _held["count"] += 1
     try:
-        os.dup2(devnull, 2)
         yield
     finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+        with _lock:
+            _held["count"] -= 1
+            if _held["count"] == 0:
+                sys.stderr.flush()
+                os.dup2(_held["saved"], 2)
+                os.close(_held["saved"])

@@ -33,6 +33,7 @@ from graphopt.quant_tolerance import model_tolerance
 from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
+from kerneltune.machine_gate import building, serial
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.prepack import split_weight_packing
 from kerneltune import stack_locals
@@ -154,9 +155,12 @@ def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
     :func:`pipeline.passes.fold.fold_constants`)."""
     kernels = {gv.name_hint for gv in mod.get_global_vars()}
     pipeline = tvm.transform.Sequential([relax.get_pipeline("default"), _helpers_noalias(kernels)])
-    with quiet_native_stderr():  # TVM's codegen notes ("Unknown pragma pragma_scope"): not the user's business
-        return relax.build(fold_constants(split_weight_packing(mod)), spec.target, relax_pipeline=pipeline,
-                           tir_pipeline=stack_locals.PIPELINE)
+    with serial():
+        mod = fold_constants(split_weight_packing(mod))
+    # lowering and code generation: side by side with another build's (kerneltune.machine_gate); TVM's codegen
+    # notes ("Unknown pragma pragma_scope") are not the user's business
+    with building(), quiet_native_stderr():
+        return relax.build(mod, spec.target, relax_pipeline=pipeline, tir_pipeline=stack_locals.PIPELINE)
 
 
 def _helpers_noalias(kept: set[str]):
@@ -185,7 +189,8 @@ def compile_partition(imported: ImportedModel, part: Partition, spec: TargetSpec
                       tuned: dict[str, Any] | None = None, base: tvm.IRModule | None = None,
                       replaced: dict[str, Any] | None = None) -> CompiledModel:
     t0 = time.perf_counter()
-    mod, how = schedule(part, spec, tuned, base, replaced)
+    with serial():
+        mod, how = schedule(part, spec, tuned, base, replaced)
     ex = build(mod, spec)
     return CompiledModel(ex, spec, imported.input_names, how, time.perf_counter() - t0)
 

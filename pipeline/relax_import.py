@@ -40,6 +40,7 @@ from graphopt.onnx_io import InputShapes, apply_input_shapes, export_onnx, impor
 from kerneltune.templates import winograd_nchwc
 from kerneltune.templates.cpu import vector_padding, weight_padding
 from kerneltune.native_log import quiet_native_stderr
+from kerneltune.machine_gate import serial
 from pipeline.passes.fold import fold_constants
 from pipeline.frontend import legalize_for_tvm
 from pipeline.passes.int8 import Lowering, integer_compute
@@ -161,9 +162,11 @@ def importer_output() -> Iterator[io.StringIO]:
     """What TVM's ONNX importer writes, out of the user's way: its Python warnings ("Renaming name input.1
     to input_1", the ONNX checker's complaints) logged at -v, its stdout (before a failure, "Error
     converting operator OP" and the whole Relax input) captured in the buffer it yields, and its native log
-    lines ("BlockBuilder destroyed with remaining blocks!" after every If or failed conversion) silenced."""
+    lines ("BlockBuilder destroyed with remaining blocks!" after every If or failed conversion) silenced.
+    Both redirections are the process's: the import holds TVM's Python-side lock (builds side by side:
+    :func:`kerneltune.machine_gate.serial`)."""
     printed = io.StringIO()
-    with warnings.catch_warnings(record=True) as caught:
+    with serial(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with contextlib.redirect_stdout(printed), quiet_native_stderr():

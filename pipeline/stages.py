@@ -31,6 +31,7 @@ from graphopt.cost.factory import make_cost_model
 from graphopt.ir import Graph
 from graphopt.onnx_io import InputShapes, export_onnx, import_onnx
 from graphopt.stage import GraphStageOptions, optimize_graph
+from kerneltune.machine_gate import serial
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.registry import TargetSpec
 from pipeline.compile import CompiledModel, compile_partition
@@ -184,7 +185,8 @@ PRICE_LAYOUT = "nchwc"
 
 
 def _compile_default(model: onnx.ModelProto, spec: TargetSpec, layout: str | None) -> CompiledModel:
-    lowered = lower(model, spec, layout)
+    with serial():  # TVM's Python side, one thread at a time (kerneltune.machine_gate)
+        lowered = lower(model, spec, layout)
     with quiet_native_stderr():  # LLVM codegen warns about TOPI's pragmas ("Unknown pragma pragma_scope")
         return build(lowered, spec)
 

@@ -18,7 +18,7 @@ from kerneltune import templates
 from kerneltune.templates import winograd_nchwc as W
 from kerneltune.templates.conv_nchwc import ConvSpec, from_blocked, to_blocked
 from tests.test_conv_nchwc import LLVM, np_conv, np_epilogue, opevo_trials, run_config
-from tests.test_winograd import PricedCost, _wide_chain
+from tests.test_winograd import PricedCost, _chain, _wide_chain
 
 
 def _task_inputs(spec: W.WinogradSpec, epilogue: str, seed: int = 1):
@@ -160,18 +160,24 @@ def test_with_an_engine_kernel_the_stage_marks_convs_instead_of_rewriting_them()
     assert json.loads({p.key: p.value for p in proto.metadata_props}[WINOGRAD_METADATA]) == out.winograd
     assert import_onnx(proto).winograd == out.winograd
     assert out.structural_hash() != g.structural_hash()  # priced and cached apart from the direct graph
+    old = import_onnx(_chain(c=128, k=128, h=8, w=8, opset=9))  # opset 9: marked all the same
+    out, alt = winograd_alternative(old, KernelPriced(conv=10.0, wino=6.0, before_ms=10.0, after_ms=8.0),
+                                    GraphStageOptions(), StageClock(60.0))
+    assert out is not None and len(out.winograd) == 2
     dear = KernelPriced(conv=10.0, wino=9.8, before_ms=10.0, after_ms=8.0)  # 2% cheaper: under the 5% gain
     out, alt = winograd_alternative(g, dear, GraphStageOptions(), StageClock(60.0))
     assert out is None and dear.timed == 0 and {r.decision for r in alt.layers} == {"direct"}
 
 
 def test_a_marked_model_builds_with_the_kernel_and_matches_onnxruntime():
+    """An opset-9 export (the model zoo's): marks need no operator its opset lacks."""
     from kerneltune.targets.parse import parse_target
     from pipeline.compile import check_outputs
     from pipeline.stages import compile_model, lower
 
-    g = import_onnx(_wide_chain())
-    marked = export_onnx(wg.mark(g, {s.node: 4 for s in wg.conv_sites(g)}))
+    proto = _chain(c=128, k=128, h=8, w=8, opset=9)
+    g = import_onnx(proto)
+    marked = export_onnx(wg.mark(g, {s.node: 4 for s in wg.conv_sites(g, operators=False)}))
     spec = parse_target("llvm", 1)
 
     def kinds(model):
@@ -182,7 +188,7 @@ def test_a_marked_model_builds_with_the_kernel_and_matches_onnxruntime():
     # both 128 -> 128 convs lowered to the kernel: one task (the same kernel, two weights)
     assert got.count(W.KIND) == 1 and layout["winograd"] == 2, (got, layout)
     assert W.KIND not in kinds(export_onnx(g))[0]
-    res = check_outputs(compile_model(marked, spec), g, _wide_chain(), seed=0)
+    res = check_outputs(compile_model(marked, spec), g, proto, seed=0)
     assert res.ok, res
 
 

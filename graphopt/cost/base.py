@@ -70,6 +70,9 @@ class CostModel:
         (:func:`graphopt.winograd.mark`) with a Winograd kernel of its own."""
         return False
 
+    def prefetch(self, graph: Graph) -> None:
+        """Price ``graph``'s operators ahead of a search, all at once where the engine can (no-op here)."""
+
     def set_deadline(self, deadline: float | None) -> None:
         """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate
         instead of measuring it: the graph stage's ``--time-limit`` covers pricing (no-op here)."""

@@ -87,6 +87,12 @@ class GuardedCost(CostModel):
         return self._guarded(key, kind, lambda: self.inner.opaque_cost(node, graph),
                              lambda: self._estimate().opaque_cost(node, graph))
 
+    def prefetch(self, graph: Graph) -> None:
+        try:
+            self.inner.prefetch(graph)
+        except Exception as exc:  # noqa: BLE001 - the search prices one at a time instead
+            self._fail("(operators ahead of the search)", exc)
+
     def flush(self) -> None:
         try:
             self.inner.flush()

@@ -45,6 +45,22 @@ class GraphRunner(ABC):
         check times candidates through this, so its verdict is on the code that ships."""
         return self.prepare(graph)
 
+    def prepare_many(self, graphs: Sequence[Graph]) -> list[Callable[[], object] | Exception]:
+        """:meth:`prepare` of each graph, in order, a failure in its place; an engine that can build several at
+        once overrides it (TVM: side by side on the cores)."""
+        out: list[Callable[[], object] | Exception] = []
+        for g in graphs:
+            try:
+                out.append(self.prepare(g))
+            except Exception as exc:  # noqa: BLE001 - the caller prices this one another way
+                out.append(exc)
+        return out
+
+    def prepare_models(self, graphs: Sequence[Graph]) -> list[Callable[[], object]]:
+        """:meth:`prepare_model` of each graph, in order; an engine that can build several at once overrides
+        it (TVM: side by side on the cores, :mod:`kerneltune.machine_gate`)."""
+        return [self.prepare_model(g) for g in graphs]
+
     def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
         """Seconds per run of each graph priced as the kernels this engine builds for it (each distinct fused
         kernel timed alone, times its calls: the graph stage's fusion-aware price), over the kernel calls the

@@ -36,6 +36,7 @@ from tvm import relax
 from graphopt.cost.cache import CostCache, cache_dir
 from graphopt.ir import Graph
 from kerneltune import prepack
+from kerneltune.machine_gate import measuring
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -71,10 +72,11 @@ def time_cold(func: tvm.tirx.PrimFunc, spec: TargetSpec) -> float:
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(x, dev) for x in inputs]
     args.append(tvm.runtime.empty(shapes[-1], dtypes[-1], dev))
-    probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
-    repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
-    timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
-    return float(np.median(timer(*args).results))
+    with measuring():  # alone on the machine, not beside another build (kerneltune.machine_gate)
+        probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
+        repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
+        timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
+        return float(np.median(timer(*args).results))
 
 
 @dataclass(frozen=True)
