@@ -3,6 +3,7 @@ every decision it can take compiled and equal to onnxruntime, the measured price
 stage wired into the CLIs (``--layout``, ``--kernels conv2d``, report.json)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import random
@@ -156,6 +157,9 @@ class FakePricer:
 
     def confirm_conv(self, spec, option: ConvOption) -> bool:
         return False  # its prices are exact: timed again, they would not change
+
+    def batch(self):
+        return contextlib.nullcontext()  # nothing to build: its prices are computed
 
     def flush(self) -> None:
         pass
@@ -375,6 +379,21 @@ def test_prices_are_measured_once_then_read_from_the_cache(tmp_path):
     assert json.loads((tmp_path / "prices.json").read_text())
 
 
+def test_a_batch_notes_prices_and_measures_them_together_at_its_end(tmp_path):
+    """The layout search's first walk (Pricer.batch): prices read 0 inside, are built side by side and timed
+    at the end, and the second walk reads them from the cache."""
+    spec = nchwc.conv_nchwc.ConvSpec(1, 16, 8, 8, 32, 3, 3, pad=(1, 1, 1, 1), ic_block=1, oc_block=1)
+    pricer = Pricer(LLVM, tmp_path / "prices.json")
+    with pricer.batch():
+        inside = [pricer.conv(spec, ConvOption(16, 16)), pricer.conv(spec, ConvOption(None, None)),
+                  pricer.transform((1, 16, 8, 8), None, 16), pricer.conv(spec, ConvOption(16, 16))]
+        assert inside == [0.0] * 4 and pricer.measured == 0
+    assert pricer.measured == 3 and pricer.looked_up == 0
+    prices = [pricer.conv(spec, ConvOption(16, 16)), pricer.conv(spec, ConvOption(None, None)),
+              pricer.transform((1, 16, 8, 8), None, 16)]
+    assert min(prices) > 0 and pricer.measured == 3  # read back, not timed again
+
+
 def test_a_price_a_decision_turns_on_is_timed_twice(tmp_path, monkeypatch):
     """A conv the solution runs outside its preferred blocks: the chosen kernel's and the preferred one's
     prices are timed once more and the mean kept (once per price, remembered in the cache), and the problem
@@ -386,7 +405,7 @@ def test_a_price_a_decision_turns_on_is_timed_twice(tmp_path, monkeypatch):
         label = "nchw" if "conv2d_nchwc" not in str(mod) else "blocked"
         return times[label].pop(0) if times.get(label) else 1.0e-3
 
-    monkeypatch.setattr(Pricer, "_time", fake_time)
+    monkeypatch.setattr(Pricer, "_timer", lambda self, mod: lambda: fake_time(self, mod))
     monkeypatch.setattr(Pricer, "transform", lambda self, shape, src, dst: 0.0 if src == dst else 1e-6)
     spec = nchwc.conv_nchwc.ConvSpec(1, 32, 8, 8, 32, 1, 1)
     weight = tvm.relax.const(np.zeros((32, 32, 1, 1), "float32"))

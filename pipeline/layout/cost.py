@@ -5,7 +5,7 @@ Each price comes from the code the pipeline really runs: a one-operator Relax mo
 lowering (:mod:`pipeline.layout.nchwc` for blocked convs), fusion (:func:`pipeline.partition.partition`) and
 scheduling (:func:`pipeline.compile.schedule`: the template's default config, or the CPU rules for a
 transform or a kernel no template covers); the scheduled kernel is built in this process (0.1-0.5 s) and
-timed cold by :func:`pipeline.pricing.kernel_price.time_cold` (the graph stage's kernel prices use it too): its weight
+timed cold by :func:`pipeline.pricing.kernel_price.cold_timer` (the graph stage's kernel prices use it too): its weight
 packed the way the model packs it at build time, one call per timing after every argument but the
 activation was flushed from the caches (inside a model a conv's weights come from DRAM), the median taken.
 
@@ -16,8 +16,11 @@ part of every key: bump it when kernels or timing change what a price means.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import tvm
@@ -25,13 +28,14 @@ from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir, flag
 from graphopt.verdicts import VerdictStore, Verdicts, default_store
+from kerneltune.machine_gate import build_concurrently, serial
 from kerneltune.templates import conv_nchwc
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
 from kerneltune.targets.threads import tvm_num_threads
 from pipeline.layout import nchwc
 from pipeline.compile import schedule
-from pipeline.pricing.kernel_price import time_cold
+from pipeline.pricing.kernel_price import MEASURE_BATCH, cold_timer
 from pipeline.partition import partition
 
 # 3: NCHW depthwise convs inline their padding, stride-2 convs read it as phases (cpu template defaults);
@@ -84,19 +88,53 @@ class Pricer:
         self.verdicts = Verdicts(verdicts or default_store(), f"layout|v{VERSION}|{spec.target}|t{threads}")
         self.measured = 0  # prices measured by this instance (0 on a warm cache)
         self.looked_up = 0
+        self._pending: dict[str, Callable[[], tvm.IRModule]] | None = None  # inside batch(): prices to measure
 
     def flush(self) -> None:
         self.cache.flush()
 
     def _price(self, key: str, make) -> float:
         key = f"v{VERSION}|{key}"
-        self.looked_up += 1
         hit = self.cache.get(key)
+        if self._pending is not None:  # batch(): noted, priced when the batch ends
+            if hit is None:
+                self._pending.setdefault(key, make)
+            return 0.0 if hit is None else hit
+        self.looked_up += 1
         if hit is None:
             hit = self._time(make())
             self.measured += 1
             self.cache.put(key, hit)
         return hit
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Prices asked for inside are noted (each 0 there) and measured when the block ends, their kernels
+        built side by side and timed alone, in turn (:mod:`kerneltune.machine_gate`): the layout search walks
+        its problem once so, then again with every price cached.  A price that fails here is left to the
+        second walk, which meets the failure as before."""
+        self._pending = {}
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+        items = list(pending.items())
+        for start in range(0, len(items), MEASURE_BATCH):
+            batch = items[start:start + MEASURE_BATCH]
+            timers = build_concurrently([partial(self._timer_or_failure, make) for _, make in batch])
+            for (key, _), timer in zip(batch, timers):
+                if not isinstance(timer, Exception):
+                    self.cache.put(key, timer())
+                    self.measured += 1
+        self.flush()
+
+    def _timer_or_failure(self, make) -> Callable[[], float] | Exception:
+        try:
+            with serial():  # the module is made with TVM's Python side (legalization)
+                mod = make()
+            return self._timer(mod)
+        except Exception as exc:  # noqa: BLE001 - priced again outside the batch, where it fails as before
+            return exc
 
     def conv(self, spec: conv_nchwc.ConvSpec, option: ConvOption) -> float:
         """Seconds of one call of the conv (``spec``'s logical shape) run as ``option``."""
@@ -124,12 +162,17 @@ class Pricer:
 
     def _time(self, mod: tvm.IRModule) -> float:
         """Schedule the module's one kernel as the pipeline does, build it here and time it cold."""
-        part = partition(mod)
-        scheduled, _ = schedule(part, self.spec)
+        return self._timer(mod)()
+
+    def _timer(self, mod: tvm.IRModule) -> Callable[[], float]:
+        """The module's one kernel scheduled as the pipeline does and built here (:func:`cold_timer`)."""
+        with serial():  # TVM's Python side (kerneltune.machine_gate)
+            part = partition(mod)
+            scheduled, _ = schedule(part, self.spec)
         func = scheduled[part.tasks[-1].names[0]] if part.tasks else None
         if func is None:
             raise ValueError("nothing to price: the module has no kernel")
-        return time_cold(func, self.spec)
+        return cold_timer(func, self.spec)
 
 
 def _weight(spec: conv_nchwc.ConvSpec) -> np.ndarray:

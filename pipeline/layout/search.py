@@ -193,6 +193,8 @@ def search(graph: nchwc.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
     t0, looked_up, measured = time.perf_counter(), pricer.looked_up, pricer.measured
     touched = {s.inp for s in graph.convs} | {s.out for s in graph.convs}
     cands = [candidates(c, lanes, i in touched) for i, c in enumerate(graph.classes)]
+    with pricer.batch():  # every price the problem needs, measured together (built side by side)
+        _solve(graph, lanes, pricer, cands)
     problem, edges, pick = _solve(graph, lanes, pricer, cands)
     if _confirm_departures(edges, pick, graph, lanes, pricer):
         problem, edges, pick = _solve(graph, lanes, pricer, cands)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import reduce
+from functools import partial, reduce
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +36,7 @@ from tvm import relax
 from graphopt.cost.cache import CostCache, cache_dir
 from graphopt.ir import Graph
 from kerneltune import prepack
-from kerneltune.machine_gate import measuring
+from kerneltune.machine_gate import build_concurrently, building, measuring
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -51,17 +51,25 @@ VERSION = 2  # part of every cached key: bump it when kernels or timing change w
 # Timings per price: as many as fit in this many seconds, within these bounds (median taken).
 TIMING_BUDGET_S = 0.25
 MIN_REPEAT, MAX_REPEAT = 5, 25
+# Kernels built side by side at a time when a price needs several (KernelPricer._measure).
+MEASURE_BATCH = 8
 
 
 def time_cold(func: tvm.tirx.PrimFunc, spec: TargetSpec) -> float:
     """Seconds of one call of the scheduled kernel ``func``, built here, its weights packed the way the model
-    packs them at build time, timed cold (median).  Inputs are drawn in the kernel's logical shapes, then
-    packed: drawn in the stripped kernel's packed shapes, the packing scattered them into a mostly
-    uninitialized array (denormal garbage priced some blocked convs 100x too slow on an Intel Xeon).  Integer
-    inputs are 0, a valid index for any axis."""
+    packs them at build time, timed cold (median): :func:`cold_timer`, called once."""
+    return cold_timer(func, spec)()
+
+
+def cold_timer(func: tvm.tirx.PrimFunc, spec: TargetSpec) -> Callable[[], float]:
+    """``func`` built and its inputs made (what can run beside another build), and the timing of one cold call
+    (what runs alone).  Inputs are drawn in the kernel's logical shapes, then packed: drawn in the stripped
+    kernel's packed shapes, the packing scattered them into a mostly uninitialized array (denormal garbage
+    priced some blocked convs 100x too slow on an Intel Xeon).  Integer inputs are 0, a valid index for any
+    axis."""
     params = list(func.params)
     func, packings = prepack.strip(func)
-    with quiet_native_stderr():
+    with building(), quiet_native_stderr():
         lib = build_func(func, spec.target)
     rng = np.random.default_rng(0)
     shapes = [[int(s) for s in p.shape] for p in params]
@@ -72,11 +80,15 @@ def time_cold(func: tvm.tirx.PrimFunc, spec: TargetSpec) -> float:
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(x, dev) for x in inputs]
     args.append(tvm.runtime.empty(shapes[-1], dtypes[-1], dev))
-    with measuring():  # alone on the machine, not beside another build (kerneltune.machine_gate)
-        probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
-        repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
-        timer = lib.time_evaluator("main", dev, number=1, repeat=repeat, f_preproc="cache_flush_cpu_non_first_arg")
-        return float(np.median(timer(*args).results))
+
+    def timed() -> float:
+        with measuring():  # alone on the machine, not beside another build (kerneltune.machine_gate)
+            probe = float(lib.time_evaluator("main", dev, number=1, repeat=1)(*args).mean)
+            repeat = max(MIN_REPEAT, min(MAX_REPEAT, int(TIMING_BUDGET_S / max(probe, 1e-7))))
+            timer = lib.time_evaluator("main", dev, number=1, repeat=repeat,
+                                       f_preproc="cache_flush_cpu_non_first_arg")
+            return float(np.median(timer(*args).results))
+    return timed
 
 
 @dataclass(frozen=True)
@@ -156,13 +168,28 @@ class KernelPricer:
             for key, _, n, _ in ks:
                 c[key] += n
         shared = reduce(lambda a, b: a & b, calls) if len(calls) > 1 else Counter()
+        fresh = self._measure({key: func for c, ks in zip(calls, kernels) for key, _, _, func in ks
+                               if c[key] > shared[key] and self.cache.get(key) is None})
         out = []
         for c, ks in zip(calls, kernels):
             price = GraphPrice()
             for key, name, _, func in ks:
                 if c[key] > shared[key]:
                     price.kernels.append(KernelPrice(name, c[key] - shared[key], self._seconds(key, func, price)))
+                    price.measured += key in fresh
                     c[key] = shared[key]  # a kernel listed twice (two names, one structure) counted once
             out.append(price)
         self.cache.flush()
         return out
+
+    def _measure(self, todo: dict[str, object]) -> set[str]:
+        """Time the kernels of ``todo`` (key -> scheduled PrimFunc), in batches built side by side
+        (:func:`kerneltune.machine_gate.build_concurrently`: builds are most of a cold price) and timed alone,
+        in turn; few enough at once that their inputs are not all held together.  Returns the keys timed."""
+        items = list(todo.items())
+        for start in range(0, len(items), MEASURE_BATCH):
+            batch = items[start:start + MEASURE_BATCH]
+            timers = build_concurrently([partial(cold_timer, func, self.spec) for _, func in batch])
+            for (key, _), timer in zip(batch, timers):
+                self.cache.put(key, timer())
+        return set(todo)
