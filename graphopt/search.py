@@ -119,19 +119,12 @@ class Searcher:
 
     def _priced(self, matches: list[Match], index: GraphIndex, node_cost: dict[str, float],
                 constants: set[str]) -> list[tuple[Match, float]]:
-        """Each match with its cost delta.  The operators the matches' targets make are priced together first
-        (:meth:`CostModel.batch`: built side by side), then the matches priced again from the cache."""
-        def walk() -> list[tuple[Match, float]]:
-            out = []
-            for m in matches:
-                d = self._delta(m, index, node_cost, constants)
-                if d is not None:
-                    out.append((m, d))
-            return out
-
-        with self.cost.batch() as noted:
-            first = walk()
-        return walk() if noted else first
+        out = []
+        for m in matches:
+            d = self._delta(m, index, node_cost, constants)
+            if d is not None:
+                out.append((m, d))
+        return out
 
     def root(self, graph: Graph) -> State:
         index = GraphIndex(graph, self.views)
@@ -157,9 +150,6 @@ class Searcher:
         # (whether an element-wise reader is fused into its producer depends on both).
         src_outputs = [match.tensor(o, parent.index) for o in match.rule.src.outputs]
         reprice = changed | {c for t in read.union(src_outputs) for c in index.consumers.get(t, ())}
-        with self.cost.batch():  # the new operators priced together (CostModel.batch), read back below
-            for n in reprice:
-                self.cost.node_cost(index.nodes[n], g, constants, index)
         for n in sorted(reprice):  # a fixed order: float sums differ in the last bit with the set's hash order
             cost -= node_cost.pop(n, 0.0)
             c = self.cost.node_cost(index.nodes[n], g, constants, index)

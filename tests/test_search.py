@@ -149,48 +149,6 @@ def test_measured_cost_times_once_and_caches_on_disk(tmp_path):
     assert big > a  # 16x the work
 
 
-def test_a_batch_notes_prices_and_measures_them_when_it_ends(tmp_path):
-    cm = MeasuredCost(OrtRunner(1), "llvm", path=tmp_path / "cost.json")
-    with cm.batch() as noted:
-        inside = [cm.op_cost("matmul", {}, [(64, 128), (128, 128)]), cm.op_cost("relu", {}, [(64, 128)]),
-                  cm.op_cost("matmul", {}, [(64, 128), (128, 128)])]
-        with cm.batch() as nested:  # the outer batch measures
-            cm.op_cost("relu", {}, [(32, 128)])
-        assert inside == [0.0] * 3 and nested is noted and len(noted) == 3 and cm.measured == 0
-    assert cm.measured == 3
-    with cm.batch() as again:  # all cached: the prices inside are the real ones
-        assert cm.op_cost("relu", {}, [(64, 128)]) > 0
-    assert not again and cm.measured == 3
-
-
-def test_a_search_priced_in_batches_equals_one_priced_one_at_a_time(tmp_path):
-    """The searcher prices each state's new operators in a batch, then again from the cache: every state's
-    cost and match deltas are what a cost model pricing one at a time finds for the same graph, and that model
-    times nothing (the batches measured every price the states need)."""
-    g = import_onnx(build_bert(TINY_BERT, 0, "tiny"))
-    path = tmp_path / "cost.json"
-    batched = MeasuredCost(OrtRunner(1), "llvm", path=path)
-    s = Searcher([merge_matmul(3), merge_bias(3)], batched)
-    states = [s.root(g)]
-    rnd = random.Random(1)
-    for _ in range(3):
-        states.append(s.child(states[-1], rnd.choice(states[-1].matches)[0]))
-    assert batched.measured > 0
-    batched.flush()
-
-    class OneAtATime(MeasuredCost):
-        def batch(self):
-            return CostModel.batch(self)
-
-    single = OneAtATime(OrtRunner(1), "llvm", path=path)
-    t = Searcher([merge_matmul(3), merge_bias(3)], single)
-    for state in states:
-        ref = t.root(state.graph)
-        assert state.cost == pytest.approx(ref.cost, rel=1e-12)
-        assert sorted(d for _, d in state.matches) == pytest.approx(sorted(d for _, d in ref.matches), rel=1e-9)
-    assert single.measured == 0
-
-
 def test_opaque_nodes_are_priced_but_identical_before_and_after():
     proto = three_projections()
     g = import_onnx(proto)

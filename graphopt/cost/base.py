@@ -12,9 +12,8 @@ Nodes whose inputs are all weights cost nothing: the optimizer folds them into i
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -73,12 +72,6 @@ class CostModel:
 
     def prefetch(self, graph: Graph) -> None:
         """Price ``graph``'s operators ahead of a search, all at once where the engine can (no-op here)."""
-
-    def batch(self) -> ContextManager[Any]:
-        """A block whose prices are measured together when it ends, where the engine can (the prices inside
-        are then placeholders: the caller walks again).  What it yields is true when something was noted;
-        here nothing is, and the prices inside are the real ones."""
-        return contextlib.nullcontext(None)
 
     def set_deadline(self, deadline: float | None) -> None:
         """From ``deadline`` (a :func:`time.perf_counter` value) on, price what is not known yet by estimate

@@ -87,9 +87,6 @@ class GuardedCost(CostModel):
         return self._guarded(key, kind, lambda: self.inner.opaque_cost(node, graph),
                              lambda: self._estimate().opaque_cost(node, graph))
 
-    def batch(self):
-        return self.inner.batch()  # its measurements fail one by one, each priced again by the next walk
-
     def prefetch(self, graph: Graph) -> None:
         try:
             self.inner.prefetch(graph)

@@ -24,11 +24,10 @@ times the input against several candidates, block after block).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from graphopt import ops
 from graphopt.cost.analysis import numel
@@ -45,7 +44,7 @@ from graphopt.verdicts import VerdictStore, Verdicts, default_store
 # just before, so one call brings back its caches; the first calls of a new build (allocation, page faults)
 # are made once, when it is built.  Three per round made half of ResNet-50's end-to-end check untimed calls.
 ROUND_WARMUP = 1
-# One-operator graphs :meth:`MeasuredCost.batch` builds at once: enough for the cores of a small machine to
+# One-operator graphs :meth:`MeasuredCost.prefetch` builds at once: enough for the cores of a small machine to
 # build side by side, few enough that their weights are not all held together (VGG-19's first classifier
 # layer alone is 411 MB).
 PREFETCH_BATCH = 4
@@ -77,7 +76,7 @@ class MeasuredCost(CostModel):
         self.deadline: float | None = None
         self._analytic: AnalyticCost | None = None
         self._prepared: dict[tuple[str, str], Callable[[], object]] = {}  # (engine, graph hash) -> one run
-        self._collect: dict[str, Callable[[], Graph]] | None = None  # inside batch(): the prices to measure
+        self._collect: dict[str, Callable[[], Graph]] | None = None  # prefetch's unpriced keys while it walks
 
     def flush(self) -> None:
         self.cache.flush()
@@ -99,7 +98,7 @@ class MeasuredCost(CostModel):
 
     def _lookup(self, key: str, build: Callable[[], Graph], estimate: Callable[[], float]) -> float:
         hit = self.cache.get(key)
-        if hit is None and self._collect is not None:  # batch(): note it, price it when the batch ends
+        if hit is None and self._collect is not None:  # prefetch's walk: note it, price it later
             self._collect.setdefault(key, build)
             return 0.0
         if hit is None:
@@ -168,37 +167,24 @@ class MeasuredCost(CostModel):
         return self._lookup(key, build, lambda: self._estimate().opaque_cost(node, graph))
 
     def prefetch(self, graph: Graph) -> None:
-        """Price every operator of ``graph`` not priced yet, all at once (:meth:`batch`): the search then finds
-        its input's prices cached (ResNet-50's 37 operators: 4.7 s on 2 cores, the search 3.1 s after it)."""
-        with self.batch():
-            CostModel.graph_cost(self, graph)  # every operator's key, through the pricing path the search takes
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[dict[str, Callable[[], Graph]]]:
-        """Prices asked for inside are noted (each 0 there; the dict yielded holds them) and measured when the
-        block ends: their one-operator graphs built side by side (:meth:`GraphRunner.prepare_many`), then each
-        timed alone, in turn, until the deadline.  The caller walks again for the real prices.  One that
-        neither engine builds is left to that walk (which prices it the usual way).  Nested: the outer one
-        measures."""
-        if self._collect is not None:
-            yield self._collect
+        """Price every operator of ``graph`` not priced yet, all at once: their one-operator graphs built side by
+        side (:meth:`GraphRunner.prepare_many`), then each timed alone, in turn, until the deadline.  The search
+        then finds its input's prices cached (ResNet-50's 37 operators: 4.7 s on 2 cores, the search 3.1 s after
+        it).  One that neither engine builds is left to the search (which prices it the usual way)."""
+        if self._past_deadline():
             return
         missing: dict[str, Callable[[], Graph]] = {}
         self._collect = missing
         try:
-            yield missing
+            CostModel.graph_cost(self, graph)  # every operator's key, through the pricing path the search takes
         finally:
             self._collect = None
-        if missing and not self._past_deadline():
-            self._measure(missing)
-
-    def _measure(self, missing: dict[str, Callable[[], Graph]]) -> None:
         keys, graphs = [], []
         for key, build in missing.items():
             try:
                 graphs.append(build())
                 keys.append(key)
-            except Exception:  # noqa: BLE001 - the next walk meets the same failure and prices it by estimate
+            except Exception:  # noqa: BLE001 - the search meets the same failure and prices it by estimate
                 continue
         for start in range(0, len(graphs), PREFETCH_BATCH):
             batch = graphs[start:start + PREFETCH_BATCH]
