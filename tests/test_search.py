@@ -149,6 +149,22 @@ def test_measured_cost_times_once_and_caches_on_disk(tmp_path):
     assert big > a  # 16x the work
 
 
+def test_prefetch_prices_every_operator_the_search_then_reads(tmp_path):
+    """The stage's prefetch before its search: every operator of the graph priced at once, so pricing the
+    graph afterwards measures nothing and gives what a model pricing one at a time gives."""
+    g = import_onnx(build_bert(TINY_BERT, 0, "tiny"))
+    path = tmp_path / "cost.json"
+    cm = MeasuredCost(OrtRunner(1), "llvm", path=path)
+    cm.prefetch(g)
+    fetched = cm.measured
+    assert fetched > 0
+    total = cm.graph_cost(g)
+    assert cm.measured == fetched and total > 0
+    alone = MeasuredCost(OrtRunner(1), "llvm", path=tmp_path / "alone.json")
+    alone.graph_cost(g)
+    assert alone.measured == fetched  # the same prices were needed, each once
+
+
 def test_opaque_nodes_are_priced_but_identical_before_and_after():
     proto = three_projections()
     g = import_onnx(proto)
