@@ -91,3 +91,11 @@ def build_concurrently(builds: Sequence[Callable[[], T]]) -> list[T]:
     finally:
         if main and handler is not None:
             signal.signal(signal.SIGINT, handler)
+
+
+def built_in_batches(builds: Sequence[Callable[[], T]], size: int) -> Iterator[T]:
+    """Each of ``builds``' results, in order: :func:`build_concurrently` ``size`` at a time, the next batch
+    started only once the caller has taken the last one's results (and timed them alone), so that no more
+    than ``size`` builds' inputs are held at once."""
+    for start in range(0, len(builds), size):
+        yield from build_concurrently(builds[start:start + size])

@@ -91,6 +91,21 @@ def test_build_concurrently_keeps_order_raises_a_failure_and_restores_sigint():
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def test_batches_are_built_only_once_the_last_ones_results_are_taken():
+    started: list[int] = []
+
+    def build(i):
+        def run():
+            started.append(i)
+            return i
+        return run
+
+    results = gate.built_in_batches([build(i) for i in range(5)], 2)
+    assert next(results) == 0 and sorted(started) == [0, 1]  # the first batch only
+    assert next(results) == 1 and sorted(started) == [0, 1]
+    assert list(results) == [2, 3, 4] and sorted(started) == [0, 1, 2, 3, 4]
+
+
 def test_interleaved_quiet_stderr_leaves_fd2_where_it_was():
     """Two threads silencing fd 2 with overlapping spans (first in, first out): each saving and restoring its
     own copy left fd 2 on /dev/null."""

@@ -48,13 +48,14 @@ class GraphRunner(ABC):
     def prepare_many(self, graphs: Sequence[Graph]) -> list[Callable[[], object] | Exception]:
         """:meth:`prepare` of each graph, in order, a failure in its place; an engine that can build several at
         once overrides it (TVM: side by side on the cores)."""
-        out: list[Callable[[], object] | Exception] = []
-        for g in graphs:
-            try:
-                out.append(self.prepare(g))
-            except Exception as exc:  # noqa: BLE001 - the caller prices this one another way
-                out.append(exc)
-        return out
+        return [self.prepare_or_failure(g) for g in graphs]
+
+    def prepare_or_failure(self, graph: Graph) -> Callable[[], object] | Exception:
+        """:meth:`prepare`, or the exception it raised (the caller prices that graph another way)."""
+        try:
+            return self.prepare(graph)
+        except Exception as exc:  # noqa: BLE001 - see above
+            return exc
 
     def prepare_models(self, graphs: Sequence[Graph]) -> list[Callable[[], object]]:
         """:meth:`prepare_model` of each graph, in order; an engine that can build several at once overrides

@@ -28,7 +28,7 @@ from tvm import relax
 
 from graphopt.cost.cache import CostCache, cache_dir, flag
 from graphopt.verdicts import VerdictStore, Verdicts, default_store
-from kerneltune.machine_gate import build_concurrently, serial
+from kerneltune.machine_gate import built_in_batches, serial
 from kerneltune.templates import conv_nchwc
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -118,14 +118,12 @@ class Pricer:
             yield
         finally:
             pending, self._pending = self._pending, None
-        items = list(pending.items())
-        for start in range(0, len(items), MEASURE_BATCH):
-            batch = items[start:start + MEASURE_BATCH]
-            timers = build_concurrently([partial(self._timer_or_failure, make) for _, make in batch])
-            for (key, _), timer in zip(batch, timers):
-                if not isinstance(timer, Exception):
-                    self.cache.put(key, timer())
-                    self.measured += 1
+        timers = built_in_batches([partial(self._timer_or_failure, make) for make in pending.values()],
+                                  MEASURE_BATCH)
+        for key, timer in zip(pending, timers):
+            if not isinstance(timer, Exception):
+                self.cache.put(key, timer())
+                self.measured += 1
         self.flush()
 
     def _timer_or_failure(self, make) -> Callable[[], float] | Exception:

@@ -81,13 +81,8 @@ class TvmRunner(GraphRunner):
 
     def prepare_many(self, graphs: Sequence[Graph]) -> list[Callable[[], object] | Exception]:
         """One-operator graphs built side by side (the graph stage's operator prices, before its search)."""
-        def build(g: Graph) -> Callable[[], object] | Exception:
-            try:
-                return self.prepare(g)
-            except Exception as exc:  # noqa: BLE001 - priced by onnxruntime instead (MeasuredCost)
-                return exc
         self._target()  # the spec (and TVM's pool) made once, before the threads
-        return build_concurrently([partial(build, g) for g in graphs])
+        return build_concurrently([partial(self.prepare_or_failure, g) for g in graphs])
 
     def prepare_models(self, graphs: Sequence[Graph]) -> list[Callable[[], object]]:
         """Whole models built side by side (the end-to-end check's two: ResNet-50's 12.9 s in turn, 6.9 s

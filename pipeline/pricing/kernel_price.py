@@ -36,7 +36,7 @@ from tvm import relax
 from graphopt.cost.cache import CostCache, cache_dir
 from graphopt.ir import Graph
 from kerneltune import prepack
-from kerneltune.machine_gate import build_concurrently, building, measuring
+from kerneltune.machine_gate import built_in_batches, building, measuring
 from kerneltune.native_log import quiet_native_stderr
 from kerneltune.targets.host import host_cpu, num_cores
 from kerneltune.targets.registry import TargetSpec
@@ -184,12 +184,9 @@ class KernelPricer:
 
     def _measure(self, todo: dict[str, object]) -> set[str]:
         """Time the kernels of ``todo`` (key -> scheduled PrimFunc), in batches built side by side
-        (:func:`kerneltune.machine_gate.build_concurrently`: builds are most of a cold price) and timed alone,
+        (:func:`kerneltune.machine_gate.built_in_batches`: builds are most of a cold price) and timed alone,
         in turn; few enough at once that their inputs are not all held together.  Returns the keys timed."""
-        items = list(todo.items())
-        for start in range(0, len(items), MEASURE_BATCH):
-            batch = items[start:start + MEASURE_BATCH]
-            timers = build_concurrently([partial(cold_timer, func, self.spec) for _, func in batch])
-            for (key, _), timer in zip(batch, timers):
-                self.cache.put(key, timer())
+        timers = built_in_batches([partial(cold_timer, func, self.spec) for func in todo.values()], MEASURE_BATCH)
+        for key, timer in zip(todo, timers):
+            self.cache.put(key, timer())
         return set(todo)
