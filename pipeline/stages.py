@@ -174,7 +174,8 @@ def kernel_times(models: list[tuple[onnx.ModelProto, Graph]], spec: TargetSpec) 
     ``price_kernels``; each model with its legalized graph IR): the kernels :func:`compile_model` would
     build for them, each timed alone, over the kernel calls they do not all share
     (:meth:`pipeline.pricing.kernel_price.KernelPricer.compare`)."""
-    pricer = KernelPricer(spec, partition_fn=lambda mod: partition_model(mod, spec, PRICE_LAYOUT))
+    pricer = KernelPricer(spec, partition_fn=lambda mod: partition_model(mod, spec, PRICE_LAYOUT),
+                          partition_key=f"layout={PRICE_LAYOUT}")
     return [p.seconds for p in pricer.compare(models)]
 
 

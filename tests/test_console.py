@@ -21,6 +21,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import fresh_cache
 from graphopt import console
 from graphopt.errors import UserError
 
@@ -225,7 +226,7 @@ def _conv_and_gather_model(path: Path) -> Path:
 def test_tvm_importer_output_stays_off_stderr_of_a_successful_run(make, tmp_path):
     """The graph stage (a fresh cost cache: each operator imported alone) and the build, both quiet."""
     model = make(tmp_path / "m.onnx")
-    env = environment() | {"OPTIMIZE_MODEL_CACHE": str(tmp_path / "cache")}
+    env = environment() | {"OPTIMIZE_MODEL_CACHE": str(fresh_cache(tmp_path / "cache"))}
     p = subprocess.run(command("optimize-model", str(model), "-o", str(tmp_path / "out"), "-q"), capture_output=True,
                        text=True, env=env, timeout=600)
     assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
@@ -246,7 +247,7 @@ def test_tvm_importer_refusal_is_one_stderr_line(tmp_path):
     model = _save([resize], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])],
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 12])],
                   [numpy_helper.from_array(np.array([1, 2], np.float32), "s")], tmp_path / "m.onnx", opset=18)
-    env = environment() | {"OPTIMIZE_MODEL_CACHE": str(tmp_path / "cache")}
+    env = environment() | {"OPTIMIZE_MODEL_CACHE": str(fresh_cache(tmp_path / "cache"))}
     p = subprocess.run(command("optimize-model", str(model), "-o", str(tmp_path / "out")), capture_output=True,
                        text=True, env=env, timeout=600)
     lines = p.stderr.splitlines()

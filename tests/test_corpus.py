@@ -38,13 +38,14 @@ ATOL = RTOL = 1e-4  # the independent re-check of model.so (scale-aware, as issu
 # ---- what fails today, and why (issue 13 triage) ---------------------------------------------------------
 PIPELINE_XFAIL: dict[tuple[str, str], str] = {}
 
-# Run in CI (~4 min measured on 2 loaded cores, load average 6): transformers, convnets and RNNs, both
-# exporters, the opset-9 convention, the former failure modes (TorchScript and dynamo shape arithmetic, Swin's
-# pads, LSTM/GRU, the VAD's control input); the rest is slow.
+# Run in CI: transformers, convnets and RNNs, both exporters, the opset-9 convention, the former failure modes
+# (TorchScript and dynamo shape arithmetic, Swin's pads, LSTM/GRU, the VAD's control input); the rest is slow.
+# ShuffleNet (opset 9), DenseNet and ResNet went to the slow set to keep the suite within its 15 minutes (58 s
+# together on a 2-core Intel Xeon): convnet covers the opset-9 convention, and DenseNet still builds blocked in
+# test_densenet_runs_blocked.
 FAST = {
     ("bert", "torchscript"), ("bert", "dynamo"), ("vit", "torchscript"), ("convnext", "dynamo"),
-    ("resnet", "torchscript"), ("densenet", "torchscript"),
-    ("convnet", "opset9"), ("convnet", "dynamo"), ("shufflenet", "opset9"), ("lstm_lm", "torchscript"),
+    ("convnet", "opset9"), ("convnet", "dynamo"), ("lstm_lm", "torchscript"),
     ("bigru_lm", "dynamo"), ("vad", "dynamo"), ("swin", "torchscript"),
 }
 

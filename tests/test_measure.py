@@ -111,6 +111,7 @@ def _measure_default(rpc: str):
         return m.measure(task, [templates.default_config(task, LLVM)])[0]
 
 
+@pytest.mark.slow  # the tracker test below measures through a server the same way, and checks the keys too
 def test_rpc_server_uses_same_path():
     """A TVM RPC server (here on localhost) measures through the same upload/load/time_evaluator path."""
     with rpc_device.server() as address:

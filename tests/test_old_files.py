@@ -76,7 +76,10 @@ def assert_shipped_model_is_valid(out) -> onnx.ModelProto:
 
 # ---- 1. IR<4: initializers and graph inputs -----------------------------------------------------------------
 
-@pytest.mark.parametrize("weights_listed", [True, False], ids=["weights-listed-as-inputs", "weights-not-listed"])
+@pytest.mark.parametrize("weights_listed", [
+    pytest.param(True, id="weights-listed-as-inputs"),
+    # the convention every other build in the suite already uses
+    pytest.param(False, id="weights-not-listed", marks=pytest.mark.slow)])
 def test_ir3_model_builds_and_its_weights_stay_weights(weights_listed, tmp_path, capsys):
     """Before: listed, the Constant node folded into a weight made the export fail onnx.checker (an internal
     RuntimeError after the build); not listed, the model was refused as invalid."""

@@ -612,6 +612,34 @@ def test_kernel_prices_time_each_distinct_fused_kernel_once(tmp_path, llvm):
     assert b.seconds - a.seconds == pytest.approx(other.seconds - first.seconds)
 
 
+def test_kernel_prices_import_a_graph_compared_again_once(tmp_path, llvm, monkeypatch):
+    """The graph stage compares its input with each candidate: a named partition's kernels of a graph are
+    remembered (by its structure and input sizes), so the input is imported, partitioned and scheduled once,
+    and the second comparison gives the same prices; a pricer without a partition key builds every time."""
+    from graphopt.onnx_io import import_onnx
+    from pipeline.pricing import kernel_price
+
+    built = []
+    real = kernel_price.KernelPricer._build_kernels
+    monkeypatch.setattr(kernel_price.KernelPricer, "_build_kernels",
+                        lambda self, m, g: built.append(g) or real(self, m, g))
+    monkeypatch.setattr(kernel_price, "_RECENT", type(kernel_price._RECENT)())
+    model = conv_net()
+    changed = conv_net()
+    next(n for n in changed.graph.node if n.op_type == "Relu").op_type = "Sigmoid"
+    graphs = [import_onnx(model), import_onnx(changed)]
+    pairs = [(model, graphs[0]), (changed, graphs[1])]
+
+    def pricer(key):
+        return kernel_price.KernelPricer(llvm, tmp_path / "kernels.json", partition_key=key)
+
+    first = [p.seconds for p in pricer("as-imported").compare(pairs)]
+    again = [p.seconds for p in pricer("as-imported").compare([pairs[0], (changed, import_onnx(changed))])]
+    assert again == first and len(built) == 2  # a fresh copy of the same graph hashes equal
+    pricer(None).compare(pairs)
+    assert len(built) == 4
+
+
 @pytest.mark.parametrize("kept", [1000, 512])
 def test_padding_slices_move_past_elementwise_ops_and_pools_but_parts_stay(kept):
     """slice(1000 of 1024 channels) -> add a [1000, 1, 1] bias -> divide by a [1000, 1, 1] scale -> relu -> mean

@@ -17,6 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import fresh_cache
 from graphopt.console import version
 from graphopt.cost import measured as measured_mod
 from graphopt.cost.cache import cpu_id
@@ -318,7 +319,7 @@ def test_optimize_model_time_limit_is_checked_in_one_line(capsys):
 def test_optimize_model_on_an_opset9_zoo_graph(tmp_path, monkeypatch, capsys):
     """The whole pipeline (graph stage priced with TVM, compile, check against onnxruntime) on the old
     convention; it crashed in the cost model before (a Reshape fed a zero shape)."""
-    monkeypatch.setenv("OPTIMIZE_MODEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OPTIMIZE_MODEL_CACHE", str(fresh_cache(tmp_path / "cache")))
     src, out = tmp_path / "zoo9.onnx", tmp_path / "out"
     onnx.save(zoo_opset9(), str(src))
     assert optimize_model_main([str(src), "-o", str(out), "--skip-tune", "--no-progress", "--threads", "1",
@@ -371,7 +372,7 @@ def test_integer_division_by_an_input_through_graphopt_and_optimize_model(tmp_pa
     np.savez(tmp_path / "in.npz", **samples)
     np.savez(tmp_path / "zero.npz", **dict(samples, b=np.array([2, 0, -4, 0])))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(ROOT), TVM_NUM_THREADS="1", OPTIMIZE_MODEL_CACHE=str(tmp_path / "cache"))
+    env.update(PYTHONPATH=str(ROOT), TVM_NUM_THREADS="1", OPTIMIZE_MODEL_CACHE=str(fresh_cache(tmp_path / "cache")))
 
     def run(command: str, *args: str) -> None:
         main = {"graphopt": "graphopt_main", "optimize-model": "optimize_model_main", "run-model": "run_model_main"}
