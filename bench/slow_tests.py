@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         junit = Path(tmp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider",
                    f"--junitxml={junit}", *(["-k", args.expr] if args.expr else [])]
-        rc = subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode
+        rc = subprocess.run(command, cwd=ROOT).returncode
         cases = outcomes(junit) if junit.exists() else []
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
     result = {"cpu": host_model_name(), "cores": os.cpu_count(), "pytest_exit": rc, **counts,
