@@ -169,14 +169,14 @@ def build_untuned(lowered: Lowered, ctx: BuildContext) -> tuple[CompiledModel, d
                       "flagged": flagged, "replaced": len(replaced)}
 
 
-def kernel_times(models: list[tuple[onnx.ModelProto, Graph]], spec: TargetSpec) -> list[float]:
+def kernel_times(models: list[tuple[onnx.ModelProto, Graph]], spec: TargetSpec, confirm: bool = False) -> list[float]:
     """What the graph stage prices candidates at before it times them whole (the TVM runner's
     ``price_kernels``; each model with its legalized graph IR): the kernels :func:`compile_model` would
     build for them, each timed alone, over the kernel calls they do not all share
-    (:meth:`pipeline.pricing.kernel_price.KernelPricer.compare`)."""
+    (:meth:`pipeline.pricing.kernel_price.KernelPricer.compare`; ``confirm``: those timed again)."""
     pricer = KernelPricer(spec, partition_fn=lambda mod: partition_model(mod, spec, PRICE_LAYOUT),
                           partition_key=f"layout={PRICE_LAYOUT}")
-    return [p.seconds for p in pricer.compare(models)]
+    return [p.seconds for p in pricer.compare(models, retime=confirm)]
 
 
 # The layouts a candidate model is priced and timed in: the heuristic blocks (no measurement, seconds), so a

@@ -50,14 +50,17 @@ class PricedLaunchCost(TimedLaunchCost):
     """TimedLaunchCost whose engine also prices graphs by the kernels they do not share: the input's at 1.0
     (LaunchCost's units), any other graph's ``cheaper_by`` less."""
 
-    def __init__(self, cheaper_by: float, after_ms: float = 0.8):
+    def __init__(self, cheaper_by: float, after_ms: float = 0.8, confirmed_by: float | None = None):
         super().__init__(1.0, after_ms)
         self.cheaper_by = cheaper_by
+        self.confirmed_by = cheaper_by if confirmed_by is None else confirmed_by  # timed again (confirm)
         self.priced: list[list[int]] = []  # MatMul count of each graph priced, per call
+        self.confirmed = 0
 
-    def kernel_times(self, graphs):
+    def kernel_times(self, graphs, confirm=False):
         self.priced.append([sum(n.op_type == "MatMul" for n in g.nodes) for g in graphs])
-        return [1.0] + [1.0 - self.cheaper_by] * (len(graphs) - 1)
+        self.confirmed += confirm
+        return [1.0] + [1.0 - (self.confirmed_by if confirm else self.cheaper_by)] * (len(graphs) - 1)
 
 
 def test_a_candidate_whose_kernels_price_no_cheaper_is_not_timed():
@@ -70,9 +73,21 @@ def test_a_candidate_whose_kernels_price_no_cheaper_is_not_timed():
     assert cost.priced[0] == [3, 1] and cost.timed == []
     assert rep["kept"] == "original" and rep["e2e_check"] == "priced" and _matmuls(out) == 3
     assert rep["kernels_ms_before"] == 1000.0 and rep["kernels_ms_after"] == 980.0 and rep["e2e_ms_before"] is None
+    assert cost.confirmed == 0  # a price that does not pass is not taken again
     cost = PricedLaunchCost(cheaper_by=0.04)
     out, rep = optimize(proto, cost=cost, rules=HAND, budget=60)
     assert cost.timed and rep["kept"] == "optimized" and rep["e2e_check"] == "measured" and _matmuls(out) == 1
+    assert cost.confirmed == 1
+
+
+def test_a_gate_pass_is_confirmed_before_whole_models_are_built():
+    """The merged projections price 0.04 cheaper (a pass), but timed again only 0.01 cheaper (the first price
+    of the input was taken beside an interruption): the input is kept at the gate with the confirmed prices,
+    and neither whole model is built or timed."""
+    cost = PricedLaunchCost(cheaper_by=0.04, confirmed_by=0.01)
+    out, rep = optimize(three_projections(), cost=cost, rules=HAND, budget=60)
+    assert cost.confirmed == 1 and cost.timed == [] and _matmuls(out) == 3
+    assert rep["kept"] == "original" and rep["e2e_check"] == "priced" and rep["kernels_ms_after"] == 990.0
 
 
 def test_merges_that_price_slower_are_not_merged_everywhere():

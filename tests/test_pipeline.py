@@ -640,6 +640,30 @@ def test_kernel_prices_import_a_graph_compared_again_once(tmp_path, llvm, monkey
     assert len(built) == 4
 
 
+def test_kernel_prices_timed_again_keep_the_faster_timing(tmp_path, llvm):
+    """A cold timing taken beside an interruption (here: every cached price made 1 s) prices a graph far too
+    high; compared again with ``retime``, the kernels that differ are timed once more and each keeps the
+    faster of its timings, in the price and in the cache; the shared kernels are not timed."""
+    from pipeline.pricing import kernel_price
+
+    model, changed = conv_net(), conv_net()
+    next(n for n in changed.graph.node if n.op_type == "Relu").op_type = "Sigmoid"
+    pricer = kernel_price.KernelPricer(llvm, tmp_path / "kernels.json")
+    assert len(pricer.price(model).kernels) > 1  # every kernel cached, the shared ones too
+    first = pricer.compare([(model, None), (changed, None)])
+    assert all(0 < p.seconds < 0.1 for p in first)
+    keys = list(pricer.cache._data)
+    for key in keys:
+        pricer.cache.put(key, 1.0)
+    slow = pricer.compare([(model, None), (changed, None)])
+    assert all(p.seconds >= 1.0 and p.measured == 0 for p in slow)
+    again = pricer.compare([(model, None), (changed, None)], retime=True)
+    assert all(p.seconds < 0.1 and p.measured == len(p.kernels) > 0 for p in again)
+    cached = kernel_price.KernelPricer(llvm, tmp_path / "kernels.json").cache  # as written to the file
+    faster = [k for k in keys if cached.get(k) < 1.0]
+    assert len(faster) == sum(len(p.kernels) for p in again) < len(keys)  # the shared ones were not timed
+
+
 @pytest.mark.parametrize("kept", [1000, 512])
 def test_padding_slices_move_past_elementwise_ops_and_pools_but_parts_stay(kept):
     """slice(1000 of 1024 channels) -> add a [1000, 1, 1] bias -> divide by a [1000, 1, 1] scale -> relu -> mean

@@ -41,6 +41,12 @@ def test_rates_compare_each_kernel_with_its_roofline():
     assert mv.roofline_gflops < 6 and not mv.flagged               # ~5 GFLOP/s at 10 GB/s: bandwidth-bound
     assert mm.roofline_gflops == 200.0 and mm.gflops < 3 and mm.flagged  # 2.3 GFLOP/s of a 200 peak
 
+    # alone in a model (all of its kernel time), a 4 us matmul is a call's fixed cost, not a schedule to fix
+    tiny_alone = _task(0, "matmul_c", 2 * 2 * 8 * 16, 1, [(2, 8), (8, 16), (2, 16)])
+    (rate,) = sanity.kernel_rates(SimpleNamespace(tasks=[tiny_alone]), [KernelTime("matmul_c", 1, 0.004)],
+                                  peak_gflops=200.0, bandwidth_gbs=10.0)
+    assert rate.gflops < sanity.FLOOR * rate.roofline_gflops and not rate.flagged
+
 
 def _matmul_model(m=64, k=256, n=256):
     w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)

@@ -135,7 +135,7 @@ class KernelPriced(PricedCost):
     def blocked_winograd(self) -> bool:
         return True
 
-    def kernel_times(self, graphs):
+    def kernel_times(self, graphs, confirm=False):
         self.priced += 1
         return [sum(self.wino if n.op_type == "Conv" and n.inputs[1] in g.winograd else
                     self.conv if n.op_type == "Conv" else 0.0 for n in g.nodes) / 1e3 for g in graphs]

@@ -59,10 +59,12 @@ class CostModel:
         caller cannot check its predictions."""
         return None
 
-    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+    def kernel_times(self, graphs: Sequence[Graph], confirm: bool = False) -> list[float] | None:
         """Seconds per run of each graph as the fused kernels its engine builds, over the kernel calls the
         graphs do not all share (the price that sees fusion,
-        :meth:`graphopt.cost.runners.GraphRunner.kernel_times`), or None when this model has no such engine."""
+        :meth:`graphopt.cost.runners.GraphRunner.kernel_times`), or None when this model has no such engine.
+        ``confirm``: those kernels timed once more, each priced at the faster of its two timings (the gate of
+        :func:`graphopt.stage.check_end_to_end` confirms a pass this way before paying for two whole models)."""
         return None
 
     def blocked_winograd(self) -> bool:

@@ -102,9 +102,9 @@ class GuardedCost(CostModel):
     def time_models(self, graphs: Sequence[Graph], runs: int = 20) -> ModelTimes | None:
         return self.inner.time_models(graphs, runs)  # failures here are the stage's to judge (keep the input)
 
-    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+    def kernel_times(self, graphs: Sequence[Graph], confirm: bool = False) -> list[float] | None:
         try:
-            return self.inner.kernel_times(graphs)
+            return self.inner.kernel_times(graphs, confirm)
         except Exception as exc:  # noqa: BLE001 - no kernel price: the stage times the whole models instead
             self._fail("(kernel prices of a whole graph)", exc)
             return None

@@ -229,14 +229,15 @@ class MeasuredCost(CostModel):
         times = time_blocks(dict(enumerate(calls)), runs, warmup=ROUND_WARMUP, gap_s=0.0)
         return ModelTimes([times[i].median_ms / 1e3 for i in range(len(calls))], runner.name)
 
-    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
-        """The runner's fusion-aware prices of ``graphs``, recorded under their hashes: the same graphs are
-        priced once per cache, and a rerun decides the same way."""
+    def kernel_times(self, graphs: Sequence[Graph], confirm: bool = False) -> list[float] | None:
+        """The runner's fusion-aware prices of ``graphs``, recorded under their hashes (the confirmed ones
+        apart): the same graphs are priced once per cache, and a rerun decides the same way."""
         # "kernels2": priced in the blocked conv layouts the product builds (the first prices were as imported)
-        keys = [f"kernels2|{'|'.join(g.structural_hash() for g in graphs)}|{i}" for i in range(len(graphs))]
+        kind = "kernels2c" if confirm else "kernels2"
+        keys = [f"{kind}|{'|'.join(g.structural_hash() for g in graphs)}|{i}" for i in range(len(graphs))]
         hits = [self.cache.get(k, non_negative) for k in keys]
         if any(h is None for h in hits):
-            hits = self.runner.kernel_times(graphs)
+            hits = self.runner.kernel_times(graphs, confirm)
             if hits is None:
                 return None
             for k, h in zip(keys, hits):

@@ -62,11 +62,12 @@ class GraphRunner(ABC):
         it (TVM: side by side on the cores, :mod:`kerneltune.machine_gate`)."""
         return [self.prepare_model(g) for g in graphs]
 
-    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+    def kernel_times(self, graphs: Sequence[Graph], confirm: bool = False) -> list[float] | None:
         """Seconds per run of each graph priced as the kernels this engine builds for it (each distinct fused
         kernel timed alone, times its calls: the graph stage's fusion-aware price), over the kernel calls the
         graphs do not all share (of one graph: all of them), so differences between the prices are exact; or
-        None where the engine cannot split a model into its kernels (onnxruntime)."""
+        None where the engine cannot split a model into its kernels (onnxruntime).  ``confirm``: those kernels
+        timed again, each at the faster of its timings (:meth:`graphopt.cost.base.CostModel.kernel_times`)."""
         return None
 
 

@@ -43,7 +43,7 @@ from ..task import IMPLICIT_CONV, Task, mac_operands, root_blocks, symbolic_axes
 from ..targets.caches import l1_block_bytes
 from ..targets.host import vector_registers
 from .common import InvalidConfig, check_config, prepare
-from .int8_intrin import Instruction, instruction_for
+from .int8_intrin import Instruction, instruction_for, registered
 
 KINDS = ("matmul", "batch_matmul", IMPLICIT_CONV)
 # the least x86 target with a dot-product instruction (AVX2's 16-bit multiply-adds): a kind only this template
@@ -180,7 +180,7 @@ def schedule(task: Task, config, target: tvm.target.Target) -> s_tir.Schedule:
     sch.unroll(r1)
     sch.unroll(j2)
     try:
-        sch.tensorize(j3, ins.name)
+        sch.tensorize(j3, registered(ins))
     except RuntimeError as exc:  # TVM's InternalError / ScheduleError: a tile that breaks the 16 x 4 pattern
         raise InvalidConfig(f"int8 tile does not tensorize: {str(exc).splitlines()[0][:200]}") from None
     return sch

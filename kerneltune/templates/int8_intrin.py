@@ -18,6 +18,7 @@ tensorize matches it.  LLVM 20's signatures take the byte operands as ``<N x i8>
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import tvm
@@ -99,11 +100,22 @@ VNNI_256 = Instruction("optimize_model_dot_8x4_vnni256", 8, 4, (("avxvnni",), ("
 MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, (("avx512bw",),))
 MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, (("avx2",),))
 INSTRUCTIONS = (VNNI_512, VNNI_256, MADD_512, MADD_256)  # best first
+_REGISTERED: set[str] = set()
+_REGISTERING = threading.Lock()  # templates are applied from the build threads too
 
-TensorIntrin.register(VNNI_512.name, _desc(16, 4), _vnni(16, "llvm.x86.avx512.vpdpbusd.512"), override=True)
-TensorIntrin.register(VNNI_256.name, _desc(8, 4), _vnni(8, "llvm.x86.avx512.vpdpbusd.256"), override=True)
-TensorIntrin.register(MADD_512.name, _desc(16, 2), _widened(16, "llvm.x86.avx512.pmaddw.d.512"), override=True)
-TensorIntrin.register(MADD_256.name, _desc(8, 2), _widened(8, "llvm.x86.avx2.pmadd.wd"), override=True)
+
+def registered(ins: Instruction) -> str:
+    """``ins``'s name, its TVM tensor intrinsic registered in this process on first use.  Not at import: TVMScript
+    parses each function with ``inspect.stack()``, which walks every loaded module, and the eight took 2.6-4.3 s
+    of every command that imported the templates (torch loaded, Intel Xeon), int8 model or not."""
+    with _REGISTERING:
+        if ins.name not in _REGISTERED:
+            make = {4: _vnni, 2: _widened}[ins.depth]
+            intrinsic = {VNNI_512: "llvm.x86.avx512.vpdpbusd.512", VNNI_256: "llvm.x86.avx512.vpdpbusd.256",
+                         MADD_512: "llvm.x86.avx512.pmaddw.d.512", MADD_256: "llvm.x86.avx2.pmadd.wd"}[ins]
+            TensorIntrin.register(ins.name, _desc(ins.lanes, ins.depth), make(ins.lanes, intrinsic), override=True)
+            _REGISTERED.add(ins.name)
+    return ins.name
 
 # the deepest instruction's depth: convs pad their input channels to it, so every target's depth divides K
 MAX_DEPTH = max(i.depth for i in INSTRUCTIONS)

@@ -32,7 +32,7 @@ class TvmRunner(GraphRunner):
 
     def __init__(self, compile_graph: Callable[[onnx.ModelProto, TargetSpec], CompiledModel], threads: int = 1,
                  spec: TargetSpec | None = None,
-                 price_kernels: Callable[[list[tuple[onnx.ModelProto, Graph]], TargetSpec], list[float]] | None = None,
+                 price_kernels: Callable[[list[tuple[onnx.ModelProto, Graph]], TargetSpec, bool], list[float]] | None = None,
                  compile_model: Callable[[onnx.ModelProto, TargetSpec], CompiledModel] | None = None,
                  request: TargetRequest | None = None):
         super().__init__(tvm_num_threads(threads))  # TVM's pool is sized once per process
@@ -68,10 +68,10 @@ class TvmRunner(GraphRunner):
         """The ``--target`` this runner prices for; this machine's llvm when none was given."""
         return self._request or check_name("llvm")
 
-    def kernel_times(self, graphs: Sequence[Graph]) -> list[float] | None:
+    def kernel_times(self, graphs: Sequence[Graph], confirm: bool = False) -> list[float] | None:
         if self.price_kernels is None:
             return None
-        return self.price_kernels([(export_onnx(g, check=False), g) for g in graphs], self._target())
+        return self.price_kernels([(export_onnx(g, check=False), g) for g in graphs], self._target(), confirm)
 
     def prepare(self, graph: Graph) -> Callable[[], object]:
         return self._prepare(graph, self.compile_graph)

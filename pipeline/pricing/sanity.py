@@ -6,7 +6,8 @@ GFLOP/s of a 466 GFLOP/s CPU, and the model ran 14x onnxruntime.  So after the u
 kernel is timed in place (one profiled run of the model, :mod:`pipeline.pricing.profile`) and its rate compared with
 its roofline on this CPU: the lower of the practical FMA peak and the memory bandwidth times the kernel's
 arithmetic intensity (a matrix-vector product streams its weight; its GFLOP/s are the bandwidth's).  A kernel
-under :data:`FLOOR` of its roofline, taking at least :data:`MIN_SHARE` of the model's kernel time, is flagged, and its default raced against :data:`CANDIDATES` configs of
+under :data:`FLOOR` of its roofline, taking at least :data:`MIN_SHARE` of the model's kernel time and
+:data:`MIN_MS` per run, is flagged, and its default raced against :data:`CANDIDATES` configs of
 its template's space drawn with the build's seed, each timed alone with cold operands
 (:mod:`kerneltune.measure`) over :data:`ROUNDS` interleaved rounds; the fastest replaces the default only when
 it is :data:`MARGIN` times faster, so no choice hangs on one noisy timing.
@@ -32,8 +33,11 @@ from pipeline.pricing.profile import KernelTime, by_task_name
 
 FLOOR, CANDIDATES, ROUNDS, MARGIN = 0.05, 12, 2, 1.5
 # Only a kernel that costs the model something is judged: a 1x256x10 classifier (5 KFLOP) runs at 0.2 GFLOP/s
-# because a call costs ~25 us whatever the schedule, and racing configs for it gained nothing.
+# because a call costs ~25 us whatever the schedule, and racing configs for it gained nothing.  Both bounds
+# hold: a share of the model, and a time per run beyond a few calls' fixed cost (a 2x8x16 matmul alone in a
+# model is all of it, at 4 us; racing 13 configs for it took 12 s of its 24 s build, Intel Xeon).
 MIN_SHARE = 0.01
+MIN_MS = 0.05
 PEAK_SHAPE = (192, 256, 256)  # fits every L2: the template's inner loop alone, no memory stream
 STATIC_PEAK_GFLOPS, STATIC_BANDWIDTH_GBS = 50, 5  # a target that does not run here (nothing is measured then)
 
@@ -102,8 +106,8 @@ def kernel_rates(part: Partition, profile: list[KernelTime], peak_gflops: float,
         nbytes = kernel_bytes(t.shapes, t.dtype)
         gflops = t.flops * t.weight / (total * 1e6)
         line = roofline(t.flops, nbytes, peak_gflops, bandwidth_gbs)
-        out.append(KernelRate(t.index, t.name, total, gflops, line,
-                              gflops < FLOOR * line and total >= MIN_SHARE * model_ms))
+        costs = total >= max(MIN_SHARE * model_ms, MIN_MS)
+        out.append(KernelRate(t.index, t.name, total, gflops, line, gflops < FLOOR * line and costs))
     return out
 
 
