@@ -5,8 +5,9 @@ Used by the graph stage's end-to-end check (:mod:`graphopt.stage`), ``bench-mode
 number in a benchmark table and the verdict that kept or dropped a rewrite come from the same procedure.
 (Per-operator timings of the measured cost model are a different job: :func:`graphopt.cost.measured.best_time`.)
 
-Procedure: **alternating blocks**.  In each of ``rounds`` rounds every runner gets one block: an idle gap,
-``warmup`` untimed calls, then consecutive timed calls.  The runner order is reversed every other round.
+Procedure: **alternating blocks**.  In each of ``rounds`` rounds every runner gets one block: an idle gap
+(none where a reversed round gives the same runner two blocks in a row), ``warmup`` untimed calls, then
+consecutive timed calls.  The runner order is reversed every other round.
 The median of all timed calls is the headline, the minimum the floor, and each block's median is kept so a
 comparison can take a ratio per round (:func:`compare`).
 
@@ -84,17 +85,21 @@ def time_blocks(runners: Mapping[K, Callable[[], object]], runs: int, warmup: in
     blocks; with ``duration_s``, instead, each runner is timed for about that many seconds in all (each of
     ``rounds`` blocks calls it until its share has passed, at least once).  Each block also makes ``warmup``
     untimed calls.  The idle gap is for runners of different engines (each engine's workers spin after its
-    block); runners of one engine pass ``gap_s=0``.  ``sleep`` is replaced in tests."""
+    block), so it comes before every block but a runner's second in a row (the turn of a reversed round);
+    runners of one engine pass ``gap_s=0``.  ``sleep`` is replaced in tests."""
     rounds = max(1, rounds if duration_s is not None else min(rounds, runs))
     per_block = max(1, math.ceil(runs / rounds))
     order = list(runners)
     samples: dict[K, list[float]] = {k: [] for k in order}
     blocks: dict[K, list[float]] = {k: [] for k in order}
     walls: dict[K, float] = {k: 0.0 for k in order}
+    previous = None
     for r in range(rounds):
         for key in (order if r % 2 == 0 else order[::-1]):
             run = runners[key]
-            sleep(gap_s)
+            if key != previous:  # after its own block a runner's workers spinning is how it runs in production
+                sleep(gap_s)
+            previous = key
             for _ in range(warmup):
                 run()
             block, wall = _timed_calls(run, per_block, None if duration_s is None else duration_s / rounds)
