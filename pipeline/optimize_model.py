@@ -25,6 +25,7 @@ from graphopt.feeds import feed_sets, run_ort_sets
 from graphopt.fileio import (check_output_dir, check_output_file, display_path, lock_output_dir, write_bytes_atomic,
                              write_text_atomic)
 from graphopt.ir import Graph
+from graphopt.timing import GAP_S
 from graphopt.onnx_io import external_data_name, save_model
 from graphopt.specialize import specialize_model
 from pipeline.artifact import deployment, tensor_specs
@@ -242,6 +243,7 @@ def mismatch_hint(check: Comparison) -> str:
 
 LATENCY_RUNS = 15  # timed calls per engine for report.json's end-to-end latency (3 blocks of 5)
 LATENCY_ROUNDS = 3
+LATENCY_GAP_S = GAP_S  # idle before each engine's block (graphopt.timing.GAP_S: the other engine's workers stop)
 
 
 def _round_ms(x: float) -> float:
@@ -265,7 +267,7 @@ def end_to_end_latency(compiled: Any, graph: Graph, original: onnx.ModelProto, t
         names = {i.name for i in sess.get_inputs()}
         ort_feeds = {k: v for k, v in feeds.items() if k in names}
         runners = {"compiled": model_runner(compiled, feeds), "onnxruntime": lambda: sess.run(None, ort_feeds)}
-        times = time_blocks(runners, LATENCY_RUNS, rounds=LATENCY_ROUNDS)
+        times = time_blocks(runners, LATENCY_RUNS, rounds=LATENCY_ROUNDS, gap_s=LATENCY_GAP_S)
     except Exception as exc:  # noqa: BLE001 - reported in report.json instead
         log.warning("warning: the end-to-end latency was not measured (%s: %s)", type(exc).__name__,
                     str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "")

@@ -5,11 +5,22 @@ import pytest
 @pytest.fixture(autouse=True)
 def _one_latency_round(monkeypatch):
     """optimize-model times every finished build against onnxruntime for report.json (3 rounds of blocks with
-    0.5 s idle gaps); the tests check that figure's plumbing, not its precision, so one round is enough and
-    saves about 2 s per optimize-model run in the suite."""
+    0.5 s idle gaps); the tests check that figure's plumbing, not its precision, so one round without idle
+    gaps is enough and saves about 3 s per optimize-model run in the suite."""
     import pipeline.optimize_model
 
     monkeypatch.setattr(pipeline.optimize_model, "LATENCY_ROUNDS", 1)
+    monkeypatch.setattr(pipeline.optimize_model, "LATENCY_GAP_S", 0.0)
+
+
+@pytest.fixture(scope="session")
+def rpc_tracker():
+    """``127.0.0.1:PORT:testcpu``: a tracker with one device server registered under ``testcpu``, shared by the
+    tests that measure or run through one (starting the two processes took about 10 s)."""
+    import rpc_device
+
+    with rpc_device.tracker("testcpu") as rpc:
+        yield rpc
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -226,21 +226,19 @@ def test_run_model_prints_percentiles_checks_and_writes_outputs(bert_built, tmp_
     assert "report.json" in one_line_error(capsys)
 
 
-def test_run_model_on_an_rpc_device_prints_percentiles_and_checks(bert_built, tmp_path, capsys):
+def test_run_model_on_an_rpc_device_prints_percentiles_and_checks(bert_built, tmp_path, capsys, rpc_tracker):
     """run-model --rpc: model.so uploaded to the device a tracker hands out (here a server on localhost),
     run and timed there, outputs checked against onnxruntime here."""
-    import rpc_device
-
     out, _ = bert_built
     inputs = tmp_path / "in.npz"
     np.savez(inputs, **_bert_feeds(3))
-    with rpc_device.tracker("remotecpu") as rpc:
-        assert run_model_main([str(out), "--rpc", rpc, "--inputs", str(inputs), "--repeat", "5", "--check",
-                               "--json", str(tmp_path / "r.json"), "--outputs", str(tmp_path / "o.npz")]) == 0
-        line = capsys.readouterr().out
-        # a key no server registered: one line naming it, before anything is uploaded
-        assert run_model_main([str(out), "--rpc", rpc.rsplit(":", 1)[0] + ":gpu0"]) == 2
-        assert "no device registered under key 'gpu0'" in one_line_error(capsys)
+    rpc = rpc_tracker
+    assert run_model_main([str(out), "--rpc", rpc, "--inputs", str(inputs), "--repeat", "5", "--check",
+                           "--json", str(tmp_path / "r.json"), "--outputs", str(tmp_path / "o.npz")]) == 0
+    line = capsys.readouterr().out
+    # a key no server registered: one line naming it, before anything is uploaded
+    assert run_model_main([str(out), "--rpc", rpc.rsplit(":", 1)[0] + ":gpu0"]) == 2
+    assert "no device registered under key 'gpu0'" in one_line_error(capsys)
     assert f"on {rpc}" in line and "vs onnxruntime: ok" in line
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["rpc"] == rpc and res["runs"] == 5 and res["check"]["ok"] and res["threads"] >= 1

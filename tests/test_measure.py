@@ -119,18 +119,18 @@ def test_rpc_server_uses_same_path():
     assert result.error is None and result.gflops > 0
 
 
-def test_rpc_tracker_hands_out_the_keyed_device():
+def test_rpc_tracker_hands_out_the_keyed_device(rpc_tracker):
     """Scale-out as deployed: a tracker, a device server registered under a key, and ``host:port:key``."""
     from graphopt.errors import UserError
     from kerneltune.runner import check_device
 
-    with rpc_device.tracker("testcpu") as rpc:
-        result = _measure_default(rpc)
-        assert result.error is None and result.gflops > 0
-        # The up-front check: a key no server registered is refused at once, naming the keys there are.
-        check_device(rpc)
-        with pytest.raises(UserError, match=r"no device registered under key 'gpu0' \(registered: testcpu\)"):
-            check_device(rpc.rsplit(":", 1)[0] + ":gpu0")
+    rpc = rpc_tracker
+    result = _measure_default(rpc)
+    assert result.error is None and result.gflops > 0
+    # The up-front check: a key no server registered is refused at once, naming the keys there are.
+    check_device(rpc)
+    with pytest.raises(UserError, match=r"no device registered under key 'gpu0' \(registered: testcpu\)"):
+        check_device(rpc.rsplit(":", 1)[0] + ":gpu0")
 
 
 @pytest.mark.slow

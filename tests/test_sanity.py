@@ -85,6 +85,7 @@ def test_pathological_default_is_flagged_replaced_and_still_correct(monkeypatch)
         return space.from_dict({k: v for k, v in d.items() if k in space.names})
 
     monkeypatch.setattr(templates, "default_config", scalar)
+    monkeypatch.setattr(sanity, "CANDIDATES", 4)  # a scalar default loses to almost any config; each is a build
     compiled, floor = stages.build_untuned(lowered, ctx)
     assert floor["replaced"] == 1 and len(floor["flagged"]) == 1
     flagged = floor["flagged"][0]
