@@ -30,7 +30,7 @@ from tvm import relax
 
 from graphopt.compare import Comparison, compare_runs
 from graphopt.quant_tolerance import model_tolerance
-from graphopt.feeds import feed_sets, run_ort_sets
+from graphopt.feeds import CHECK_INPUT_SETS, feed_sets, run_ort_sets
 from graphopt.fileio import atomic_path, write_bytes_atomic
 from graphopt.ir import Graph
 from kerneltune.machine_gate import building, serial
@@ -212,10 +212,11 @@ def run(vm: relax.VirtualMachine, args: list) -> list[np.ndarray]:
 
 
 def check_outputs(compiled: CompiledModel, graph: Graph, reference: onnx.ModelProto, seed: int = 0,
-                  threads: int = 0, samples: dict[str, np.ndarray] | None = None) -> Comparison:
-    """Run TVM and onnxruntime (on ``reference``) on the same inputs - the samples, or
-    :data:`~graphopt.feeds.CHECK_INPUT_SETS` seeded random sets drawn for ``graph`` - and compare."""
-    sets = feed_sets(graph, seed, samples)
+                  threads: int = 0, samples: dict[str, np.ndarray] | None = None,
+                  count: int = CHECK_INPUT_SETS) -> Comparison:
+    """Run TVM and onnxruntime (on ``reference``) on the same inputs - the samples, or ``count`` seeded random
+    sets drawn for ``graph`` - and compare."""
+    sets = feed_sets(graph, seed, samples, count)
     refs = run_ort_sets(reference, sets, threads)
     quantized = model_tolerance(reference, sets, refs, threads)  # a quantized model: per-output allowances
     vm, dev = compiled.vm(), device_for(compiled.spec)
