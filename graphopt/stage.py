@@ -440,13 +440,12 @@ def check_end_to_end(original: Graph, candidate: Graph, cost_model: CostModel, a
         if priced is None and prices[1] - prices[0] <= -gate:
             # a pass costs two whole-model builds: confirmed on those kernels timed once more
             prices = cost_model.kernel_times([original, candidate], confirm=True) or prices
-        if prices[1] - prices[0] > -gate:
-            return E2ECheck(kept="original", status="priced", margin=margin, decision=(
-                f"the kernels it changes price at {prices[1] * 1e3:.3f} ms against the input's "
-                f"{prices[0] * 1e3:.3f}: not {KERNEL_GATE * margin:.1%} of the input's {whole * 1e3:.1f} ms "
-                "cheaper, so the whole models were not timed"),
-                kernels_ms_before=prices[0] * 1e3, kernels_ms_after=prices[1] * 1e3)
     k_ms = {} if not prices else {"kernels_ms_before": prices[0] * 1e3, "kernels_ms_after": prices[1] * 1e3}
+    if prices and prices[1] - prices[0] > -gate:
+        return E2ECheck(kept="original", status="priced", margin=margin, decision=(
+            f"the kernels it changes price at {prices[1] * 1e3:.3f} ms against the input's "
+            f"{prices[0] * 1e3:.3f}: not {KERNEL_GATE * margin:.1%} of the input's {whole * 1e3:.1f} ms "
+            "cheaper, so the whole models were not timed"), **k_ms)
     if deadline is not None and time.perf_counter() >= deadline:
         return E2ECheck(kept="original", status="skipped: time limit", margin=margin,
                         decision="no time left to time both models", **k_ms)

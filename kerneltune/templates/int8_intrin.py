@@ -29,13 +29,14 @@ from tvm.target import codegen
 
 @dataclass(frozen=True)
 class Instruction:
-    """One dot-product intrinsic: its registered name, int32 lanes, bytes of ``k`` per lane, and the CPU
-    features it needs (all of one of the alternatives)."""
+    """One dot-product intrinsic: its registered name, int32 lanes, bytes of ``k`` per lane, the CPU features it
+    needs (all of one of the alternatives), and the LLVM intrinsic it calls (:func:`registered`)."""
 
     name: str
     lanes: int
     depth: int
     requires: tuple[tuple[str, ...], ...]
+    llvm: str
 
     def available(self, target: tvm.target.Target) -> bool:
         return any(all(codegen.target_has_features(f, target) for f in alt) for alt in self.requires)
@@ -95,10 +96,12 @@ def _widened(lanes: int, intrinsic: str):
     return impl
 
 
-VNNI_512 = Instruction("optimize_model_dot_16x4_vnni", 16, 4, (("avx512vnni", "avx512bw"),))
-VNNI_256 = Instruction("optimize_model_dot_8x4_vnni256", 8, 4, (("avxvnni",), ("avx512vnni", "avx512vl")))
-MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, (("avx512bw",),))
-MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, (("avx2",),))
+VNNI_512 = Instruction("optimize_model_dot_16x4_vnni", 16, 4, (("avx512vnni", "avx512bw"),),
+                       "llvm.x86.avx512.vpdpbusd.512")
+VNNI_256 = Instruction("optimize_model_dot_8x4_vnni256", 8, 4, (("avxvnni",), ("avx512vnni", "avx512vl")),
+                       "llvm.x86.avx512.vpdpbusd.256")
+MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, (("avx512bw",),), "llvm.x86.avx512.pmaddw.d.512")
+MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, (("avx2",),), "llvm.x86.avx2.pmadd.wd")
 INSTRUCTIONS = (VNNI_512, VNNI_256, MADD_512, MADD_256)  # best first
 _REGISTERED: set[str] = set()
 _REGISTERING = threading.Lock()  # templates are applied from the build threads too
@@ -110,12 +113,11 @@ def registered(ins: Instruction) -> str:
     of every command that imported the templates (torch loaded, Intel Xeon), int8 model or not."""
     with _REGISTERING:
         if ins.name not in _REGISTERED:
-            make = {4: _vnni, 2: _widened}[ins.depth]
-            intrinsic = {VNNI_512: "llvm.x86.avx512.vpdpbusd.512", VNNI_256: "llvm.x86.avx512.vpdpbusd.256",
-                         MADD_512: "llvm.x86.avx512.pmaddw.d.512", MADD_256: "llvm.x86.avx2.pmadd.wd"}[ins]
-            TensorIntrin.register(ins.name, _desc(ins.lanes, ins.depth), make(ins.lanes, intrinsic), override=True)
+            impl = (_vnni if ins.depth == 4 else _widened)(ins.lanes, ins.llvm)
+            TensorIntrin.register(ins.name, _desc(ins.lanes, ins.depth), impl, override=True)
             _REGISTERED.add(ins.name)
     return ins.name
+
 
 # the deepest instruction's depth: convs pad their input channels to it, so every target's depth divides K
 MAX_DEPTH = max(i.depth for i in INSTRUCTIONS)
