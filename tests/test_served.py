@@ -21,6 +21,7 @@ from graphopt.errors import UserError
 from graphopt.feeds import run_ort
 from kerneltune import templates
 from kerneltune.targets.parse import parse_target
+from kerneltune.tir_rewrite import rewrite_stmts
 from pipeline.cli import run_model_main
 from pipeline.symbolic import Served, specialize
 
@@ -183,6 +184,44 @@ def test_symbolic_matmul_with_the_tiles_of_its_instance(rows):
     rng = np.random.default_rng(rows)
     av, bv = rng.standard_normal((rows, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
     out = tvm.runtime.tensor(np.zeros((rows, 48), np.float32))
+    lib["main"](tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
+    np.testing.assert_allclose(out.numpy(), av @ bv, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 17, 77])
+def test_register_tiles_past_a_symbolic_end_are_skipped(rows):
+    """Rows tiled 2 x 8 inside a k-block (S2 = 2, a calibrated row repeat) pad a symbolic length to 16: the second
+    tile of each pair is skipped when it starts past the length (at 8 rows GPT-2's matmuls computed 16), and
+    every row still computed: the output starts as NaN, a needed tile skipped would leave zeros or NaN."""
+    import dataclasses
+
+    n = tvm.tirx.Var("n", "int64")
+    i64 = lambda v: tvm.tirx.IntImm("int64", v)  # noqa: E731
+    a = te.placeholder((n, i64(64)), name="a")
+    b = te.placeholder((i64(64), i64(48)), name="b")
+    k = te.reduce_axis((i64(0), i64(64)), name="k")
+    func = te.create_prim_func([a, b, te.compute((n, i64(48)), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k),
+                                                 name="matmul")])
+    instance = templates.task_for("matmul", specialize(func, {"n": 128}))
+    target = parse_target("llvm", 1).target
+    space = templates.space_for(instance, target)
+    config = space.as_dict(templates.default_config(instance, target))
+    config.update(tile_i=(1, 8, 2, 8), tile_k=(1, 64))
+    scheduled = templates.apply(dataclasses.replace(instance, func=func), tuple(config[k] for k in space.names),
+                                target)
+    guards = []
+
+    def visit(s):
+        if isinstance(s, tvm.tirx.IfThenElse) and isinstance(s.then_case, tvm.tirx.For) and \
+                any(v.name == "n" for v in tvm.tirx.analysis.undefined_vars(s.condition)):
+            guards.append(s)
+
+    rewrite_stmts(scheduled.body, lambda s: visit(s))  # visits every statement, rewrites none
+    assert guards, "no register tile guarded by the length"
+    lib = tvm.tirx.build(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
+    rng = np.random.default_rng(rows)
+    av, bv = rng.standard_normal((rows, 64)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
+    out = tvm.runtime.tensor(np.full((rows, 48), np.nan, np.float32))
     lib["main"](tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
     np.testing.assert_allclose(out.numpy(), av @ bv, rtol=1e-5, atol=1e-4)
 

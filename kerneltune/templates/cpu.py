@@ -35,7 +35,7 @@ from ..targets.caches import k_block_depth, l1_block_bytes
 from ..targets.host import num_cores, vector_lanes, vector_registers
 from ..prepack import PREPROC
 from ..task import Task, root_blocks, symbolic_axes
-from . import full_tiles, prefetch
+from . import full_tiles, tail_tiles, prefetch
 from .common import InvalidConfig, check_config, prepare, split_axes, tile_knobs, tiles, unroll_knob
 
 log = logging.getLogger(__name__)
@@ -163,11 +163,14 @@ def apply(task: Task, config, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
     """The scheduled kernel as it is built: the schedule's function, plus the software prefetch of a
     pre-packed weight's next panel (:mod:`.prefetch`) and, in a kernel with a symbolic extent, its masked
     write-back split into whole tiles and the rest (:mod:`.full_tiles`).  No schedule primitive expresses
-    either, so the trace of :func:`schedule` leaves them out."""
-    sch, panel_prefetch = _schedule(task, config, target)
+    either, so the trace of :func:`schedule` leaves them out; nor the skipping of register tiles wholly past a
+    symbolic end (:mod:`.tail_tiles`)."""
+    sch, panel_prefetch, tails = _schedule(task, config, target)
     func = sch.mod["main"]
     if panel_prefetch is not None:
         func = prefetch.insert(func, panel_prefetch)
+    for loop_var, axis, extent in tails:
+        func = tail_tiles.guard(func, loop_var, axis, extent)
     if symbolic_axes(task):
         func = full_tiles.hoist(func)
     return func.with_attr("tirx.is_scheduled", True)
@@ -245,7 +248,18 @@ def _schedule(task: Task, config, target: tvm.target.Target):
         panel_s1 = parts[vec][1]   # one of s[1]; the S1 loops inside it share its panel
         panel_prefetch = prefetch.plan(sch, panels, outer, s0_extents, spatial_roles.index(task.vector_axis),
                                        panel_s1, s[1][s[1].index(panel_s1) + 1:], r[0][0])
-    return sch, panel_prefetch
+    return sch, panel_prefetch, _tail_guards(sch, task, parts, factors)
+
+
+def _tail_guards(sch, task: Task, parts, factors) -> list[tuple]:
+    """``(S2 loop variable, anchor iterator, length)`` of each symbolic spatial axis repeating its register
+    tile inside a k-block (S2 > 1): :mod:`.tail_tiles` skips the repeats wholly past the length."""
+    block = next(b for b in root_blocks(task.func) if b.name_hint == task.anchor)
+    out = []
+    for i, (a, f, lp) in enumerate(zip(task.axes, factors, parts)):
+        if not a.reduce and None in f and len(f) == 4 and f[2] > 1 and len(lp) == 4:
+            out.append((sch.get(lp[2]).loop_var, i, block.iter_vars[i].dom.extent))
+    return out
 
 
 def _phase_width(task: Task) -> int | None:
