@@ -11,7 +11,9 @@ activations, calibrated on 4 seeded images; transformers: ``quantize_dynamic``, 
 
 All engines of one model are timed in one :func:`graphopt.timing.time_blocks` call (alternating blocks),
 so the ratios come from one run.  Writes JSON and a PNG; the CPU, its caches and whether it has VNNI are
-recorded.  Run it alone: two cores shared with anything else move the medians.
+recorded.  Run it alone: two cores shared with anything else move the medians.  Under
+``bench/isa_mask.py`` (with ``--mcpu x86-64-v3``) every engine runs as on an AVX2 CPU without VNNI, and the
+JSON says so.
 
     python bench/int8.py --models resnet50,bert-base --out bench/results/int8
 """
@@ -28,8 +30,10 @@ from pathlib import Path
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.quantize import DYNAMIC, STATIC, FeedReader, quantize  # noqa: E402 - the tool's own recipe
+from isa_mask import held_isa  # noqa: E402 - this folder's ISA mask
 # our builders (models.registry) and real exports (models.exported, torch's dynamo exporter; torchvision
 # and transformers models need those packages): the quantization recipe onnxruntime documents for each
 METHODS = {"resnet50": STATIC, "resnext50": STATIC, "inception-block": STATIC, "bert-base": DYNAMIC,
@@ -64,6 +68,9 @@ def cpu_description() -> dict:
     flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] if Path("/proc/cpuinfo").exists() else ""
     info["avx512_vnni"] = "avx512_vnni" in flags
     info["avx_vnni"] = " avx_vnni" in flags
+    held = held_isa()
+    if held:  # run under bench/isa_mask.py: every engine in this process saw a CPU of that ISA
+        info["held_to"] = f"{held} (CPUID masked by bench/isa_mask.py)"
     return info
 
 
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "runs": args.runs,
                                                     "rows": rows}, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"), f"{cpu.get('Model name', '?')}, {args.threads} threads, "
-                                        f"VNNI {'yes' if cpu['avx512_vnni'] else 'no'}")
+                                        + (f"held to {cpu['held_to'].split()[0]}" if cpu.get("held_to") else
+                                           f"VNNI {'yes' if cpu['avx512_vnni'] else 'no'}"))
     return 0
 
 

@@ -72,16 +72,20 @@ def _ops(mod: tvm.IRModule) -> list[tuple[str, tuple[str, ...]]]:
     return found
 
 
-def _built_check(model: onnx.ModelProto, tmp_path):
+def _built_check(model: onnx.ModelProto, tmp_path, target: str = "llvm"):
     """optimize() the model (no graph stage, untuned) and return report.json's compile facts."""
+    return _built_report(model, tmp_path, target)["stages"]["compile"]
+
+
+def _built_report(model: onnx.ModelProto, tmp_path, target: str = "llvm") -> dict:
     import json
 
     from pipeline.api import optimize
 
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
-    optimize(str(path), output=tmp_path / "out", skip_graph=True, threads=2)
-    return json.loads((tmp_path / "out" / "report.json").read_text())["stages"]["compile"]
+    optimize(str(path), output=tmp_path / "out", skip_graph=True, threads=2, target=target)
+    return json.loads((tmp_path / "out" / "report.json").read_text())
 
 
 def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_path):
@@ -107,6 +111,34 @@ def test_static_qdq_conv_net_computes_in_integers_and_matches_onnxruntime(tmp_pa
     assert [a for name, a in _ops(implicit) if name == "relax.matmul"] == [("uint8", "int8")]  # the classifier
     facts = _built_check(model, tmp_path)
     assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6
+
+
+def test_avx2_products_read_weights_widened_at_build_time_and_match_onnxruntime(tmp_path):
+    """Without VNNI (x86-64-v3) the products multiply-add in 16 bits: the pass stores each s8 weight as int16
+    once, so no kernel sign-extends it in its inner loop, and the int8 template still schedules them (a
+    weight left int8 there would fall to the generic template).  The build matches onnxruntime."""
+    from kerneltune.targets.host import missing_cpu_features
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3"})
+    if missing_cpu_features(target):
+        pytest.skip(f"this CPU cannot run x86-64-v3 code (lacks {missing_cpu_features(target)})")
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
+    model = _quantize(conv_net(), tmp_path, static=True, samples=samples)
+    from kerneltune.targets.parse import parse_target
+    from pipeline.passes.int8 import lowering_for
+
+    lowering = lowering_for(parse_target("llvm -mcpu=x86-64-v3", 2))
+    assert lowering.weight_dtype == "int16" and lowering.implicit_conv
+    mod = import_model(model, int8=lowering).mod
+    assert [a for name, a in _ops(mod) if name == "relax.matmul"] == [("uint8", "int16")]  # the classifier
+    convs = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("conv2d_nhwc")]
+    assert len(convs) == 2 and all(str(f.params[1].ty.dtype) == "int16" for f in convs)  # noqa: the weight
+    report = _built_report(model, tmp_path, "llvm -mcpu=x86-64-v3")
+    facts = report["stages"]["compile"]
+    assert facts["ok"] and facts["max_abs_err"] <= facts["quantization"]["outputs"][0]["step"] + 1e-6
+    products = [k for k in report["tasks"] if k["kind"] in ("matmul", "conv2d_nhwc")]
+    assert len(products) == 3 and all(k["schedule"] == "template" for k in products), products
 
 
 def test_dynamic_matmul_integer_is_a_u8_s8_product_equal_to_onnxruntime(tmp_path):
@@ -176,19 +208,21 @@ def _fused_int8_task(product):
     return classify_primfunc(*funcs[0])
 
 
-def _matmul(m=8, k=64, n=48):
+def _matmul(m=8, k=64, n=48, weight="int8"):
+    """``a @ W`` as the int8 pass emits it: u8 rows by an s8 weight, stored as ``weight`` (int16 for the 16-bit
+    multiply-adds)."""
     def emit(bb, a):
-        w = relax.const(np.random.default_rng(0).integers(-128, 128, (k, n)).astype(np.int8))
+        w = relax.const(np.random.default_rng(0).integers(-128, 128, (k, n)).astype(weight))
         return bb.emit(relax.op.matmul(a, w, out_dtype="int32"))
     return relax.Var("a", relax.TensorType([m, k], "uint8")), emit
 
 
-def _implicit_conv(stride=2, h=9, c=8, o=48):
+def _implicit_conv(stride=2, h=9, c=8, o=48, weight="int8"):
     """The int8 pass's NHWC conv read in place (3x3, ``stride``, input padded already), as it emits it."""
     from pipeline.passes.int8 import implicit_conv
 
     oh = (h - 3) // stride + 1
-    w = np.random.default_rng(0).integers(-128, 128, (3, 3, c, o)).astype(np.int8)
+    w = np.random.default_rng(0).integers(-128, 128, (3, 3, c, o)).astype(weight)
     return relax.Var("x", relax.TensorType([1, h, h, c], "uint8")), \
         lambda bb, xt: implicit_conv(bb, xt, w, (stride, stride), oh, oh)
 
@@ -216,7 +250,9 @@ def test_int8_template_schedules_u8_s8_products_with_each_instruction_exactly(mc
         assert int8_intrin.instruction_for(target) == getattr(int8_intrin, instruction)
     if instruction == "VNNI_512":  # 24 columns (MobileNet-v2's): the 8-lane VL form, not the generic path
         assert int8_intrin.instruction_for(target, 24) == int8_intrin.VNNI_256
-    for product, kind, samples in ((_matmul(), "matmul", 3), (_implicit_conv(), IMPLICIT_CONV, 2)):
+    weight = int8_intrin.instruction_for(target).weight  # int16 for the 16-bit multiply-adds
+    for product, kind, samples in ((_matmul(weight=weight), "matmul", 3),
+                                   (_implicit_conv(weight=weight), IMPLICIT_CONV, 2)):
         task = _fused_int8_task(product)
         assert task is not None and task.kind == kind and int8.applies(task, target)
         assert task_for(task.name, task.func) is not None  # the pipeline takes it as a task on any host
@@ -224,7 +260,7 @@ def test_int8_template_schedules_u8_s8_products_with_each_instruction_exactly(mc
         inputs = task.make_inputs(0)
         if instruction == "MADD_256":
             inputs[0] = np.full(inputs[0].shape, 255, np.uint8)
-            inputs[1] = np.where(np.arange(inputs[1].size).reshape(inputs[1].shape) % 3, 127, -128).astype(np.int8)
+            inputs[1] = np.where(np.arange(inputs[1].size).reshape(inputs[1].shape) % 3, 127, -128).astype(weight)
         want = task.reference(inputs)
         space, rng = space_for(task, target), random.Random(1)
         for config in [default_config(task, target)] + [space.sample(rng) for _ in range(samples)]:

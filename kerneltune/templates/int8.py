@@ -3,8 +3,8 @@
 Which tasks: a matmul (or batch-1 matmul: leading extent-1 axes) whose anchor accumulates
 ``int32(A[.., k]) * int32(B[k, j])``, or an implicit-GEMM NHWC conv (kind ``conv2d_nhwc``:
 ``out[p, j] += X[pixel(p) + tap(ry, rx), k] * W[ry, rx, k, j]``, the taps two more reduction loops around ``k``),
-with A uint8 and B an int8 model weight (:mod:`pipeline.passes.int8` puts every quantized product of a model in
-this form), on an x86 CPU: the instruction is the best the target has
+with A uint8 and B an int8 model weight, stored as int16 for the 16-bit multiply-adds (:mod:`pipeline.passes.int8`
+puts every quantized product of a model in this form), on an x86 CPU: the instruction is the best the target has
 (:func:`~kerneltune.templates.int8_intrin.instruction_for`: AVX-512 VNNI's ``vpdpbusd``, 16 lanes x 4
 bytes; AVX-VNNI's, 8 x 4; exact 16-bit multiply-adds, 16 x 2 on AVX-512BW and 8 x 2 on AVX2).  Other int8
 products take the generic template (:mod:`.cpu`): widened int32 multiply-adds, correct, about 3x slower.
@@ -65,7 +65,7 @@ def applies(task: Task, target: tvm.target.Target) -> bool:
         return False
     (a_name, a_dtype), (b_name, b_dtype) = operands
     k, n = task.dims["K"], task.dims["N"]
-    return (a_dtype == "uint8" and b_dtype == "int8" and b_name in task.weights
+    return (a_dtype == "uint8" and b_dtype == ins.weight and b_name in task.weights
             and k % ins.depth == 0 and n % ins.lanes == 0)
 
 
@@ -118,7 +118,8 @@ def default_config(task: Task, target: tvm.target.Target):
         # x86-64-v3 code (Intel Xeon, 2 threads, 3136 x 576 x 64) 4 x 4 ran 78 GOPS, 2 x 4 70, 14 x 1 44
         tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m) if mr <= 4]
     _, nv, mr = max(tiles)
-    kb = max(d for d in _divisors(kgroups) if d * ins.depth * nv * ins.lanes <= l1_block_bytes(target) // 4)
+    panel_row = ins.depth * nv * ins.lanes * tvm.DataType(ins.weight).bits // 8  # B bytes per group of k
+    kb = max(d for d in _divisors(kgroups) if d * panel_row <= l1_block_bytes(target) // 4)
     cfg = {"tile_rows": (m // mr, mr), "tile_j": (groups // nv, 1, nv), "tile_k": (kgroups // kb, kb)}
     return tuple(cfg[kn.name] for kn in space(task, target).knobs)
 

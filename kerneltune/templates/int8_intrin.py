@@ -7,10 +7,13 @@ consecutive ``k``, A's ``depth`` bytes broadcast to every lane and B's ``lanes x
 * AVX-512 VNNI ``vpdpbusd`` (16 lanes x 4): one instruction (Intel's intrinsics guide, ``_mm512_dpbusd_epi32``);
 * ``vpdpbusd`` on 256-bit registers (8 x 4): AVX-VNNI (Alder Lake and later clients), or AVX-512 VNNI's
   VL form, for products whose columns are a multiple of 8 but not 16 (MobileNet-v2's 24 channels);
-* AVX-512BW / AVX2 without VNNI (16 x 2 / 8 x 2): B's bytes sign-extended to 16 bits (``vpmovsxbw``) and
-  ``vpmaddwd`` against A's two bytes zero-extended: exact.  The one-instruction alternative ``vpmaddubsw``
-  saturates its 16-bit pair sums (255 x 127 x 2 > 32767), which onnxruntime's documentation warns about
-  (its ``reduce_range`` option); we compute the exact product.
+* AVX-512BW / AVX2 without VNNI (16 x 2 / 8 x 2): ``vpmaddwd`` of B's 16-bit values against A's two bytes
+  zero-extended: exact.  B is an int8 weight stored as int16 at build time (:mod:`pipeline.passes.int8`, the
+  ``weight`` of these instructions): sign-extended in the loop (``vpmovsxbw``), each 16 products cost a
+  shuffle-port uop beside the multiply-add, and the products ran at about the fp32 FMA rate.  The
+  alternative ``vpmaddubsw`` (u8 x s8 pairs, then ``vpmaddwd`` by ones) saturates its 16-bit pair sums
+  (255 x 127 x 2 > 32767), which onnxruntime's documentation warns about (its ``reduce_range`` option);
+  both issue two multiply uops per 32 products, so the exact form gives up nothing but the weight's bytes.
 
 TVM ships the VNNI description with a ``global`` accumulator (``tvm.s_tir.tensor_intrin.x86``); ours
 accumulate into a ``local`` buffer, the register tile the template keeps across the k loop, so that
@@ -29,23 +32,25 @@ from tvm.target import codegen
 
 @dataclass(frozen=True)
 class Instruction:
-    """One dot-product intrinsic: its registered name, int32 lanes, bytes of ``k`` per lane, the CPU features it
-    needs (all of one of the alternatives), and the LLVM intrinsic it calls (:func:`registered`)."""
+    """One dot-product intrinsic: its registered name, int32 lanes, values of ``k`` per lane, the CPU features it
+    needs (all of one of the alternatives), the LLVM intrinsic it calls (:func:`registered`) and the weight's
+    element type."""
 
     name: str
     lanes: int
     depth: int
     requires: tuple[tuple[str, ...], ...]
     llvm: str
+    weight: str = "int8"  # B's element type: the 16-bit multiply-adds read the weight widened at build time
 
     def available(self, target: tvm.target.Target) -> bool:
         return any(all(codegen.target_has_features(f, target) for f in alt) for alt in self.requires)
 
 
-def _desc(lanes: int, depth: int):
+def _desc(lanes: int, depth: int, weight: str):
     @T.prim_func(s_tir=True)
     def desc(A: T.Buffer((depth,), "uint8", offset_factor=1),
-             B: T.Buffer((lanes, depth), "int8", offset_factor=1),
+             B: T.Buffer((lanes, depth), weight, offset_factor=1),
              C: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")) -> None:
         with T.sblock("root"):
             T.reads(C[0:lanes], A[0:depth], B[0:lanes, 0:depth])
@@ -78,20 +83,19 @@ def _vnni(lanes: int, intrinsic: str):
 
 
 def _widened(lanes: int, intrinsic: str):
-    """``vpmovsxbw`` + ``vpmaddwd``: ``lanes`` x 2 bytes, exact."""
+    """``vpmaddwd``: ``lanes`` x 2 values of a 16-bit B against A's 2 bytes zero-extended, exact."""
     halves = lanes * 2
 
     @T.prim_func(s_tir=True)
     def impl(A: T.Buffer((2,), "uint8", offset_factor=1),
-             B: T.Buffer((lanes, 2), "int8", offset_factor=1),
+             B: T.Buffer((lanes, 2), "int16", offset_factor=1),
              C: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")) -> None:
         with T.sblock("root"):
             T.reads(C[0:lanes], A[0:2], B[0:lanes, 0:2])
             T.writes(C[0:lanes])
             a = T.reinterpret(T.cast(A.vload([0], "uint8x2"), "int16x2"), dtype="int32")
             C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=f"int32x{lanes}") + T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id(intrinsic),
-                T.cast(B.vload([0, 0], dtype=f"int8x{halves}"), f"int16x{halves}"),
+                T.llvm_lookup_intrinsic_id(intrinsic), B.vload([0, 0], dtype=f"int16x{halves}"),
                 T.reinterpret(T.broadcast(a, lanes), dtype=f"int16x{halves}"), dtype=f"int32x{lanes}")
     return impl
 
@@ -100,8 +104,9 @@ VNNI_512 = Instruction("optimize_model_dot_16x4_vnni", 16, 4, (("avx512vnni", "a
                        "llvm.x86.avx512.vpdpbusd.512")
 VNNI_256 = Instruction("optimize_model_dot_8x4_vnni256", 8, 4, (("avxvnni",), ("avx512vnni", "avx512vl")),
                        "llvm.x86.avx512.vpdpbusd.256")
-MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, (("avx512bw",),), "llvm.x86.avx512.pmaddw.d.512")
-MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, (("avx2",),), "llvm.x86.avx2.pmadd.wd")
+MADD_512 = Instruction("optimize_model_dot_16x2_pmaddwd512", 16, 2, (("avx512bw",),), "llvm.x86.avx512.pmaddw.d.512",
+                       "int16")
+MADD_256 = Instruction("optimize_model_dot_8x2_pmaddwd256", 8, 2, (("avx2",),), "llvm.x86.avx2.pmadd.wd", "int16")
 INSTRUCTIONS = (VNNI_512, VNNI_256, MADD_512, MADD_256)  # best first
 _REGISTERED: set[str] = set()
 _REGISTERING = threading.Lock()  # templates are applied from the build threads too
@@ -114,7 +119,7 @@ def registered(ins: Instruction) -> str:
     with _REGISTERING:
         if ins.name not in _REGISTERED:
             impl = (_vnni if ins.depth == 4 else _widened)(ins.lanes, ins.llvm)
-            TensorIntrin.register(ins.name, _desc(ins.lanes, ins.depth), impl, override=True)
+            TensorIntrin.register(ins.name, _desc(ins.lanes, ins.depth, ins.weight), impl, override=True)
             _REGISTERED.add(ins.name)
     return ins.name
 

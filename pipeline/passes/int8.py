@@ -71,15 +71,20 @@ class Lowering:
     ``rounding_conversion``: requantize with one rounding conversion
     (:func:`kerneltune.vector_intrinsics.rounding_conversion`: LLVM x86 targets only).
     ``implicit_conv``: dense convs read their input in place (:func:`_implicit_conv`), scheduled by the int8
-    template's dot-product instruction; without one they are copied to patches and multiplied."""
+    template's dot-product instruction; without one they are copied to patches and multiplied.
+    ``weight_dtype``: int16 where that instruction is a 16-bit multiply-add (AVX2 and AVX-512BW without VNNI):
+    the s8 weights are widened once, at build time, not in every kernel's inner loop
+    (:mod:`kerneltune.templates.int8_intrin`)."""
 
     rounding_conversion: bool = False
     implicit_conv: bool = False
+    weight_dtype: str = "int8"  # how the products' constant weights are stored: the instruction's ``weight``
 
 
 def lowering_for(spec) -> Lowering:
     """The :class:`Lowering` for ``spec`` (a kerneltune ``TargetSpec``)."""
-    return Lowering(rounding_conversion(spec), instruction_for(spec.target) is not None)
+    ins = instruction_for(spec.target)
+    return Lowering(rounding_conversion(spec), ins is not None, ins.weight if ins is not None else "int8")
 
 
 @dataclass
@@ -377,7 +382,8 @@ class _IntegerCompute(PyExprMutator):
                                        w2, np.zeros(1, np.int32))
         elif self.lowering.implicit_conv and o % IMPLICIT_COLUMNS == 0:
             acc = self.integer_product(xt, np.array(xz, np.int32), w2, np.zeros(1, np.int32), product=lambda x: (
-                implicit_conv(self.builder_, x, w2.reshape(kh, kw, c4, o), (sh, sw), oh, ow)))
+                implicit_conv(self.builder_, x, w2.reshape(kh, kw, c4, o).astype(self.lowering.weight_dtype),
+                              (sh, sw), oh, ow)))
         else:
             patches = self.builder_.emit_te(_patches, xt, kh, kw, sh, sw, oh, ow, primfunc_name_hint="patches")
             gv = self.value(patches).args[0]
@@ -521,8 +527,8 @@ class _IntegerCompute(PyExprMutator):
         a, az = self.unsigned(a, const_az.astype(np.int32) if const_az is not None else az)
         if product is not None and np.any(wz != 0):
             raise ValueError("a product other than a @ W takes a weight without zero points")
-        acc = product(a) if product is not None else self.emit(relax.op.matmul(a, relax.const(weight),
-                                                                                out_dtype="int32"))
+        acc = product(a) if product is not None else self.emit(relax.op.matmul(
+            a, relax.const(weight.astype(self.lowering.weight_dtype)), out_dtype="int32"))
         if np.any(wz != 0):
             rows = self.emit(relax.op.sum(relax.op.astype(a, "int32"), axis=[-1], keepdims=True))
             acc = self.emit(relax.op.subtract(acc, relax.op.multiply(rows, relax.const(wz.astype(np.int32)))))
