@@ -113,10 +113,13 @@ def default_config(task: Task, target: tvm.target.Target):
         tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m)
                  if mr * nv + nv + 1 <= regs]
     else:
-        # the 16-bit path spends shuffle-port work on every A broadcast (2 bytes zero-extended) and B vector
-        # (sign-extended), so a square tile that shares both beats filling the registers with rows: on
-        # x86-64-v3 code (Intel Xeon, 2 threads, 3136 x 576 x 64) 4 x 4 ran 78 GOPS, 2 x 4 70, 14 x 1 44
-        tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m) if mr <= 4]
+        # the 16-bit path spends shuffle-port work on every A broadcast (2 bytes zero-extended), so a square
+        # tile that shares it beats filling the registers with rows: on x86-64-v3 code (Intel Xeon, 2 threads,
+        # 3136 x 576 x 64) 4 x 4 ran 78 GOPS, 2 x 4 70, 14 x 1 44 (B then sign-extended in the loop too).  Rows
+        # no 4 divides take up to 7 (ResNet-50's 7 x 7 convs, 49 rows, 512 -> 512: 7 x 2 121-135 GOPS, 1 x 4
+        # 62-89, 7 x 1 85)
+        tiles = [(mr * nv, nv, mr) for nv in _divisors(groups) if nv <= 4 for mr in _divisors(m)
+                 if mr <= 7 and mr * nv <= 16]
     _, nv, mr = max(tiles)
     panel_row = ins.depth * nv * ins.lanes * tvm.DataType(ins.weight).bits // 8  # B bytes per group of k
     kb = max(d for d in _divisors(kgroups) if d * panel_row <= l1_block_bytes(target) // 4)
