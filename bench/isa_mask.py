@@ -15,6 +15,7 @@ that it runs held.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -36,7 +37,7 @@ def library(cache: Path | None = None) -> Path:
         raise RuntimeError("no C compiler (cc) to build bench/isa_mask.c")
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "optimize-model"
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"isa_mask-{int(SOURCE.stat().st_mtime_ns)}.so"
+    out = cache / f"isa_mask-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}.so"
     if not out.exists():
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / out.name

@@ -9,11 +9,11 @@ consecutive ``k``, A's ``depth`` bytes broadcast to every lane and B's ``lanes x
   VL form, for products whose columns are a multiple of 8 but not 16 (MobileNet-v2's 24 channels);
 * AVX-512BW / AVX2 without VNNI (16 x 2 / 8 x 2): ``vpmaddwd`` of B's 16-bit values against A's two bytes
   zero-extended: exact.  B is an int8 weight stored as int16 at build time (:mod:`pipeline.passes.int8`, the
-  ``weight`` of these instructions): sign-extended in the loop (``vpmovsxbw``), each 16 products cost a
-  shuffle-port uop beside the multiply-add, and the products ran at about the fp32 FMA rate.  The
-  alternative ``vpmaddubsw`` (u8 x s8 pairs, then ``vpmaddwd`` by ones) saturates its 16-bit pair sums
-  (255 x 127 x 2 > 32767), which onnxruntime's documentation warns about (its ``reduce_range`` option);
-  both issue two multiply uops per 32 products, so the exact form gives up nothing but the weight's bytes.
+  ``weight`` of these instructions); sign-extended in the loop instead (``vpmovsxbw``), it cost a
+  shuffle-port uop per 16 products and the products ran at about the fp32 FMA rate.  The alternative
+  ``vpmaddubsw`` (u8 x s8 pairs, then ``vpmaddwd`` by ones: 3 vector uops per 32 products with the add,
+  against our 4) saturates its 16-bit pair sums (255 x 127 x 2 > 32767), which onnxruntime's documentation
+  warns about (its ``reduce_range`` option); we compute the exact sums.
 
 TVM ships the VNNI description with a ``global`` accumulator (``tvm.s_tir.tensor_intrin.x86``); ours
 accumulate into a ``local`` buffer, the register tile the template keeps across the k loop, so that
