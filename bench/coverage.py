@@ -4,6 +4,7 @@
     python bench/coverage.py                       # full size, every model and exporter (hours on 2 cores)
     python bench/coverage.py --models resnet,bert --exporters dynamo --size small --skip-bench
     python bench/coverage.py --resume              # skip the rows already in the JSON (it is rewritten per row)
+    python bench/isa_mask.py python bench/coverage.py --target "llvm -mcpu=x86-64-v3"   # peers held to AVX2
 
 For each model (:mod:`models.exported`, built and exported by ``python -m models export`` in a subprocess) the
 commands run as subprocesses with a timeout; ``optimize-model`` runs with ``--debug`` so a failure leaves a
@@ -45,6 +46,7 @@ if str(ROOT) not in sys.path:
 
 from graphopt.cost.cache import cache_dir  # noqa: E402
 from graphopt.fileio import save_figure, write_text_atomic  # noqa: E402
+from isa_mask import held_isa  # noqa: E402 - this folder's (a script's folder is first on sys.path)
 
 STEPS = ("export", "import", "graph", "relax", "partition", "compile", "check")
 # Function names in a traceback, innermost first wins, and the step they belong to.  Resolved from the frame
@@ -260,7 +262,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
     out_dir = work / f"{model}-{exporter}-{size}.out"
     shutil.rmtree(out_dir, ignore_errors=True)
     cmd = _script("optimize-model") + [str(path), "--skip-tune", "--no-progress", "--debug", "-o", str(out_dir),
-                                       "--threads", str(args.threads)] + meta["shape_args"]
+                                       "--threads", str(args.threads), "--target", args.target] + meta["shape_args"]
     if args.skip_graph:
         cmd.append("--skip-graph")
     if npz is not None:
@@ -301,7 +303,7 @@ def run_row(model: str, exporter: str, size: str, work: Path, args: argparse.Nam
         bench_json.unlink(missing_ok=True)
         bcmd = _script("bench-model") + [str(path), "--skip-graph", "--skip-metaschedule", "--no-progress",
                                          "--threads", str(args.threads), "--runs", str(args.runs), "--json",
-                                         str(bench_json)] + meta["shape_args"]
+                                         str(bench_json), "--target", args.target] + meta["shape_args"]
         if npz is not None:
             bcmd += ["--inputs", str(npz)]
         b = _run(bcmd, args.timeout, env)
@@ -422,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="full", choices=SIZES, help="model size (default full)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per command (default 1800)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="--threads for both commands")
+    p.add_argument("--target", default="llvm", help="--target for both commands, e.g. 'llvm -mcpu=x86-64-v3' (under "
+                   "bench/isa_mask.py: onnxruntime and OpenVINO held to AVX2 beside it)")
     p.add_argument("--runs", type=int, default=30, help="bench-model --runs (default 30)")
     p.add_argument("--skip-bench", action="store_true", help="no bench-model run")
     p.add_argument("--skip-graph", action="store_true", help="optimize-model --skip-graph (no graph stage)")
@@ -445,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         for d in json.loads(out.with_suffix(".json").read_text())["rows"]:
             rows.append(Row(**{k: v for k, v in d.items() if k in Row.__dataclass_fields__}))
     done = {(r.model, r.exporter, r.size) for r in rows}
-    header = {"cpu": host_model_name(), "threads": args.threads, "load": os.getloadavg()[0], "size": args.size,
+    header = {"cpu": host_model_name(), "held_to": held_isa(), "target": args.target, "threads": args.threads,
+              "load": os.getloadavg()[0], "size": args.size,
               "timeout": args.timeout, "skip_graph": args.skip_graph, "skip_bench": args.skip_bench,
               "cost_cache": ("warm (the user's)" if args.warm_cache
                              else "cold (empty per model, the CPU's calibration kept)"),
