@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.quantize import DYNAMIC, STATIC, FeedReader, quantize  # noqa: E402 - the tool's own recipe
-from isa_mask import held_isa  # noqa: E402 - this folder's ISA mask
+from isa_mask import cpu_flags, held_isa  # noqa: E402 - this folder's ISA mask
 # our builders (models.registry) and real exports (models.exported, torch's dynamo exporter; torchvision
 # and transformers models need those packages): the quantization recipe onnxruntime documents for each
 METHODS = {"resnet50": STATIC, "resnext50": STATIC, "inception-block": STATIC, "bert-base": DYNAMIC,
@@ -65,9 +65,9 @@ def cpu_description() -> dict:
                 info[key.strip()] = value.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] if Path("/proc/cpuinfo").exists() else ""
+    flags = cpu_flags()
     info["avx512_vnni"] = "avx512_vnni" in flags
-    info["avx_vnni"] = " avx_vnni" in flags
+    info["avx_vnni"] = "avx_vnni" in flags
     held = held_isa()
     if held:  # run under bench/isa_mask.py: every engine in this process saw a CPU of that ISA
         info["held_to"] = f"{held} (CPUID masked by bench/isa_mask.py)"

@@ -29,7 +29,7 @@ SOURCE = Path(__file__).with_name("isa_mask.c")
 def library(cache: Path | None = None) -> Path:
     """``isa_mask.c`` compiled to a shared library (kept beside the user's cache, rebuilt when the source
     changes); raises RuntimeError when it cannot be (no compiler, no CPUID faulting)."""
-    if "cpuid_fault" not in _cpu_flags():
+    if "cpuid_fault" not in cpu_flags():
         raise RuntimeError("this kernel or VM has no CPUID faulting (no cpuid_fault in /proc/cpuinfo): the "
                            "peers cannot be held to AVX2 here")
     cc = shutil.which(os.environ.get("CC", "cc"))
@@ -54,12 +54,12 @@ def held_isa() -> str | None:
     read it at import, does not), else None."""
     from numpy._core._multiarray_umath import __cpu_features__ as seen
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     has = "avx512f" in flags or "avx512_vnni" in flags or "avx_vnni" in flags
     return "avx2" if has and not (seen.get("AVX512F") or seen.get("AVX512VNNI")) else None
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

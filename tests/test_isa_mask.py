@@ -19,7 +19,7 @@ _spec.loader.exec_module(isa_mask)
 
 
 def _library(tmp_path) -> Path:
-    flags = isa_mask._cpu_flags()
+    flags = isa_mask.cpu_flags()
     if not flags & {"avx512f", "avx512_vnni", "avx_vnni"}:
         pytest.skip("this CPU has nothing above AVX2 to hold back")
     try:

@@ -254,12 +254,12 @@ def _schedule(task: Task, config, target: tvm.target.Target):
 def _tail_guards(sch, task: Task, parts, factors) -> list[tuple]:
     """``(S2 loop variable, anchor iterator, length)`` of each symbolic spatial axis repeating its register
     tile inside a k-block (S2 > 1): :mod:`.tail_tiles` skips the repeats wholly past the length."""
+    repeated = [i for i, (a, f, lp) in enumerate(zip(task.axes, factors, parts))
+                if not a.reduce and None in f and len(f) == 4 and f[2] > 1 and len(lp) == 4]
+    if not repeated:  # every static kernel (each config a tuner applies): no block lookup
+        return []
     block = next(b for b in root_blocks(task.func) if b.name_hint == task.anchor)
-    out = []
-    for i, (a, f, lp) in enumerate(zip(task.axes, factors, parts)):
-        if not a.reduce and None in f and len(f) == 4 and f[2] > 1 and len(lp) == 4:
-            out.append((sch.get(lp[2]).loop_var, i, block.iter_vars[i].dom.extent))
-    return out
+    return [(sch.get(parts[i][2]).loop_var, i, block.iter_vars[i].dom.extent) for i in repeated]
 
 
 def _phase_width(task: Task) -> int | None:
