@@ -31,6 +31,7 @@ from pipeline.passes import provenance
 from pipeline.passes.fast_sigmoid import FastSigmoid
 from pipeline.passes.fold import FoldConstants
 from pipeline.passes.lane_softmax import LaneSoftmax
+from pipeline.passes.grouped_reshape import legalize_reshape
 from pipeline.passes.provenance import CallSite
 from pipeline.symbolic import at_sizes, specialize
 
@@ -98,7 +99,9 @@ def fuse(mod: tvm.IRModule, known: dict | None = None) -> tuple[tvm.IRModule, li
     ONNX nodes each kernel call of the result computes (:mod:`pipeline.passes.provenance`: read from the calls' spans
     just before LegalizeOps drops them, then carried by the bound variables through FuseOps; ``known``: the
     nodes of ``main``'s variables before a stage that rebuilt calls without their spans, the layout stage's)."""
-    passes = [FoldConstants, LaneSoftmax(), FastSigmoid()] + [getattr(relax.transform, p)() for p in FUSION_PASSES]
+    passes = [FoldConstants, LaneSoftmax(), FastSigmoid()] + [
+        relax.transform.LegalizeOps({"relax.reshape": legalize_reshape}) if p == "LegalizeOps"
+        else getattr(relax.transform, p)() for p in FUSION_PASSES]
     legalize, fused_at = 3 + FUSION_PASSES.index("LegalizeOps"), 3 + FUSION_PASSES.index("FuseOps") + 1
     with quiet_native_stderr():  # TOPI's fast take warns once per Gather
         imported = provenance.binding_nodes(mod["main"], known)  # FastMathTransform rebuilds exp/erf/softmax

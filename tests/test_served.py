@@ -455,3 +455,94 @@ def test_a_served_batch_stays_whole_and_the_cores_split_the_other_axes():
     assert tiles["served"]["tile_b0"] == (4, 1, 1, 1)
     assert tiles["served"]["tile_i"][0] * tiles["served"]["tile_j"][0] >= 2
     assert tiles["static"]["tile_b0"] != (4, 1, 1, 1)
+
+
+def _partition_of(model: onnx.ModelProto, shapes: dict, served: Served):
+    """The served build's fused module and tasks (the chain up to the partition)."""
+    from pipeline.chain import ChainRequest, Until, run_chain
+    from pipeline.context import BuildContext
+
+    ctx = BuildContext.create("llvm", threads=2, skip_graph=True)
+    return run_chain(ctx, ChainRequest(model, shapes, served=served, original=model,
+                                       until=Until.PARTITION)).lowered.part
+
+
+def test_reshape_groups_carry_a_symbolic_dimension_alone():
+    from pipeline.passes.grouped_reshape import groups
+
+    n = tvm.tirx.Var("n", "int64")
+    i = lambda *v: [tvm.tirx.IntImm("int64", x) if isinstance(x, int) else x for x in v]  # noqa: E731
+    assert groups(i(1, n, 384), i(1, n, 12, 32)) == [([1], [1]), ([2], [2, 3])]
+    assert groups(i(1, 12, n, 32), i(12, n, 32)) == [([1], [0]), ([2], [1]), ([3], [2])]
+    assert groups(i(6, 4, n), i(3, 8, n)) == [([0, 1], [0, 1]), ([2], [2])]
+    assert groups(i(n, 12), i(12, n)) is None  # a symbolic dimension moved across a fixed one
+    assert groups(i(2, n), i(n, 2)) is None
+
+
+def test_head_reshapes_of_a_symbolic_length_index_without_dividing_and_fuse(tmp_path):
+    """The keys' head split as attention exports it (reshape, transpose, reshape, transpose, reshape) over a
+    symbolic length: every kernel indexes without dividing by the length (:mod:`pipeline.passes.grouped_reshape`;
+    TOPI's reshape divided by it, and nothing fused with it), the chain is one kernel, and the build is exact."""
+    import pipeline
+
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array((rng.standard_normal((HIDDEN, HIDDEN)) * 0.2).astype(np.float32), "wk")
+    shape = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "wk"], ["k"]), n("Reshape", ["k", "heads"], ["k4"]),
+             n("Transpose", ["k4"], ["kt"], perm=[0, 2, 1, 3]), n("Reshape", ["kt", "folded"], ["k3"]),
+             n("Transpose", ["k3"], ["kT"], perm=[0, 2, 1]), n("Reshape", ["kT", "unfolded"], ["y0"]),
+             n("Mul", ["y0", "scale"], ["y"])]
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "heads", [vi("x", TensorProto.FLOAT, [1, "sequence", HIDDEN])],
+                              [vi("y", TensorProto.FLOAT, [1, 4, HIDDEN // 4, "sequence"])],
+                              [w, shape("heads", [1, -1, 4, HIDDEN // 4]), shape("folded", [4, -1, HIDDEN // 4]),
+                               shape("unfolded", [1, 4, HIDDEN // 4, -1]),
+                               numpy_helper.from_array(np.array(0.5, np.float32), "scale")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    part = _partition_of(model, {"x": [1, 20, HIDDEN]}, Served({"sequence": (2, 40)}, {"sequence": 20}))
+    scripts = {gv.name_hint: f.script() for gv, f in part.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert not [name for name, s in scripts.items() if "// sequence" in s or "% sequence" in s]
+    (chain,) = [name for name in scripts if "reshape" in name]  # the whole chain and the scale: one kernel
+    assert chain.startswith("fused_reshape_transpose_reshape") and "multiply" in chain
+    path = tmp_path / "heads.onnx"
+    onnx.save(model, str(path))
+    built = pipeline.optimize(str(path), threads=2, skip_graph=True, dims={"sequence": (2, 40)})
+    for length in (2, 17, 40):
+        x = np.random.default_rng(length).standard_normal((1, length, HIDDEN)).astype(np.float32)
+        np.testing.assert_allclose(built.run({"x": x})["y"], run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_guarded_softmax_is_one_kernel_and_exact_on_rows_masked_whole(tmp_path):
+    """``where(isnan(softmax(s)), 0, softmax(s))``, as torch's dynamo exports attention, is folded into the
+    softmax's last write (:func:`pipeline.passes.lane_softmax._nan_guards`): one kernel, and a row masked whole
+    (every score -inf: NaN) comes out 0, at lengths with and without a vector body or tail."""
+    import pipeline
+
+    n = helper.make_node
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph([n("Softmax", ["x"], ["p"], axis=-1), n("IsNaN", ["p"], ["bad"]),
+                               n("Where", ["bad", "zero", "p"], ["y"])], "guarded",
+                              [vi("x", TensorProto.FLOAT, [1, 2, "sequence", "sequence"])],
+                              [vi("y", TensorProto.FLOAT, [1, 2, "sequence", "sequence"])],
+                              [numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    part = _partition_of(model, {"x": [1, 2, 40, 40]}, Served({"sequence": (2, 80)}, {"sequence": 40}))
+    (task,) = part.tasks  # no kernel of its own for the guard
+    assert task.name.startswith("split_softmax")
+    path = tmp_path / "guarded.onnx"
+    onnx.save(model, str(path))
+    built = pipeline.optimize(str(path), threads=2, skip_graph=True, dims={"sequence": (2, 80)})
+    for length in (2, 15, 16, 33, 80):
+        x = (np.random.default_rng(length).standard_normal((1, 2, length, length)) * 4).astype(np.float32)
+        x[0, 0, -1, :] = -np.inf  # a row masked whole
+        x[0, 1, 0, length // 2:] = -np.inf
+        got = built.run({"x": x})["y"]
+        e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+        with np.errstate(invalid="ignore"):
+            p = e / e.sum(axis=-1, keepdims=True)
+        want = np.where(np.isnan(p), 0.0, p)
+        assert not np.isnan(got).any() and np.all(got[0, 0, -1] == 0.0)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
