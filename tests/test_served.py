@@ -479,6 +479,27 @@ def test_reshape_groups_carry_a_symbolic_dimension_alone():
     assert groups(i(2, n), i(n, 2)) is None
 
 
+@pytest.mark.parametrize("src,dst", [((6, 4, "n"), (3, 8, "n")), ((1, "n", 24), ("n", 2, 3, 4)),
+                                     ((2, 1, "n", 6), (1, 2, "n", 2, 3))])
+def test_grouped_reshape_equals_numpy_at_any_size(src, dst):
+    from pipeline.passes.grouped_reshape import grouped_reshape, groups
+
+    n = tvm.tirx.Var("n", "int64")
+    dims = lambda s: [n if d == "n" else tvm.tirx.IntImm("int64", d) for d in s]  # noqa: E731
+    x = te.placeholder(dims(src), name="x")
+    plan = groups(dims(src), dims(dst))
+    assert plan is not None
+    y = grouped_reshape(x, dims(dst), plan)
+    lib = tvm.tirx.build(tvm.IRModule({"main": te.create_prim_func([x, y]).with_attr("global_symbol", "main")}),
+                         target="llvm")
+    for size in (1, 5):
+        value = np.arange(np.prod([size if d == "n" else d for d in src]), dtype=np.float32)
+        value = value.reshape([size if d == "n" else d for d in src])
+        out = tvm.runtime.tensor(np.zeros([size if d == "n" else d for d in dst], np.float32))
+        lib["main"](tvm.runtime.tensor(value), out)
+        np.testing.assert_array_equal(out.numpy(), value.reshape(out.shape))
+
+
 def test_head_reshapes_of_a_symbolic_length_index_without_dividing_and_fuse(tmp_path):
     """The keys' head split as attention exports it (reshape, transpose, reshape, transpose, reshape) over a
     symbolic length: every kernel indexes without dividing by the length (:mod:`pipeline.passes.grouped_reshape`;
