@@ -44,6 +44,9 @@ KINDS = OP_KINDS + tuple(VARIANTS) + ("other",)  # FusedTask.kind: a tunable kin
 # slower than the same matmul without it.  The approximations are accurate to ~1e-7 relative; the whole
 # model stays within ~2e-6 of onnxruntime.
 #
+# LegalizeOps with our rule for a reshape over a symbolic size (pipeline.passes.grouped_reshape: no division by
+# the size, so it fuses as a fixed-size reshape does).
+#
 # AttachAttrLayoutFreeBuffers last: it marks each kernel's parameters that the graph feeds with constants
 # (the weights), which the CPU template may then store pre-packed (kerneltune.prepack).
 FUSION_PASSES = (
