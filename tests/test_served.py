@@ -388,7 +388,9 @@ def test_positions_of_a_symbolic_length_are_served(tmp_path):
 def test_scores_with_a_symbolic_vector_axis_write_whole_tiles_unmasked():
     """Attention's scores ``Q K^T`` (the columns are the tokens) with the tiles of the 128-token instance: its
     write-back is split into the tiles inside the output, stored without a mask (in vectors), and the rest,
-    masked (:mod:`kerneltune.templates.full_tiles`); equal to numpy at lengths no tile divides."""
+    masked (:mod:`kerneltune.templates.full_tiles`).  Only ``K^T``, padded along the columns, is copied; ``Q``,
+    padded on its rows, is read through with its rows clamped (:func:`kerneltune.templates.common.prepare`).
+    Equal to numpy at lengths no tile divides."""
     import dataclasses
 
     n = tvm.tirx.Var("n", "int64")
@@ -404,6 +406,7 @@ def test_scores_with_a_symbolic_vector_axis_write_whole_tiles_unmasked():
                                 target)
     script = scheduled.script()
     assert "if " in script and script.count("T.where") == 1  # two write-backs: the whole tiles' unmasked
+    assert "kt_pad = T.sblock_alloc_buffer" in script and "q_pad" not in script
     lib = tvm.tirx.build(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
     for length in (2, 17, 64, 77):
         rng = np.random.default_rng(length)

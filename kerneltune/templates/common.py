@@ -67,8 +67,10 @@ def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None
     ``einsum_padding`` (a multiple per anchor iterator) first pads the anchor's computation with
     ``pad_einsum``: padded copies of its inputs (kept as stages: inlined, their bounds check would sit in the
     inner loop again) and a crop of its output, which joins the epilogue.  With ``clamp`` (only spatial axes
-    padded) the copies are read through instead: the padding rows and columns read the operand's last row or
-    column (:func:`clamp_padded_reads`), values the crop drops, so no bounds check and no copy remain."""
+    padded) the copies of operands padded on outer dimensions only are read through instead: the padding rows
+    read the operand's last row (:func:`clamp_padded_reads`), values the crop drops, so no bounds check and no
+    copy remain.  An operand padded along its innermost dimension keeps its copy: read through, its vector
+    loads would clamp lane by lane."""
     sch = s_tir.Schedule(task.func)
     anchor = sch.get_sblock(task.anchor)
     root_name = task.func.body.block.name_hint
@@ -78,7 +80,8 @@ def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None
         sch.pad_einsum(anchor, einsum_padding)
         if clamp:
             names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
-            pads = set(names[:names.index(task.anchor)]) - before
+            pads = {name for name in set(names[:names.index(task.anchor)]) - before
+                    if _outer_padding(sch.get(sch.get_sblock(name)))}
             sch = s_tir.Schedule(clamp_padded_reads(sch.mod["main"], pads))
             for name in pads:
                 sch.compute_inline(sch.get_sblock(name))
@@ -107,6 +110,13 @@ def prepare(task: Task, inline_producers: bool, einsum_padding: list[int] | None
 
 
 _IF_THEN_ELSE = "prim.if_then_else"
+
+
+def _outer_padding(block) -> bool:
+    """Whether a padded copy's innermost dimension is its operand's whole one (only outer dimensions padded)."""
+    (read,), (write,) = block.reads, block.writes
+    source, padded = read.source.shape, write.source.shape
+    return len(source) == len(padded) and tvm.sym.Analyzer().can_prove_equal(source[-1], padded[-1])
 
 
 def clamp_padded_reads(func: tvm.tirx.PrimFunc, blocks: set[str]) -> tvm.tirx.PrimFunc:

@@ -180,10 +180,13 @@ def _schedule(task: Task, config, target: tvm.target.Target):
     cfg = check_config(space(task), config)
     factors = _symbolic_tiles(task, tiles(task, cfg, 4, 2))
     padding = _einsum_padding(task, factors)
-    # a kernel serving a range padded on its rows only: read through its operands, no padded copies (a padded
-    # vector axis keeps its copy: the panel copy of a clamped operand has no fixed width to vectorize)
+    # a kernel serving a range padded on spatial axes only: read through each operand padded on its outer
+    # dimensions, no padded copy (one padded along the vector axis keeps its copy: clamped, its vector loads
+    # would gather, and a prepacked panel copy of it has no fixed width).  MiniLM's served scores Q K^T, Q read
+    # through instead of copied beside K^T (Intel Xeon, 2 threads, warm): 10.5 -> 8.7 us at 8 tokens, 53.5 ->
+    # 50.4 at 77, 99.5 -> 94.6 at 128, 892.9 -> 885.3 at 384
     clamp = padding is not None and any(None in f for f in factors) and \
-        all(m == 1 for m, a in zip(padding, task.axes) if a.reduce or a.role == task.vector_axis)
+        all(m == 1 for m, a in zip(padding, task.axes) if a.reduce)
     p = prepare(task, inline_producers=cfg.get("pad", "inline") == "inline", einsum_padding=padding, clamp=clamp)
     sch = p.sch
     if cfg.get("pad") == "phases":
