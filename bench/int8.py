@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.quantize import DYNAMIC, STATIC, FeedReader, quantize  # noqa: E402 - the tool's own recipe
-from isa_mask import cpu_flags, held_isa  # noqa: E402 - this folder's ISA mask
+from isa_mask import held_isa  # noqa: E402 - this folder's ISA mask
+from kerneltune.targets.host import cpu_flags  # noqa: E402
 # our builders (models.registry) and real exports (models.exported, torch's dynamo exporter; torchvision
 # and transformers models need those packages): the quantization recipe onnxruntime documents for each
 METHODS = {"resnet50": STATIC, "resnext50": STATIC, "inception-block": STATIC, "bert-base": DYNAMIC,

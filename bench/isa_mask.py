@@ -23,6 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kerneltune.targets.host import cpu_flags  # noqa: E402 - TVM-free: the launcher starts fast
+
 SOURCE = Path(__file__).with_name("isa_mask.c")
 
 
@@ -57,15 +60,6 @@ def held_isa() -> str | None:
     flags = cpu_flags()
     has = "avx512f" in flags or "avx512_vnni" in flags or "avx_vnni" in flags
     return "avx2" if has and not (seen.get("AVX512F") or seen.get("AVX512VNNI")) else None
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kerneltune.targets.host import cpu_flags
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 # bench/ is a folder of scripts, not on sys.path: loaded by file, so its names (coverage, dynamic, ...) shadow
 # nothing in this process
@@ -19,7 +21,7 @@ _spec.loader.exec_module(isa_mask)
 
 
 def _library(tmp_path) -> Path:
-    flags = isa_mask.cpu_flags()
+    flags = cpu_flags()
     if not flags & {"avx512f", "avx512_vnni", "avx_vnni"}:
         pytest.skip("this CPU has nothing above AVX2 to hold back")
     try:

@@ -21,16 +21,27 @@ def host_cpu() -> str:
     return cpu if cpu and codegen.llvm_is_valid_cpu(cpu, "") else "generic"
 
 
-def host_model_name() -> str:
-    """The CPU's marketing name from /proc/cpuinfo ("" elsewhere): benchmark JSON records it, because the
-    same numbers mean different things on a Zen 4 and a Zen 5 (their FMA peaks differ ~2x)."""
+def _cpuinfo(key: str) -> str:
+    """The value of the first ``key`` line of /proc/cpuinfo ("" elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def host_model_name() -> str:
+    """The CPU's marketing name from /proc/cpuinfo ("" elsewhere): benchmark JSON records it, because the
+    same numbers mean different things on a Zen 4 and a Zen 5 (their FMA peaks differ ~2x)."""
+    return _cpuinfo("model name")
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags the kernel reports for this CPU (/proc/cpuinfo; empty elsewhere): what the machine has,
+    whatever CPUID a process is shown (bench/isa_mask.py hides some)."""
+    return set(_cpuinfo("flags").split())
 
 
 def default_threads() -> int:

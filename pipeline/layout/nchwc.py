@@ -47,7 +47,7 @@ from kerneltune.templates import conv_nchwc, winograd_nchwc
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.passes import provenance
 from pipeline.passes.fold import FoldConstants
-from pipeline.passes.relax_rewrite import static_shape
+from pipeline.passes.relax_rewrite import is_op, static_shape
 
 CONV = "relax.nn.conv2d"
 
@@ -115,10 +115,6 @@ def _conv_dims(call: relax.Call) -> tuple[int, int, int] | None:
     if len(ds) != 4 or len(ws) != 4:
         return None
     return ds[1], ws[0], int(attrs.groups)
-
-
-def _is_op(expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
 
 def _scalar_minmax(func) -> str | None:
@@ -316,10 +312,10 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
             shape = static_shape(var)
             out = track(var)
             args = list(call.args)
-            if _is_op(call, "relax.concat") and isinstance(args[0], relax.Tuple):
+            if is_op(call, "relax.concat") and isinstance(args[0], relax.Tuple):
                 args = list(args[0].fields)
             acts = [a for a in args if isinstance(a, relax.Var) and track(a) is not None]
-            if _is_op(call, CONV) and out is not None and acts and call.args[0].same_as(acts[0]):
+            if is_op(call, CONV) and out is not None and acts and call.args[0].same_as(acts[0]):
                 spec, why = _conv_spec(call)
                 inp = track(call.args[0])
                 convs.append((call.args[1], spec, inp, out, static_shape(call.args[0]), shape, why))
@@ -330,7 +326,7 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
                 continue
             linked = None
             if out is not None:
-                if _is_op(call, "relax.concat") and int(call.attrs.axis) in (1, -3):
+                if is_op(call, "relax.concat") and int(call.attrs.axis) in (1, -3):
                     linked = acts
                 elif isinstance(call.op, tvm.ir.Op) and call.op.name in _POOLS:
                     linked = acts[:1]
@@ -447,13 +443,13 @@ class _Lift(_Rewriter):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
         call = super().visit_call_(call)
-        if _is_op(call, "relax.call_tir") and isinstance(call.args[0], relax.GlobalVar):
+        if is_op(call, "relax.call_tir") and isinstance(call.args[0], relax.GlobalVar):
             kind = _scalar_minmax(self.mod[call.args[0]])
             if kind is not None:
                 x, s = call.args[1].fields
                 self.report.lifted += 1
                 return getattr(relax.op, kind)(x, s)
-        if _is_op(call, "relax.clip"):  # HardSwish/HardSigmoid: clip has no layout inference in Relax
+        if is_op(call, "relax.clip"):  # HardSwish/HardSigmoid: clip has no layout inference in Relax
             x, lo, hi = call.args
             dtype = x.ty.dtype
             self.report.lifted += 1
@@ -553,16 +549,16 @@ class _ConvertLayoutWorkarounds(_Rewriter):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
-        if _is_op(call, "relax.nn.dropout"):
+        if is_op(call, "relax.nn.dropout"):
             x = call.args[0]
             return relax.Tuple([x, relax.op.ones_like(x)])
-        if _is_op(call, "relax.squeeze") and call.attrs.axis is not None:
+        if is_op(call, "relax.squeeze") and call.attrs.axis is not None:
             rank = getattr(call.args[0].ty, "ndim", -1)
             axes = [int(a) for a in call.attrs.axis]
             if rank > 0 and any(a < 0 for a in axes):
                 return relax.op.squeeze(call.args[0], [a % rank for a in axes])
             return call
-        if not _is_op(call, "relax.split"):
+        if not is_op(call, "relax.split"):
             return call
         shape = static_shape(call.args[0])
         if shape is None or len(shape) != 4 or int(call.attrs.axis) not in (1, -3):
@@ -584,7 +580,7 @@ class _MergeGroups(_Rewriter):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
-        if not _is_op(call, CONV):
+        if not is_op(call, CONV):
             return call
         p = self.plans.get(call.args[1])
         if not isinstance(p, ConvPlan) or p.merge == 1:
@@ -601,7 +597,7 @@ class _MergeGroups(_Rewriter):
 
 def _layout_callback(plans: _Plans, report: LayoutReport):
     def cb(call: relax.Call) -> dict:
-        if not _is_op(call, CONV):
+        if not is_op(call, CONV):
             return {}
         p = plans.get(call.args[1]) or "not planned"
         report.convs += 1
@@ -621,7 +617,7 @@ class _LowerBlockedConvs(_Rewriter):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802
         call = super().visit_call_(call)
-        if _is_op(call, CONV) and str(call.attrs.data_layout) != "NCHW":
+        if is_op(call, CONV) and str(call.attrs.data_layout) != "NCHW":
             m = winograd_nchwc.marked_tile(call, self.report.marks) if self.report is not None else None
             if m is not None:
                 self.report.winograd += 1
@@ -637,7 +633,7 @@ def count_transforms(mod: tvm.IRModule) -> int:
     n = 0
     for block in mod["main"].body.blocks:
         for b in block.bindings:
-            n += _is_op(b.value, "relax.layout_transform")
+            n += is_op(b.value, "relax.layout_transform")
     return n
 
 

@@ -53,6 +53,7 @@ from pipeline.layout import nchwc, pbqp
 from pipeline.layout.cost import ConvOption, Pricer
 from pipeline.layout.modes import LAYOUTS
 from pipeline.passes import provenance
+from pipeline.passes.relax_rewrite import is_op
 from pipeline.partition import Partition, partition
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ def search(graph: nchwc.LayoutGraph, lanes: int, pricer: Pricer) -> Decision:
 
 
 def has_convs(mod: tvm.IRModule) -> bool:
-    return any(nchwc._is_op(b.value, nchwc.CONV) for blk in mod["main"].body.blocks for b in blk.bindings)
+    return any(is_op(b.value, nchwc.CONV) for blk in mod["main"].body.blocks for b in blk.bindings)
 
 
 def convert(mod: tvm.IRModule, spec: TargetSpec, mode: str = "auto", pricer: Pricer | None = None,

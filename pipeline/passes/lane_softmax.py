@@ -21,7 +21,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from pipeline.passes.relax_rewrite import rewrite_functions
+from pipeline.passes.relax_rewrite import is_op, rewrite_functions
 
 # A multiple of every x86 vector width (8 fp32 lanes with AVX2, 16 with AVX-512), as the CPU template's
 # VECTOR_PAD: the kernel is the same whatever the target.
@@ -91,7 +91,7 @@ def _last_axis(call: relax.Call) -> bool:
 
 def _splits(call: relax.Expr) -> bool:
     """Whether ``call`` is a softmax this pass rewrites."""
-    if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.softmax"):
+    if not is_op(call, "relax.nn.softmax"):
         return False
     ty = call.args[0].ty
     shape = getattr(ty, "shape", None)
@@ -101,10 +101,6 @@ def _splits(call: relax.Expr) -> bool:
     return not (isinstance(last, tvm.tirx.IntImm) and not split_row(int(last)))
 
 
-def _op(expr: relax.Expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
-
-
 def _zero(expr: relax.Expr) -> bool:
     if not isinstance(expr, tvm.ir.Constant):
         return False
@@ -112,15 +108,16 @@ def _zero(expr: relax.Expr) -> bool:
     return value.size == 1 and float(value.reshape(())) == 0.0
 
 
-def _nan_guards(func: relax.Function) -> dict[relax.Var, relax.Var]:
+def _nan_guards(func: relax.Function) -> dict[relax.Var, tuple[relax.Var, relax.Var]]:
     """The guarded softmaxes of ``func``: ``where(isnan(s), 0, s)`` of a softmax ``s`` this pass rewrites, ``s``
-    and its ``isnan`` used nowhere else (dataflow variables of one block) -> the where's variable to ``s``.
+    and its ``isnan`` used nowhere else (dataflow variables of one block): the where's variable -> (the
+    ``isnan``'s variable, ``s``).
 
     torch's dynamo export writes every ``scaled_dot_product_attention`` so (a row masked whole is 0, not NaN).
     As kernels of their own the guard read and wrote the whole score tensor twice more: MiniLM served at 384
     tokens (Intel Xeon, 2 threads) spent 0.46-0.56 ms per layer in it beside the softmax's 1.70-1.95.  Folded,
     the softmax's last write applies it (softmax and guard 1.66-1.81 ms)."""
-    guards: dict[relax.Var, relax.Var] = {}
+    guards: dict[relax.Var, tuple[relax.Var, relax.Var]] = {}
     body = func.body
     for block in getattr(body, "blocks", []):
         if not isinstance(block, relax.DataflowBlock):
@@ -128,40 +125,38 @@ def _nan_guards(func: relax.Function) -> dict[relax.Var, relax.Var]:
         bound = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
         users = relax.analysis.udchain(block)
         for var, value in bound.items():
-            if not _op(value, "relax.where") or not _zero(value.args[1]):
+            if not is_op(value, "relax.where") or not _zero(value.args[1]):
                 continue
             test, kept = value.args[0], value.args[2]
             if not (isinstance(test, relax.DataflowVar) and isinstance(kept, relax.DataflowVar)):
                 continue
-            if not (_op(bound.get(test), "relax.isnan") and bound[test].args[0].same_as(kept)
+            if not (is_op(bound.get(test), "relax.isnan") and bound[test].args[0].same_as(kept)
                     and _splits(bound.get(kept))):
                 continue
             if len(users.get(test, [])) == 1 and len(users.get(kept, [])) == 2:
-                guards[var] = kept
+                guards[var] = (test, kept)
     return guards
 
 
 @mutator
 class _LaneSoftmax(PyExprMutator):
     _guards: dict = {}
-    _folded: set = set()
+    _folded: frozenset = frozenset()
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:  # noqa: N802 - TVM's visitor name
         self._guards = _nan_guards(func)  # per function
-        self._folded = set(self._guards.values())
+        self._folded = frozenset(v for pair in self._guards.values() for v in pair)  # emitted with their guard
         self._softmax: dict[relax.Var, relax.Call] = {}
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # noqa: N802 - TVM's visitor name
-        if binding.var in self._folded:  # computed by its guard's binding instead (with the guard)
+        if binding.var in self._folded:  # a guarded softmax or its isnan: computed by the guard's binding
             self._softmax[binding.var] = binding.value
             return
-        if any(_op(binding.value, "relax.isnan") and binding.value.args[0].same_as(s) for s in self._folded):
-            return  # the guard's test: folded into the softmax
-        kept = self._guards.get(binding.var)
-        if kept is None:
+        guard = self._guards.get(binding.var)
+        if guard is None:
             return super().visit_var_binding_(binding)
-        x = self.visit_expr(self._softmax[kept].args[0])
+        x = self.visit_expr(self._softmax[guard[1]].args[0])
         call = self.builder_.call_te(split_softmax, x, nan_to_zero=True, primfunc_name_hint="split_softmax")
         new = (self.builder_.emit(call) if isinstance(binding.var, relax.DataflowVar)
                else self.builder_.emit_output(call))

@@ -16,6 +16,11 @@ def rewrite_functions(mod: tvm.IRModule, mutator_class) -> tvm.IRModule:
     return m.builder_.get()
 
 
+def is_op(expr, name: str) -> bool:
+    """Whether ``expr`` is a call of the Relax operator ``name`` (``"relax.nn.softmax"``)."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
 def static_shape(expr) -> tuple[int, ...] | None:
     """The static shape of a Relax expression's tensor type; None when it is not a tensor of known sizes."""
     try:
