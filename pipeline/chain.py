@@ -115,7 +115,8 @@ def _lower(ctx: BuildContext, request: ChainRequest, built: Built) -> stages.Low
 
 def _tune(ctx: BuildContext, request: ChainRequest, built: Built) -> None:
     """Tuning of the selected tasks, then the build that ships: the tuned one only if it is faster end to end
-    than the default build (:func:`pipeline.tuning.pick_build`)."""
+    than the default build (:func:`pipeline.tuning.pick_build`), and for a served build not slower at any of
+    the other sizes it is checked at."""
     from pipeline.tuning import pick_build, stop_fields, tune_model
 
     lowered = built.lowered
@@ -129,7 +130,10 @@ def _tune(ctx: BuildContext, request: ChainRequest, built: Built) -> None:
                           "best_ms": t.best_ms, "weight": t.weight, "early_stopped": t.early_stopped}
                          for t in result.tasks])
     tuned = result.best_configs
+    served = request.served
+    others = [(sizes, served.graph_at(request.original, request.input_shapes or {}, sizes))
+              for sizes in served.check_sizes()] if served is not None and tuned else []
     built.compiled, built.choice = pick_build(stages.build(lowered, ctx.spec, tuned), lowered, ctx, tuned,
-                                              built.staged.model.SerializeToString())
+                                              built.staged.model.SerializeToString(), others=others)
     built.log.stages["tune"]["e2e"] = built.choice.to_json()
     built.tuning = result

@@ -198,14 +198,13 @@ def check_served(compiled: Any, original: onnx.ModelProto, shapes: dict, served:
     (:meth:`pipeline.symbolic.Served.check_sizes`; the representative size is the main check's), each on
     :data:`SERVED_CHECK_SETS` seeded random input sets: a one-line UserError at the first size where it differs
     or onnxruntime fails."""
-    from graphopt.onnx_io import import_onnx
     from pipeline.compile import check_outputs
 
     out = []
     for sizes in served.check_sizes():
         at = sizes_text(sizes)
         try:
-            graph = import_onnx(original, served.shapes_at(original, shapes, sizes), require_static=True)
+            graph = served.graph_at(original, shapes, sizes)
             check = check_outputs(compiled, graph, original, seed, count=SERVED_CHECK_SETS)
         except UserError:
             raise

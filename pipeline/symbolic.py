@@ -35,7 +35,8 @@ import tvm
 from tvm import relax, tirx
 
 from graphopt.dims import ranged_axes, representative
-from graphopt.onnx_io import InputShapes, runtime_inputs
+from graphopt.ir import Graph
+from graphopt.onnx_io import InputShapes, import_onnx, runtime_inputs
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class Served:
             if name in out and dim in sizes and len(out[name]) > axis:
                 out[name][axis] = sizes[dim]
         return {name: tuple(shape) for name, shape in out.items()}
+
+    def graph_at(self, model: onnx.ModelProto, shapes: InputShapes, sizes: Mapping[str, int]) -> Graph:
+        """``model`` in the graph IR with the served dimensions at ``sizes`` (the others as ``shapes``): what
+        the checks and the end-to-end timings at a size other than the representative one feed."""
+        return import_onnx(model, self.shapes_at(model, shapes, sizes), require_static=True)
 
     def to_json(self) -> dict:
         return {"ranges": {k: list(v) for k, v in self.ranges.items()}, "representative": dict(self.at)}

@@ -11,7 +11,9 @@ faster by :data:`E2E_MARGIN` in enough of 3 to 7 blocks for a sign test: 3 of 3 
 faster so; otherwise the default build ships and the report says tuning lost (slower
 beyond the margin) or was undecided (within it).  Undecided keeps the default because the default is the
 reference a tuned build has to beat, the same rule as a task's default config at the kernel level, and
-because a 2% difference is inside what this shared machine's noise can fake either way.
+because a 2% difference is inside what this shared machine's noise can fake either way.  A build serving a
+range of sizes is tuned at its representative size; its tuned build must also not be slower than the default
+at the other sizes it is checked at (:func:`pick_build`'s ``others``), or the default ships.
 
 The same command must give the same artifact, and a timing is never exactly repeatable: the blocks are
 recorded in the verdict store (:mod:`graphopt.verdicts`, beside the graph stage's and the layout search's
@@ -28,11 +30,13 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from graphopt.dims import sizes_text
 from graphopt.errors import UserError
 from graphopt.feeds import random_inputs
 from graphopt.fileio import save_figure
+from graphopt.ir import Graph
 from graphopt.timing import compare
 from graphopt.verdicts import Verdicts, default_store
 from kerneltune.opkinds import KINDS as OP_KINDS
@@ -106,6 +110,19 @@ def budget_warning(trials: int, tasks: int) -> str | None:
 
 
 @dataclass
+class SizeVerdict:
+    """A served build's tuned and default builds timed at one size other than the representative one
+    (report.json's ``tune.e2e.sizes``): tuning there may have slowed what it sped up at the representative."""
+
+    sizes: dict[str, int]
+    status: str  # "measured" or "recorded"
+    default_ms: float
+    tuned_ms: float
+    ratios: list[float]  # default / tuned, per block (the default is the candidate here)
+    default_faster: bool  # beyond the margin: the tuned build loses at this size
+
+
+@dataclass
 class BuildChoice:
     """Which build ships after tuning, and the end-to-end evidence (report.json's ``tune.e2e``)."""
 
@@ -115,12 +132,24 @@ class BuildChoice:
     tuned_ms: float | None = None
     ratios: list[float] = field(default_factory=list)  # tuned / default, per round
     margin: float = E2E_MARGIN
+    sizes: list[SizeVerdict] = field(default_factory=list)  # a served build's other sizes, in the order timed
+
+    @property
+    def lost_at(self) -> SizeVerdict | None:
+        """The size at which the tuned build, faster at the representative size, was slower; None if none."""
+        return next((v for v in self.sizes if v.default_faster), None)
 
     @property
     def note(self) -> str | None:
         """One line for the user when tuning did not earn its place, else None."""
         if self.kept != "default" or self.tuned_ms is None or self.default_ms is None:
             return None
+        lost = self.lost_at
+        if lost is not None:
+            return (f"tuning lost at {sizes_text(lost.sizes)}: the tuned build was slower there ({lost.tuned_ms:.3f} "
+                    f"ms vs {lost.default_ms:.3f} ms with default schedules, margin {self.margin:.0%}) though faster "
+                    f"at the representative size ({self.tuned_ms:.3f} vs {self.default_ms:.3f} ms); shipped the "
+                    "default build")
         how = "slower" if self.tuned_ms > self.default_ms * (1 + self.margin) else "not faster beyond noise"
         return (f"tuning lost: the tuned build was {how} end to end ({self.tuned_ms:.3f} ms vs "
                 f"{self.default_ms:.3f} ms with default schedules, margin {self.margin:.0%}); shipped the "
@@ -147,10 +176,16 @@ def fingerprint(tuned: dict[str, Any], model_bytes: bytes) -> str:
 
 
 def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, tuned: dict[str, Any],
-               model_bytes: bytes, timer: Callable | None = None) -> tuple[CompiledModel, BuildChoice]:
+               model_bytes: bytes, timer: Callable | None = None,
+               others: Sequence[tuple[Mapping[str, int], Graph]] = ()) -> tuple[CompiledModel, BuildChoice]:
     """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
     The blocks are kept in this machine's verdict store (:func:`graphopt.verdicts.default_store`).
-    ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
+
+    ``others``: a served build's other sizes (:meth:`pipeline.symbolic.Served.check_sizes`, each with the
+    model's graph there).  Tuning measures each kernel at the representative size only, and a tile that wins
+    there can lose at 2 tokens or 512; so a tuned build faster at the representative size is timed again at
+    each of these, and the default ships if it is faster beyond the margin at any (the same sign test, the
+    two builds' roles swapped).  ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
     spec = ctx.spec
     if not tuned:
         return tuned_build, BuildChoice("default", "skipped: no tuned config beat its default schedule")
@@ -160,24 +195,38 @@ def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, 
     if not spec.can_run:
         return tuned_build, BuildChoice("tuned", f"skipped: cannot run {spec.kind} here ({spec.note})")
     verdicts = Verdicts(default_store(), f"tuning|{spec.target}|t{spec.threads}")
-    builds = ("default", fingerprint(tuned, model_bytes))
-    stored = verdicts.recall(*builds)
-    if stored is not None:  # a rerun of a finished run: today's rule on the recorded blocks, so the same artifact
-        faster = stored.judge(E2E_MARGIN)[0]
-        choice = BuildChoice("tuned" if faster else "default", "recorded", round(stored.baseline_ms, 4),
-                             round(stored.candidate_ms, 4), [round(r, 4) for r in stored.ratios], E2E_MARGIN)
-        if choice.kept == "tuned":
-            return tuned_build, choice
-        return build(lowered, spec, {}), choice
-    default_build = build(lowered, spec, {})
-    feeds = random_inputs(lowered.imported.graph, ctx.seed)
-    verdict = compare(model_runner(default_build, feeds), model_runner(tuned_build, feeds), E2E_MARGIN, E2E_RUNS,
-                      timer=timer, gap_s=0.0)  # two TVM builds: one engine
-    cmp = verdict.comparison
-    choice = BuildChoice("tuned" if verdict.faster else "default", "measured", round(cmp.baseline_ms, 4),
-                         round(cmp.candidate_ms, 4), [round(r, 4) for r in cmp.ratios], E2E_MARGIN)
-    verdicts.record(*builds, verdict)
-    return (tuned_build if choice.kept == "tuned" else default_build), choice
+    key = fingerprint(tuned, model_bytes)
+    built: list[CompiledModel] = []
+
+    def default_build() -> CompiledModel:  # compiled once, and only when a block needs it or it ships
+        if not built:
+            built.append(build(lowered, spec, {}))
+        return built[0]
+
+    def judged(baseline: tuple[str, Callable], candidate: tuple[str, Callable], graph: Graph):
+        """(candidate faster, "recorded"/"measured", Comparison-like evidence) for two builds on ``graph``'s
+        seeded inputs: the stored verdict of a rerun, else timed now and stored."""
+        stored = verdicts.recall(baseline[0], candidate[0])
+        if stored is not None:  # a rerun of a finished run: today's rule on the recorded blocks, the same artifact
+            return stored.judge(E2E_MARGIN)[0], "recorded", stored
+        feeds = random_inputs(graph, ctx.seed)
+        verdict = compare(model_runner(baseline[1](), feeds), model_runner(candidate[1](), feeds), E2E_MARGIN,
+                          E2E_RUNS, timer=timer, gap_s=0.0)  # two TVM builds: one engine
+        verdicts.record(baseline[0], candidate[0], verdict)
+        return verdict.faster, "measured", verdict.comparison
+
+    faster, status, ev = judged(("default", default_build), (key, lambda: tuned_build), lowered.imported.graph)
+    choice = BuildChoice("tuned" if faster else "default", status, round(ev.baseline_ms, 4),
+                         round(ev.candidate_ms, 4), [round(r, 4) for r in ev.ratios], E2E_MARGIN)
+    for sizes, graph in others if faster else ():
+        lost, status, ev = judged((key, lambda: tuned_build), (f"default at {sizes_text(sizes)}", default_build),
+                                  graph)
+        choice.sizes.append(SizeVerdict(dict(sizes), status, round(ev.candidate_ms, 4), round(ev.baseline_ms, 4),
+                                        [round(r, 4) for r in ev.ratios], lost))
+        if lost:
+            choice.kept = "default"
+            break
+    return (tuned_build if choice.kept == "tuned" else default_build()), choice
 
 
 LABEL_CHARS = 48  # task names longer than this are shortened in the plot (report.json has them whole)

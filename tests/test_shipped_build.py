@@ -165,3 +165,50 @@ def test_compare_decides_by_a_sign_test_on_blocks_against_the_margin(ratios, fas
     assert d.faster == faster and d.comparison.ratios == pytest.approx(ratios[:blocks])
     # judged again from the recorded blocks (a rerun), the verdict is the same
     assert replay(d.comparison.ratios, 0.02)[0] == faster == replay(ratios, 0.02)[0]
+
+
+def test_a_served_build_tuned_faster_at_its_representative_size_but_slower_at_another_ships_the_default(
+        tmp_path, fake, monkeypatch, capsys):
+    """Tuning measures kernels at the representative size (40 of 2..40); the tuned build, faster there, is
+    timed again at the other sizes the build is checked at (2, 21), the default as the candidate, and loses at
+    21: the default ships, the note names the size, and a rerun replays every verdict without timing."""
+    import onnx
+
+    import graphopt.timing as timing
+    from graphopt import verdicts
+    from pipeline.cli import optimize_model_main
+    from test_served import _attention_model
+
+    monkeypatch.setattr(verdicts, "store_path", lambda: tmp_path / "verdicts.json")
+    fake.lo = 0.4
+    ratios = [0.9] * 3 + [1.0] * 3 + [0.9] * 3  # representative: tuned faster; 2: a tie; 21: the default faster
+    calls: list = []
+
+    def timer(runners, runs, warmup=3, **kw):
+        if set(runners) != {"baseline", "candidate"}:
+            return timing.time_blocks(runners, runs, warmup, **kw)
+        r = ratios[len(calls)]
+        calls.append(list(runners))
+        for run in runners.values():  # the builds really run at that size; the times are made up
+            run()
+        return {"baseline": Timing(1.0, 0.9), "candidate": Timing(r, r * 0.9)}
+
+    monkeypatch.setattr(timing, "time_blocks", timer)
+    path = tmp_path / "attention.onnx"
+    onnx.save(_attention_model(), str(path))
+    argv = [str(path), "--skip-graph", "--threads", "1", "--dim", "batch=1", "--dim", "sequence=2:40",
+            "--trials", "16", "--kernels", "matmul", "-o", str(tmp_path / "out"), "--no-progress"]
+    assert optimize_model_main(argv) == 0
+    assert "tuning lost at sequence=21: the tuned build was slower there" in capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    e2e = report["stages"]["tune"]["e2e"]
+    assert e2e["kept"] == "default" and e2e["status"] == "measured" and e2e["ratios"] == [0.9] * 3
+    assert [(s["sizes"], s["default_faster"], s["ratios"]) for s in e2e["sizes"]] == [
+        ({"sequence": 2}, False, [1.0] * 3), ({"sequence": 21}, True, [0.9] * 3)]
+    assert set(tuned_schedules(report).values()) == {"template"}
+    assert len(calls) == 9
+    calls.clear()
+    assert optimize_model_main(argv) == 0
+    again = json.loads((tmp_path / "out" / "report.json").read_text())["stages"]["tune"]["e2e"]
+    assert calls == [] and again["kept"] == "default" and [s["status"] for s in again["sizes"]] == ["recorded"] * 2
+    assert "- at sequence=21: default build" in (tmp_path / "out" / "report.md").read_text()
