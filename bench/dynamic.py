@@ -12,12 +12,15 @@ For each model (torch's dynamo export of a transformers model, symbolic ``batch`
 
 Each length's engines are timed in one :func:`graphopt.timing.time_blocks` call (alternating blocks), so the
 ratios come from one run; the served build's outputs are checked against onnxruntime at every length first.
-Build times are recorded; with ``--memory``, the peak resident memory of a fresh process running the served
-build at the range's top against one running a build of that length alone.  Writes JSON and a PNG (latency
+Build times are recorded.  With ``--trials N`` the same served build tuned with N trials (the build
+optimize-model ships: the tuned one only where it is not slower at any checked size) is one more engine.
+With ``--memory``, the peak resident memory of a fresh process running the served build at the range's top
+against one running a build of that length alone.  Writes JSON and a PNG (latency
 over length); the CPU and its caches are recorded.  Run it alone: two cores shared with anything else move
 the medians.
 
     python bench/dynamic.py --models bert --lengths 8,77,128,384 --out bench/results/dynamic
+    python bench/dynamic.py --models minilm,bert,gpt2 --trials 500 --out bench/results/dynamic_tuned
     python bench/dynamic.py --models bert --lengths "" --memory --out bench/results/dynamic_memory
 """
 from __future__ import annotations
@@ -41,7 +44,7 @@ from int8 import cpu_description  # noqa: E402 - this folder's CPU description (
 
 
 def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: int, runs: int, graph: bool,
-                work: Path, memory: bool = False) -> dict:
+                work: Path, memory: bool = False, trials: int = 0) -> dict:
     from graphopt.compare import compare_outputs
     from graphopt.feeds import ort_session, random_inputs, run_ort
     from graphopt.onnx_io import import_onnx
@@ -59,6 +62,16 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
                       dims={"batch": 1, "sequence": span})
     row = {"model": name, "range": list(span), "served_build_s": round(time.perf_counter() - t0, 1),
            "representative": served.report["served"]["representative"], "lengths": {}}
+    tuned = None
+    if trials:  # the same served build tuned: the build optimize-model ships (pick_build, every checked size)
+        t0 = time.perf_counter()
+        tuned = optimize(str(path), output=work / f"{name}.tuned", threads=threads, skip_graph=not graph,
+                         dims={"batch": 1, "sequence": span}, trials=trials, records=work / f"{name}.records.jsonl")
+        tune = tuned.report["stages"]["tune"]
+        row["tuned"] = {"trials": trials, "build_s": round(time.perf_counter() - t0, 1), "tune_s": tune["time_s"],
+                        "kernel_ms_before": tune["kernel_ms_before"], "kernel_ms_after": tune["kernel_ms_after"],
+                        "e2e": tune["e2e"]}
+        print(name, "tuned:", json.dumps(row["tuned"]), flush=True)
     sess = ort_session(str(path), threads)
     for length in lengths:
         shapes = {i.name: tuple(1 if d.dim_param == "batch" else length if d.dim_param == "sequence" else d.dim_value
@@ -71,6 +84,8 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
         static_s = time.perf_counter() - t0
         runners = {"served": served.runner(feeds), "static": static.runner(feeds),
                    "onnxruntime": (lambda f: (lambda: sess.run(None, f)))(feeds)}
+        if tuned is not None:
+            runners["tuned"] = tuned.runner(feeds)
         peer = openvino_runner(model, threads, [feeds], [reference], feeds)
         if peer is not None:
             runners["OpenVINO"] = peer[0]
@@ -80,6 +95,8 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
             "ms": ms, "min_ms": {k: round(t.min_ms, 4) for k, t in times.items()},
             "served / onnxruntime": round(ms["served"] / ms["onnxruntime"], 3),
             "served / static": round(ms["served"] / ms["static"], 3),
+            **({"tuned / served": round(ms["tuned"] / ms["served"], 3),
+                "tuned check": compare_outputs(reference, list(tuned.run(feeds).values())).ok} if tuned else {}),
             "static_build_s": round(static_s, 1), "check": {"ok": check.ok, "max_abs_err": check.max_abs_err}}
         print(name, length, json.dumps(row["lengths"][length]), flush=True)
         del static
@@ -148,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "build against a build of that length alone")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--trials", type=int, default=0, help="also the served build tuned with this many trials "
+                                                         "(the build optimize-model ships), timed at every length")
     p.add_argument("--out", default="bench/results/dynamic", help="writes OUT.json and OUT.png")
     args = p.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
@@ -158,16 +177,18 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             try:
                 rows.append(bench_model(name, [int(n) for n in args.lengths.split(",") if n], (lo, hi), args.threads,
-                                        args.runs, args.graph, Path(tmp), args.memory))
+                                        args.runs, args.graph, Path(tmp), args.memory, args.trials))
             except UserError as exc:  # a model the served build refuses: recorded, the others still run
                 print(name, "refused:", exc, flush=True)
                 rows.append({"model": name, "range": [lo, hi], "refused": str(exc)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "runs": args.runs,
-                                                    "graph_stage": args.graph, "rows": rows}, indent=2) + "\n")
+                                                    "graph_stage": args.graph, "trials": args.trials,
+                                                    "rows": rows}, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"), f"{cpu.get('Model name', '?')} (L2 {cpu.get('L2 cache', '?')}), "
-                                        f"{args.threads} threads, untuned")
+                                        f"{args.threads} threads, "
+                                        + (f"tuned: {args.trials} trials" if args.trials else "untuned"))
     return 0
 
 
