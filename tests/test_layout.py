@@ -231,3 +231,57 @@ def test_split_bounds():
     assert nchwc.split_bounds(32, 2) == [(0, 16), (16, 32)]
     assert nchwc.split_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]  # Relax/ONNX: the last part is smaller
     assert nchwc.split_bounds(24, [8, 16]) == [(0, 8), (8, 16), (16, 24)]
+
+
+class ShuffleCNN(nn.Module):
+    """ShuffleNet's unit (Zhang et al., CVPR'18): a 1x1 conv, its 48 channels shuffled in ``groups`` groups
+    (``[N, g, C/g, H, W]`` transposed), a depthwise 3x3 and a 1x1 conv; a second shuffle feeds the classifier
+    in NCHW (no blocked consumer)."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.g = groups
+        self.reduce = nn.Sequential(nn.Conv2d(16, 48, 1), nn.BatchNorm2d(48), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(48, 48, 3, 1, 1, groups=48), nn.BatchNorm2d(48), nn.Conv2d(48, 48, 1))
+        self.stem = nn.Conv2d(3, 16, 3, 1, 1)
+        self.head = nn.Linear(48 * 8 * 8, 10)
+
+    def shuffle(self, y):
+        n, c, h, w = y.shape
+        return y.view(n, self.g, c // self.g, h, w).transpose(1, 2).reshape(n, c, h, w)
+
+    def forward(self, x):
+        y = self.body(self.shuffle(self.reduce(torch.relu(self.stem(x)))))
+        return self.head(self.shuffle(y).flatten(1))
+
+
+@pytest.mark.parametrize("groups, dynamo", [(3, False), (2, True)], ids=["g3-torchscript", "g2-dynamo"])
+def test_channel_shuffle_is_one_kernel_from_block_to_block(groups, dynamo):
+    """Each shuffle is one ``channel_shuffle`` kernel reading the producer's blocks and writing the consumer's
+    (or NCHW before the classifier): no transform around it, where ConvertLayout left three kernels."""
+    report, part = compile_and_compare(export(ShuffleCNN(groups), shape=(1, 3, 8, 8), dynamo=dynamo))
+    assert report.convs == report.blocked == 4 and report.shuffles == 2
+    assert report.transforms == 1  # into the blocks at the input only; the second shuffle writes NCHW
+    names = [t.name for t in part.tasks]
+    assert sum("channel_shuffle" in n for n in names) == 2 and not any("transpose" in n for n in names), names
+
+
+def test_shuffle_permutation_and_transform_blocks():
+    import numpy as np
+    from tvm import relax
+
+    from pipeline.layout.shuffle import Shuffle, transform_block
+
+    for g, width in ((3, 16), (2, 5), (4, 1)):
+        want = np.arange(g * width).reshape(1, g, width, 1, 1).transpose(0, 2, 1, 3, 4).reshape(-1)
+        assert [Shuffle(g, width).source(j) for j in range(g * width)] == want.tolist()
+    x = relax.Var("x", relax.TensorType((1, 48, 4, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        blocked = bb.emit(relax.op.layout_transform(x, lambda n, c, h, w: (n, c // 16, h, w, c % 16)))
+        back = bb.emit(relax.op.layout_transform(blocked, lambda n, c, h, w, l: (n, c * 16 + l, h, w)))
+        odd = bb.emit(relax.op.layout_transform(x, lambda n, c, h, w: (n, h, w, c)))  # NHWC: not a block
+        bb.emit_func_output(relax.Tuple([back, odd]))
+    values = {b.var: b.value for b in bb.get()["main"].body.blocks[0].bindings}
+    assert [transform_block(values[v], True) for v in (blocked, back, odd)] == [16, None, None]
+    assert [transform_block(values[v], False) for v in (blocked, back, odd)] == [None, 16, None]

@@ -27,6 +27,8 @@ Runs on the imported Relax module, before :func:`pipeline.partition.partition` f
    to NCHW in front of them;
 5. ``FoldConstant`` (biases and BN constants are transformed once, at build time),
    ``EliminateCommonSubexpr`` (the importer's duplicated reads of one tensor each got their own transform);
+   :class:`~pipeline.layout.shuffle.FoldShuffles`: a channel shuffle (a 5-D reshape ConvertLayout cannot
+   carry) and the transforms around it become one gather from the producer's blocks to the consumer's;
 6. :class:`_LowerBlockedConvs`: every blocked ``nn.conv2d`` becomes a call of our compute
    (:func:`kerneltune.templates.conv_nchwc.legalize`) -- Relax's LegalizeOps has no lowering for blocked convs.
 
@@ -47,6 +49,7 @@ from kerneltune.templates import conv_nchwc, winograd_nchwc
 from kerneltune.native_log import quiet_native_stderr
 from pipeline.passes import provenance
 from pipeline.passes.fold import FoldConstants
+from pipeline.layout.shuffle import FoldShuffles
 from pipeline.passes.relax_rewrite import is_op, static_shape
 
 CONV = "relax.nn.conv2d"
@@ -63,6 +66,7 @@ class LayoutReport:
     lifted: int = 0  # call_tir maximum/minimum and clip turned into Relax maximum/minimum
     reshaped_constants: int = 0  # constant operands given the rank the blocked layout needs (constant_rank)
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
+    shuffles: int = 0  # channel shuffles folded with their transforms into one kernel (pipeline.layout.shuffle)
     kept_nchw: list[str] = field(default_factory=list)  # why convs stayed NCHW
     marks: dict[str, int] = field(default_factory=dict)  # Winograd marks: weight digest -> m (winograd_nchwc)
     winograd: int = 0  # blocked convs lowered to the Winograd kernel
@@ -75,6 +79,8 @@ class LayoutReport:
             reasons[r] = reasons.get(r, 0) + 1
         out = {"mode": self.mode, "convs": self.convs, "blocked": self.blocked, "transforms": self.transforms,
                "merged_groups": self.merged_groups, "kept_nchw": reasons}
+        if self.shuffles:
+            out["shuffles"] = self.shuffles
         if self.marks:
             out["winograd"] = self.winograd
         if self.search is not None:
@@ -734,6 +740,9 @@ def realize(mod: tvm.IRModule, plans: _Plans, report: LayoutReport) -> tuple[tvm
     with quiet_native_stderr():  # as in prepare: TOPI's fast take warns at each constant Gather folded
         mod = tvm.transform.Sequential([FoldConstants, T.EliminateCommonSubexpr(), T.CanonicalizeBindings(),
                                         T.DeadCodeElimination()])(mod)
+    folder = FoldShuffles(mod)
+    mod = T.DeadCodeElimination()(folder.transform())
+    report.shuffles = folder.folded
     report.transforms = count_transforms(mod)
     mod = _LowerBlockedConvs(mod, report).transform()
     mod = T.DeadCodeElimination()(mod)
