@@ -109,7 +109,7 @@ class SplitCNN(nn.Module):
         return self.out(torch.cat([a, b, self.m(b)], 1))
 
 
-def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False) -> onnx.ModelProto:
+def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False, opset: int = 17) -> onnx.ModelProto:
     torch.manual_seed(0)
     model.eval()
     for m in model.modules():  # non-trivial BN statistics, so folding them is actually checked
@@ -123,7 +123,7 @@ def export(model: nn.Module, shape=(1, 3, 32, 32), dynamo: bool = False) -> onnx
         prog = torch.onnx.export(model, (torch.randn(*shape),), dynamo=True, opset_version=18,
                                  input_names=["x"])
         return prog.model_proto
-    torch.onnx.export(model, (torch.randn(*shape),), buf, dynamo=False, opset_version=17, input_names=["x"])
+    torch.onnx.export(model, (torch.randn(*shape),), buf, dynamo=False, opset_version=opset, input_names=["x"])
     return onnx.load_from_string(buf.getvalue())
 
 
@@ -285,3 +285,39 @@ def test_shuffle_permutation_and_transform_blocks():
     values = {b.var: b.value for b in bb.get()["main"].body.blocks[0].bindings}
     assert [transform_block(values[v], True) for v in (blocked, back, odd)] == [16, None, None]
     assert [transform_block(values[v], False) for v in (blocked, back, odd)] == [None, 16, None]
+
+
+class ShuffleV1Unit(nn.Module):
+    """ShuffleNet v1's stride-2 unit: 1x1 convs in 3 groups of 16->20 and 20->16 channels around a shuffle
+    and a depthwise 3x3, and a shortcut average-pooled with padding (``count_include_pad``: the ONNX
+    importer emits a zero pad and a pool) concatenated to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 48, 3, 1, 1)
+        self.reduce = nn.Sequential(nn.Conv2d(48, 60, 1, groups=3), nn.BatchNorm2d(60), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(60, 60, 3, 2, 1, groups=60), nn.BatchNorm2d(60),
+                                  nn.Conv2d(60, 48, 1, groups=3), nn.BatchNorm2d(48))
+        self.head = nn.Conv2d(96, 16, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        n, c, h, w = (y := self.reduce(x)).shape
+        y = self.body(y.view(n, 3, c // 3, h, w).transpose(1, 2).reshape(n, c, h, w))
+        return self.head(torch.relu(torch.cat([nn.functional.avg_pool2d(x, 3, 2, 1), y], 1)))
+
+
+@pytest.mark.parametrize("dynamo, opset", [(False, 9), (True, 18)], ids=["opset9", "dynamo"])
+def test_shufflenet_v1_unit_is_blocked_end_to_end(dynamo, opset):
+    """Every conv blocked and transforms only at the edges: the 60-channel tensors between groups of 20 take
+    blocks of 10 (a block of 15, the widest dividing 60, kept both grouped convs NCHW with a transform on
+    each side), the padded average pool is one pool in the blocked layout (torch's opset-9 export pads it
+    with a Pad node, which the importer made a ``call_tir`` opaque to ConvertLayout), and the shuffle is one
+    gather."""
+    report, part = compile_and_compare(export(ShuffleV1Unit(), shape=(1, 3, 16, 16), dynamo=dynamo, opset=opset))
+    assert report.convs == report.blocked == 5 and report.kept_nchw == []
+    assert report.shuffles == 1 and report.lifted == (opset == 9) and report.transforms == 2
+    convs = {t.task.dims["C"]: (t.task.dims["a"], t.task.dims["d"]) for t in part.tasks
+             if t.kind == "conv2d_nchwc" and t.task.dims["G"] == 3}
+    assert convs == {48: (16, 10), 60: (10, 16)}, convs
+    assert not any("pad" in t.name for t in part.tasks), [t.name for t in part.tasks]

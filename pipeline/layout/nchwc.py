@@ -379,6 +379,10 @@ def analyze(mod: tvm.IRModule) -> LayoutGraph:
 def heuristic_plans(graph: LayoutGraph, lanes: int, narrow_groups: str = "nchw") -> _Plans:
     """Phase-1 blocks without measuring: each class in :func:`channel_block` of its channels (a depthwise
     conv's input and output classes share one block, as its kernel needs), each conv planned by :func:`plan`.
+    A grouped conv's group width joins its classes' channel counts when its own block would fill more than
+    half the vector: ShuffleNet v1's 60-channel tensors between groups of 20 take blocks of 10, not 15, so
+    that those convs are blocked instead of kept NCHW with a transform on each side; ResNeXt's groups of 4
+    and 8 channels (a block of 4 or 8 of 16 lanes) leave the 16-channel blocks of their tensors alone.
     """
     uf = _UnionFind()
     for s in graph.convs:
@@ -388,6 +392,11 @@ def heuristic_plans(graph: LayoutGraph, lanes: int, narrow_groups: str = "nchw")
     for i, cls in enumerate(graph.classes):
         r = uf.find(i)
         gcd[r] = math.gcd(gcd.get(r, 0), cls.channels)
+    for s in graph.convs:  # groups wide enough to fill most of a block set their classes' blocks
+        if s.spec is not None and 1 < s.spec.groups and not s.spec.depthwise:
+            for i, width in ((s.inp, s.spec.c // s.spec.groups), (s.out, s.spec.f // s.spec.groups)):
+                if 2 * channel_block(width, lanes) > lanes:
+                    gcd[uf.find(i)] = math.gcd(gcd[uf.find(i)], width)
     block = lambda i: channel_block(gcd[uf.find(i)], lanes)  # noqa: E731
     plans = _Plans()
     for s in graph.convs:
@@ -445,7 +454,8 @@ class _Rewriter(PyExprMutator):
 
 @mutator
 class _Lift(_Rewriter):
-    """Clip as ``call_tir`` of TOPI's maximum/minimum, and Relax ``clip``, -> Relax maximum/minimum."""
+    """Clip as ``call_tir`` of TOPI's maximum/minimum, and Relax ``clip``, -> Relax maximum/minimum; an
+    average pool over a ``call_tir`` zero pad -> one pool counting the padding (:meth:`_padded_pool`)."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: N802 - TVM's visitor name
         call = super().visit_call_(call)
@@ -455,6 +465,11 @@ class _Lift(_Rewriter):
                 x, s = call.args[1].fields
                 self.report.lifted += 1
                 return getattr(relax.op, kind)(x, s)
+        if is_op(call, "relax.nn.avg_pool2d"):
+            pooled = self._padded_pool(call)
+            if pooled is not None:
+                self.report.lifted += 1
+                return pooled
         if is_op(call, "relax.clip"):  # HardSwish/HardSigmoid: clip has no layout inference in Relax
             x, lo, hi = call.args
             dtype = x.ty.dtype
@@ -462,6 +477,55 @@ class _Lift(_Rewriter):
             return relax.op.minimum(relax.op.maximum(x, relax.const(float(lo.value), dtype)),
                                     relax.const(float(hi.value), dtype))
         return call
+
+
+    def _padded_pool(self, call: relax.Call) -> relax.Expr | None:
+        """An NCHW average pool over an explicit zero pad (``call_tir`` of TOPI's pad: how the ONNX importer
+        emits AveragePool with ``count_include_pad=1``) as one pool with that padding counted in the divisor;
+        None for any other pool.  The pad was opaque to ConvertLayout, which ran each ShuffleNet v1 shortcut's
+        pool in NCHW between two transforms."""
+        attrs = call.attrs
+        x = call.args[0]
+        bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        if (str(attrs.layout) != "NCHW" or any(int(p) for p in attrs.padding) or attrs.count_include_pad
+                or not is_op(bound, "relax.call_tir") or not isinstance(bound.args[0], relax.GlobalVar)):
+            return None
+        widths = _zero_pad(self.mod[bound.args[0]])
+        if widths is None or widths[0] != (0, 0) or widths[1] != (0, 0):
+            return None
+        (top, bottom), (left, right) = widths[2], widths[3]
+        (data,) = bound.args[1].fields
+        return relax.op.nn.avg_pool2d(data, [int(v) for v in attrs.pool_size], [int(v) for v in attrs.strides],
+                                      (top, left, bottom, right), [int(v) for v in attrs.dilation],
+                                      bool(attrs.ceil_mode), True, "NCHW", "NCHW")
+
+
+def _zero_pad(func) -> list[tuple[int, int]] | None:
+    """Each axis's (before, after) padding if ``func`` is TOPI's constant-zero pad of its one input
+    (``out[i] = if_then_else(in bounds, x[i - before], 0)``), else None."""
+    if not isinstance(func, tirx.PrimFunc) or len(func.params) != 2:
+        return None
+    x, out = func.params
+    stmt = func.body.block.body if hasattr(func.body, "block") else func.body
+    while isinstance(stmt, tirx.For):
+        stmt = stmt.body
+    store = getattr(getattr(stmt, "block", None), "body", None)
+    if not isinstance(store, tirx.BufferStore) or not store.buffer.same_as(out):
+        return None
+    v = store.value
+    if not (isinstance(v, tvm.ir.Call) and getattr(v.op, "name", "") == "prim.if_then_else"
+            and isinstance(v.args[1], tvm.ir.TensorLoad) and v.args[1].source.same_as(x)
+            and isinstance(v.args[2], tirx.FloatImm) and v.args[2].value == 0.0):
+        return None
+    widths = []
+    for index, var, n_in, n_out in zip(v.args[1].indices, store.indices, x.shape, out.shape):
+        before = 0
+        if isinstance(index, tirx.Sub) and isinstance(index.b, tirx.IntImm):
+            index, before = index.a, int(index.b.value)
+        if not index.same_as(var):
+            return None
+        widths.append((before, int(n_out) - int(n_in) - before))
+    return widths if all(b >= 0 and a >= 0 for b, a in widths) else None
 
 
 # Elementwise ops with numpy broadcasting whose constant operand :class:`_ConstantRanks` may reshape.
