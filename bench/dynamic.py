@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from graphopt.errors import UserError  # noqa: E402
+from graphopt.fileio import save_figure, write_text_atomic  # noqa: E402
 from int8 import cpu_description  # noqa: E402 - this folder's CPU description (lscpu)
 
 
@@ -151,7 +152,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     lo, hi = (int(v) for v in args.range.split(":"))
     cpu = cpu_description()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    title = (f"{cpu.get('Model name', '?')} (L2 {cpu.get('L2 cache', '?')}), {args.threads} threads, "
+             + (f"tuned: {args.trials} trials" if args.trials else "untuned"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
@@ -181,14 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             except UserError as exc:  # a model the served build refuses: recorded, the others still run
                 print(name, "refused:", exc, flush=True)
                 rows.append({"model": name, "range": [lo, hi], "refused": str(exc)})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "runs": args.runs,
-                                                    "graph_stage": args.graph, "trials": args.trials,
-                                                    "rows": rows}, indent=2) + "\n")
-    plot(rows, out.with_suffix(".png"), f"{cpu.get('Model name', '?')} (L2 {cpu.get('L2 cache', '?')}), "
-                                        f"{args.threads} threads, "
-                                        + (f"tuned: {args.trials} trials" if args.trials else "untuned"))
+            # after every model: a run cut short keeps the models it finished
+            write_text_atomic(out.with_suffix(".json"), json.dumps(
+                {"cpu": cpu, "threads": args.threads, "runs": args.runs, "graph_stage": args.graph,
+                 "trials": args.trials, "rows": rows}, indent=2) + "\n")
+            plot(rows, out.with_suffix(".png"), title)
     return 0
 
 
