@@ -142,7 +142,9 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int,
         # scalar load per element (ShuffleNet v1's shuffles, 2 threads, alone: 4.7-9x faster than the gather)
         sch.unroll(inner)
         outer = loops[:-2]
-        if num_cores > 1 and outer and math.prod(get_extent(sch, lp) for lp in loops) >= MIN_PARALLEL_ELEMS:
+        sizes = [get_extent(sch, lp) for lp in loops]  # a symbolic extent (a served build's) counts as large
+        if num_cores > 1 and outer and math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS
+                                                 for e in sizes) >= MIN_PARALLEL_ELEMS:
             sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
         return
     if isinstance(extent, int) and extent > lanes and extent % lanes:

@@ -74,6 +74,13 @@ class FusedTask:
     # ``flops`` and the argument bytes at the representative size scale to a call at another (:func:`_scaling`)
     scaling: dict[str, tuple[float, float]] = field(default_factory=dict)
 
+    @property
+    def scheduled_task(self) -> Any:
+        """The kerneltune Task a config is applied to: ``task`` itself, or for a symbolic kernel its instance
+        with the kernel as ``func``, so that the template schedules the kernel that ships (its symbolic tiles)
+        with the instance's axes - in the build and when the tuner measures a config alike."""
+        return replace(self.task, func=self.func) if self.symbolic and self.task is not None else self.task
+
     def summary(self) -> dict:
         out = {"index": self.index, "name": self.name, "names": list(self.names), "kind": self.kind,
                "weight": self.weight,

@@ -11,7 +11,7 @@ reach, or a new source in the list, not a new branch in the scheduler.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
 import tvm
@@ -37,7 +37,7 @@ def _template_schedule(task: FusedTask, config: Any | None, target: tvm.target.T
     """The template's schedule of ``config`` (None: its default), chosen on the task; a kernel with a symbolic
     extent is scheduled itself with the config of its instance (:mod:`pipeline.symbolic`)."""
     cfg = config if config is not None else templates.default_config(task.task, target)
-    return templates.apply(replace(task.task, func=task.func) if task.symbolic else task.task, cfg, target)
+    return templates.apply(task.scheduled_task, cfg, target)
 
 
 @dataclass(frozen=True)

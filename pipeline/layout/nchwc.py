@@ -487,8 +487,10 @@ class _Lift(_Rewriter):
         attrs = call.attrs
         x = call.args[0]
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        # ceil_mode is left alone: a window past the padded edge would count the padding differently
         if (str(attrs.layout) != "NCHW" or any(int(p) for p in attrs.padding) or attrs.count_include_pad
-                or not is_op(bound, "relax.call_tir") or not isinstance(bound.args[0], relax.GlobalVar)):
+                or attrs.ceil_mode or not is_op(bound, "relax.call_tir")
+                or not isinstance(bound.args[0], relax.GlobalVar)):
             return None
         widths = _zero_pad(self.mod[bound.args[0]])
         if widths is None or widths[0] != (0, 0) or widths[1] != (0, 0):
@@ -497,7 +499,7 @@ class _Lift(_Rewriter):
         (data,) = bound.args[1].fields
         return relax.op.nn.avg_pool2d(data, [int(v) for v in attrs.pool_size], [int(v) for v in attrs.strides],
                                       (top, left, bottom, right), [int(v) for v in attrs.dilation],
-                                      bool(attrs.ceil_mode), True, "NCHW", "NCHW")
+                                      False, True, "NCHW", "NCHW")
 
 
 def _zero_pad(func) -> list[tuple[int, int]] | None:
