@@ -102,6 +102,7 @@ def test_the_timeout_ends_the_run_with_the_best_so_far(tmp_path, caplog):
     class Fused:  # what tune_model reads of a pipeline.partition.FusedTask
         def __init__(self, task, index):
             self.task, self.weight, self.index = task, 1, index
+            self.scheduled_task = task  # a static kernel: the task itself
 
     run = TuningRun(SPEC, 10_000, RecordLog(tmp_path / "r.jsonl"), "gradient", "random", progress=False,
                     stop=StopRule(timeout_s=0.3))

@@ -47,9 +47,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from kerneltune.templates import conv_nchwc, winograd_nchwc
 from kerneltune.native_log import quiet_native_stderr
+from pipeline.layout.shuffle import FoldShuffles
 from pipeline.passes import provenance
 from pipeline.passes.fold import FoldConstants
-from pipeline.layout.shuffle import FoldShuffles
 from pipeline.passes.relax_rewrite import is_op, static_shape
 
 CONV = "relax.nn.conv2d"
@@ -63,7 +63,7 @@ class LayoutReport:
     convs: int = 0  # conv2d calls in the model
     blocked: int = 0  # of which run in NCHWc
     merged_groups: int = 0  # grouped convs whose groups were merged to fill a block
-    lifted: int = 0  # call_tir maximum/minimum and clip turned into Relax maximum/minimum
+    lifted: int = 0  # call_tir maximum/minimum and clip -> Relax maximum/minimum; padded pools -> one pool
     reshaped_constants: int = 0  # constant operands given the rank the blocked layout needs (constant_rank)
     transforms: int = 0  # layout_transform calls left on activations (constants are folded)
     shuffles: int = 0  # channel shuffles folded with their transforms into one kernel (pipeline.layout.shuffle)
@@ -477,7 +477,6 @@ class _Lift(_Rewriter):
             return relax.op.minimum(relax.op.maximum(x, relax.const(float(lo.value), dtype)),
                                     relax.const(float(hi.value), dtype))
         return call
-
 
     def _padded_pool(self, call: relax.Call) -> relax.Expr | None:
         """An NCHW average pool over an explicit zero pad (``call_tir`` of TOPI's pad: how the ONNX importer
