@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Mapping
 
 import numpy as np
@@ -131,8 +132,8 @@ def _tune(ctx: BuildContext, request: ChainRequest, built: Built) -> None:
                          for t in result.tasks])
     tuned = result.best_configs
     served = request.served
-    others = [(sizes, served.graph_at(request.original, request.input_shapes or {}, sizes))
-              for sizes in served.check_sizes()] if served is not None and tuned else []
+    others = [(sizes, partial(served.graph_at, request.original, request.input_shapes or {}, sizes))
+              for sizes in served.check_sizes()] if served is not None else []
     built.compiled, built.choice = pick_build(stages.build(lowered, ctx.spec, tuned), lowered, ctx, tuned,
                                               built.staged.model.SerializeToString(), others=others)
     built.log.stages["tune"]["e2e"] = built.choice.to_json()

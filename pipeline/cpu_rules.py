@@ -134,6 +134,10 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int,
         return
     inner = loops[-1]
     extent = get_extent(sch, inner)
+    extents = [get_extent(sch, lp) for lp in loops]
+    # a symbolic extent (a build serving a range of lengths, pipeline.symbolic) is taken as large: the kernel
+    # runs parallel at every length; a symbolic innermost loop stays scalar (a vector loop needs its lanes)
+    total = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS for e in extents)
     if isinstance(extent, int) and extent <= MAX_UNROLLED_GATHER and _gathers_along(sch, block):
         # loads whose address divides the innermost index (a channel shuffle between blocked layouts): as a
         # vector they are a gather with per-lane index arithmetic.  Unrolled, with the loop outside it kept
@@ -142,9 +146,7 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int,
         # scalar load per element (ShuffleNet v1's shuffles, 2 threads, alone: 4.7-9x faster than the gather)
         sch.unroll(inner)
         outer = loops[:-2]
-        sizes = [get_extent(sch, lp) for lp in loops]  # a symbolic extent (a served build's) counts as large
-        if num_cores > 1 and outer and math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS
-                                                 for e in sizes) >= MIN_PARALLEL_ELEMS:
+        if num_cores > 1 and outer and total >= MIN_PARALLEL_ELEMS:
             sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
         return
     if isinstance(extent, int) and extent > lanes and extent % lanes:
@@ -153,10 +155,6 @@ def _parallel_vectorize(sch: s_tir.Schedule, block, lanes: int, num_cores: int,
             narrower //= 2
         if narrower >= max(min_lanes or lanes, 4):
             lanes = narrower
-    extents = [get_extent(sch, lp) for lp in loops]
-    # a symbolic extent (a build serving a range of lengths, pipeline.symbolic) is taken as large: the kernel
-    # runs parallel at every length; a symbolic innermost loop stays scalar (a vector loop needs its lanes)
-    total = math.prod(e if isinstance(e, int) else MIN_PARALLEL_ELEMS for e in extents)
     outer_loops = list(loops[:-1])
     if not isinstance(extent, int):
         # serial inside the parallel loop: fused into it, each element would divide by the symbolic extent to

@@ -312,7 +312,8 @@ def report_markdown(report: dict[str, Any]) -> str:
               if e2e.get("tuned_ms") is not None else "")
         lines += ["", f"Shipped build: **{e2e['kept']}** (end-to-end check {e2e['status']}{ms})."]
         for size in e2e.get("sizes", []):
-            lines.append(f"- at {sizes_text(size['sizes'])}: default build {_ms(size['default_ms'])}, tuned build {_ms(size['tuned_ms'])}"
+            lines.append(f"- at {sizes_text(size['sizes'])}: default build {_ms(size['default_ms'])}, tuned build "
+                         f"{_ms(size['tuned_ms'])}"
                          + (" (the default faster: tuning lost there)" if size["default_faster"] else ""))
     if tune.get("tasks"):
         lines += ["", "## Tuned tasks", "", "| idx | task | calls | trials | default | best |",

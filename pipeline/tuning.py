@@ -181,12 +181,14 @@ def fingerprint(tuned: dict[str, Any], model_bytes: bytes) -> str:
 
 def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, tuned: dict[str, Any],
                model_bytes: bytes, timer: Callable | None = None,
-               others: Sequence[tuple[Mapping[str, int], Graph]] = ()) -> tuple[CompiledModel, BuildChoice]:
+               others: Sequence[tuple[Mapping[str, int], Callable[[], Graph]]] = ()
+               ) -> tuple[CompiledModel, BuildChoice]:
     """The build to ship (the tuned one, or the default-schedule one) and why; see the module docstring.
     The blocks are kept in this machine's verdict store (:func:`graphopt.verdicts.default_store`).
 
-    ``others``: a served build's other sizes (:meth:`pipeline.symbolic.Served.check_sizes`, each with the
-    model's graph there).  Tuning measures each kernel at the representative size only, and a tile that wins
+    ``others``: a served build's other sizes (:meth:`pipeline.symbolic.Served.check_sizes`, each with a
+    function giving the model's graph there: imported only when that size is timed, not on a rerun that
+    replays recorded verdicts).  Tuning measures each kernel at the representative size only, and a tile that wins
     there can lose at 2 tokens or 512; so a tuned build faster at the representative size is timed again at
     each of these, and the default ships if it is faster beyond the margin at any (the same sign test, the
     two builds' roles swapped).  ``timer`` replaces :func:`graphopt.timing.time_blocks` (tests)."""
@@ -207,19 +209,20 @@ def pick_build(tuned_build: CompiledModel, lowered: Lowered, ctx: BuildContext, 
             built.append(build(lowered, spec, {}))
         return built[0]
 
-    def judged(baseline: tuple[str, Callable], candidate: tuple[str, Callable], graph: Graph):
-        """(candidate faster, "recorded"/"measured", Comparison-like evidence) for two builds on ``graph``'s
+    def judged(baseline: tuple[str, Callable], candidate: tuple[str, Callable], graph: Callable[[], Graph]):
+        """(candidate faster, "recorded"/"measured", Comparison-like evidence) for two builds on ``graph()``'s
         seeded inputs: the stored verdict of a rerun, else timed now and stored."""
         stored = verdicts.recall(baseline[0], candidate[0])
         if stored is not None:  # a rerun of a finished run: today's rule on the recorded blocks, the same artifact
             return stored.judge(E2E_MARGIN)[0], "recorded", stored
-        feeds = random_inputs(graph, ctx.seed)
+        feeds = random_inputs(graph(), ctx.seed)
         verdict = compare(model_runner(baseline[1](), feeds), model_runner(candidate[1](), feeds), E2E_MARGIN,
                           E2E_RUNS, timer=timer, gap_s=0.0)  # two TVM builds: one engine
         verdicts.record(baseline[0], candidate[0], verdict)
         return verdict.faster, "measured", verdict.comparison
 
-    faster, status, ev = judged(("default", default_build), (key, lambda: tuned_build), lowered.imported.graph)
+    faster, status, ev = judged(("default", default_build), (key, lambda: tuned_build),
+                                lambda: lowered.imported.graph)
     choice = BuildChoice("tuned" if faster else "default", status, round(ev.baseline_ms, 4),
                          round(ev.candidate_ms, 4), [round(r, 4) for r in ev.ratios], E2E_MARGIN)
     for sizes, graph in others if faster else ():

@@ -123,6 +123,19 @@ def _conv_dims(call: relax.Call) -> tuple[int, int, int] | None:
     return ds[1], ws[0], int(attrs.groups)
 
 
+def _single_store(func: tirx.PrimFunc, out) -> tirx.BufferStore | None:
+    """The store of a one-block TOPI elementwise PrimFunc (root block, a loop nest, one block writing ``out``
+    as its whole body), else None."""
+    block = getattr(func.body, "block", None)
+    if block is None:
+        return None
+    stmt = block.body
+    while isinstance(stmt, tirx.For):
+        stmt = stmt.body
+    store = getattr(getattr(stmt, "block", None), "body", None)
+    return store if isinstance(store, tirx.BufferStore) and store.buffer.same_as(out) else None
+
+
 def _scalar_minmax(func) -> str | None:
     """``"maximum"``/``"minimum"`` if ``func`` is TOPI's elementwise max/min of its first input with a
     rank-0 second input (how the ONNX importer emits Clip), else None."""
@@ -131,16 +144,8 @@ def _scalar_minmax(func) -> str | None:
     x, s, out = func.params
     if len(s.shape) != 0 or [int(v) for v in x.shape] != [int(v) for v in out.shape]:
         return None
-    body = func.body
-    block = getattr(body, "block", None)
-    if block is None:
-        return None
-    stmt = block.body
-    while isinstance(stmt, tirx.For):
-        stmt = stmt.body
-    inner = getattr(stmt, "block", None)
-    store = getattr(inner, "body", None)
-    if not isinstance(store, tirx.BufferStore) or not store.buffer.same_as(out):
+    store = _single_store(func, out)
+    if store is None:
         return None
     v = store.value
     kind = "maximum" if isinstance(v, tirx.Max) else "minimum" if isinstance(v, tirx.Min) else None
@@ -507,11 +512,8 @@ def _zero_pad(func) -> list[tuple[int, int]] | None:
     if not isinstance(func, tirx.PrimFunc) or len(func.params) != 2:
         return None
     x, out = func.params
-    stmt = func.body.block.body if hasattr(func.body, "block") else func.body
-    while isinstance(stmt, tirx.For):
-        stmt = stmt.body
-    store = getattr(getattr(stmt, "block", None), "body", None)
-    if not isinstance(store, tirx.BufferStore) or not store.buffer.same_as(out):
+    store = _single_store(func, out)
+    if store is None:
         return None
     v = store.value
     if not (isinstance(v, tvm.ir.Call) and getattr(v.op, "name", "") == "prim.if_then_else"
