@@ -44,6 +44,7 @@ from pipeline import cpu_pool
 from pipeline.partition import FusedTask, Partition
 from pipeline.passes.fold import fold_constants
 from pipeline.passes.int8 import SCHEDULED_BY
+from pipeline.passes.shape_cse import dedup_heap_reads
 from pipeline.relax_import import ImportedModel
 from pipeline.schedule_sources import ScheduleSource, schedule_sources
 
@@ -152,9 +153,11 @@ def _first_schedule(task: FusedTask, target: tvm.target.Target,
 def build(mod: tvm.IRModule, spec: TargetSpec) -> relax.VMExecutable:
     """relax.build of an already fused and scheduled module (the default pipeline only lowers it now),
     after running the kernels' weight-packing copies on the constant weights (kerneltune.prepack, folded by
-    :func:`pipeline.passes.fold.fold_constants`)."""
+    :func:`pipeline.passes.fold.fold_constants`); a served build's repeated shape objects are made once
+    (:mod:`pipeline.passes.shape_cse`)."""
     kernels = {gv.name_hint for gv in mod.get_global_vars()}
-    pipeline = tvm.transform.Sequential([relax.get_pipeline("default"), _helpers_noalias(kernels)])
+    pipeline = tvm.transform.Sequential([relax.get_pipeline("default"), _helpers_noalias(kernels),
+                                         dedup_heap_reads])
     with serial():
         mod = fold_constants(split_weight_packing(mod))
     # lowering and code generation: side by side with another build's (kerneltune.machine_gate); TVM's codegen

@@ -571,3 +571,40 @@ def test_a_guarded_softmax_is_one_kernel_and_exact_on_rows_masked_whole(tmp_path
         want = np.where(np.isnan(p), 0.0, p)
         assert not np.isnan(got).any() and np.all(got[0, 0, -1] == 0.0)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_served_build_makes_each_symbolic_shape_once_and_computes_the_same():
+    """Relax's VMShapeLower makes a shape object for every allocation whose shape follows the length (106 per
+    MiniLM-L6 inference); :mod:`pipeline.passes.shape_cse` keeps one per distinct shape, and the build still
+    computes what numpy does at every length."""
+    from pipeline.compile import build
+    from pipeline.passes.shape_cse import dedup_heap_reads
+
+    n = tvm.tirx.Var("n", "int64")
+    bb = tvm.relax.BlockBuilder()
+    x = tvm.relax.Var("x", tvm.relax.TensorType((1, n, 16), "float32"))
+    with bb.function("main", [x]):
+        a = bb.emit(tvm.relax.op.add(x, x))
+        b = bb.emit(tvm.relax.op.nn.relu(a))
+        c = bb.emit(tvm.relax.op.multiply(b, a))
+        d = bb.emit(tvm.relax.op.permute_dims(c, [0, 2, 1]))
+        e = bb.emit(tvm.relax.op.subtract(d, tvm.relax.op.permute_dims(a, [0, 2, 1])))
+        bb.emit_func_output(e)
+    mod = tvm.relax.transform.LegalizeOps()(bb.get())
+    target = parse_target("llvm", 1)
+
+    def make_shapes(m) -> int:
+        return m["main"].script().count("vm.builtin.make_shape")
+
+    with target.target:
+        lowered = tvm.relax.get_pipeline("default")(mod)
+    before, after = make_shapes(lowered), make_shapes(dedup_heap_reads(lowered))
+    assert before >= 5 and after == 3, (before, after)  # the storages' bytes, (1, n, 16) and (1, 16, n)
+    assert make_shapes(lowered) == before  # the pass leaves its input module as it was
+
+    vm = tvm.relax.VirtualMachine(build(mod, target), tvm.cpu())
+    for length in (2, 7, 33):
+        xs = np.random.default_rng(length).standard_normal((1, length, 16)).astype(np.float32)
+        a_ = xs + xs
+        want = (np.maximum(a_, 0) * a_).transpose(0, 2, 1) - a_.transpose(0, 2, 1)
+        np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(xs)).numpy(), want, rtol=1e-6)
