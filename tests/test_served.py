@@ -323,11 +323,11 @@ def test_kernels_of_a_build_with_symbolic_sizes_keep_restricted_pointers():
         assert pointers and all("noalias" in p for p in pointers), (name, params)
 
 
-def test_symbolic_rows_prefetch_the_next_panel_only_where_rows_share_it():
+def test_symbolic_rows_prefetch_the_next_panel_where_rows_share_it_else_the_next_k_block():
     """A pre-packed weight's next panel is prefetched while several row tiles share the current one; at a
-    length of one row tile the kernel reads each panel once, a plain stream, and (as the static kernel of that
-    length) prefetches nothing.  The symbolic kernel bound to 8 rows (one tile of the 128-row instance's 8) has
-    no prefetch left; bound to 64 it keeps it."""
+    length of one row tile the kernel reads each panel once, and prefetches the current panel's next k-block.
+    Bound to 8 rows (one tile of the 128-row instance's 8) the one prefetch left reads the current panel;
+    bound to 64, the next one (``min(panel + 1, last)``)."""
     import dataclasses
 
     from kerneltune import prepack
@@ -344,9 +344,10 @@ def test_symbolic_rows_prefetch_the_next_panel_only_where_rows_share_it():
     config = templates.default_config(instance, target)
     assert templates.space_for(instance, target).as_dict(config)["pack"] == "prepack"
     scheduled, _ = prepack.strip(templates.apply(dataclasses.replace(instance, func=func), config, target))
-    for rows, expected in ((8, False), (64, True)):
+    for rows, next_panel in ((8, False), (64, True)):
         bound = tvm.tirx.transform.StmtSimplify()(tvm.IRModule({"main": specialize(scheduled, {"n": rows})}))
-        assert ("prefetch" in bound["main"].script()) == expected, rows
+        (line,) = [x for x in bound["main"].script().splitlines() if "T.prefetch(" in x]
+        assert ("T.min(" in line) == next_panel, (rows, line)
 
 
 def _positions_model() -> onnx.ModelProto:

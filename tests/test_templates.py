@@ -392,14 +392,15 @@ def test_prepacked_weight_kernel_matches_numpy(kind, shape, tb):
 
 def test_prepacked_matmul_prefetches_the_next_weight_panel():
     """A pre-packed weight's next panel is prefetched into L2 while the row tiles of the current one run (the
-    weights of a model come from DRAM); the kernel computes what it did.  A matrix-vector product, which
-    reads each panel once, is left to the hardware prefetchers, and the schedule's trace (the MetaSchedule
-    export) has no prefetch: no schedule primitive expresses it."""
+    weights of a model come from DRAM); an 8-row tile, which reads each panel once, prefetches the panel's next
+    k-block instead; the kernel computes what it did.  A matrix-vector product is left to the hardware
+    prefetchers, and the schedule's trace (the MetaSchedule export) has no prefetch: no schedule primitive
+    expresses it."""
     import dataclasses
 
     from kerneltune import prepack
 
-    for shape, expected in (("64,256,384", True), ("1,256,384", False)):
+    for shape, expected in (("64,256,384", True), ("8,256,384", True), ("1,256,384", False)):
         task = dataclasses.replace(make_task("matmul", shape), weights=("B",))
         config = templates.default_config(task, LLVM)
         assert templates.space_for(task, LLVM).as_dict(config)["pack"] == "prepack"
