@@ -252,9 +252,9 @@ def _schedule(task: Task, config, target: tvm.target.Target):
         rows = rows_axis(task)
         row_f = factors[[a.role for a in task.axes].index(rows)] if rows is not None else (1, 1, 1, 1)
         tile_rows = row_f[2] * row_f[3] if len(row_f) == 4 and None not in row_f[2:] else 1  # one k-block's rows
+        k_inner = r[1][0] if r[1] and tile_rows > 1 else None  # a one-row tile streams fast alone
         panel_prefetch = prefetch.plan(sch, panels, outer, s0_extents, spatial_roles.index(task.vector_axis),
-                                       panel_s1, s[1][s[1].index(panel_s1) + 1:], r[0][0], tile_rows,
-                                       r[1][0] if r[1] else None)
+                                       panel_s1, s[1][s[1].index(panel_s1) + 1:], (r[0][0], k_inner))
     return sch, panel_prefetch, _tail_guards(sch, task, parts, factors)
 
 

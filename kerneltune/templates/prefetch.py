@@ -63,17 +63,17 @@ class PanelPrefetch:
 
 
 def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int], panel_position: int,
-         panel_loop, sharing_loops: list, k_block, tile_rows: int = 1, k_inner=None) -> PanelPrefetch | None:
+         panel_loop, sharing_loops: list, k_loops: tuple) -> PanelPrefetch | None:
     """The prefetch of a schedule whose current panel is ``S0 * S1`` of one axis (a matmul's columns).
 
     ``outer_fused``: the parallel loop, the fusion of loops of ``outer_extents`` (the panel axis' S0 at
     ``panel_position``); ``panel_loop``: the panel axis' S1 loop; ``sharing_loops``: the loops between it and
     ``k_block`` (the k-block loop), whose iterations all read the same panel, so they
-    count the slots with the k-blocks.  Where no loop shares the panel (at a symbolic length: where it does
-    not), one register tile reads each panel once: with ``tile_rows`` (the rows one k-block computes) above
-    one, the current panel's next k-block is prefetched over the steps of ``k_inner`` (the loop inside the
-    k-block) instead; a one-row tile is a plain stream the hardware prefetchers follow (a matrix-vector
-    product, 1 x 650 x 2624 on an Intel Xeon: 0.36 ms without, 0.40 with), and gets None."""
+    count the slots with the k-blocks; ``k_loops``: ``(k_block, k_inner)``.  Where no loop shares the panel
+    (at a symbolic length: where it does not), one register tile reads each panel once: the current panel's
+    next k-block is prefetched over the steps of ``k_inner`` (the loop inside the k-block; None for a one-row
+    tile, a plain stream the hardware prefetchers follow: a matrix-vector product, 1 x 650 x 2624 on an
+    Intel Xeon, 0.36 ms without, 0.40 with, and then no prefetch at all)."""
     buffer = sch.get(packed_block).writes[0].source
     fused = sch.get(outer_fused).loop_var
     inner = 1
@@ -87,9 +87,10 @@ def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int
         loop = sch.get(rv)
         count = int(loop.extent) if isinstance(loop.extent, tirx.IntImm) else loop.extent
         slot, slots = slot * loop.extent + loop.loop_var, slots * count
+    k_block, k_inner = k_loops
     k = sch.get(k_block)
     blocks = int(k.extent)
-    ahead = sch.get(k_inner) if tile_rows > 1 and blocks > 1 and k_inner is not None else None
+    ahead = sch.get(k_inner) if blocks > 1 and k_inner is not None else None
     if isinstance(slots, int) and slots == 1:
         return None if ahead is None else PanelPrefetch(
             buffer, k.loop_var, panel, k.loop_var, 1, str(k.extent.ty), None, next_panel=False,
