@@ -21,7 +21,8 @@ prefetched, a few lines at every step of the loop inside the current k-block (3 
 8x768x3072 0.70 ms with the whole next k-block prefetched at the top of each k-block, 0.48 spread over its
 steps, 0.65 for onnxruntime's MatMul in the same rotation; 8x3072x768 0.81 -> 0.54; 4x768x3072 0.66 -> 0.46;
 2x768x3072 0.59 -> 0.39.  A one-row tile keeps none: its stream is already fast, and a
-prefetch of the next k-block cost it 15% (1x768x3072 0.41 -> 0.48 ms).
+prefetch of the next k-block cost it 15% (1x768x3072 0.41 -> 0.48 ms).  A kernel serving a range of lengths
+prefetches the next k-block whole at the top of each k-block where one tile covers its rows (:func:`plan`).
 
 The NCHW[x]c convs do not take it: their input-channel chunks are short (a 1x1 conv's is 256 FMAs), so the
 prefetch loop's index arithmetic costs more than it hides (Intel Xeon, cold weights: ResNet-50's 64->256 1x1
