@@ -19,6 +19,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from pipeline.passes.relax_rewrite import rewrite_functions
+
 # VM builtins that read the shape heap and build a fresh object from it: pure, given the heap slots they read
 HEAP_READS = frozenset({"vm.builtin.make_shape", "vm.builtin.make_prim_value"})
 
@@ -44,7 +46,6 @@ class _DedupHeapReads(relax.PyExprMutator):
         super().__init__(mod)
         self.seen: dict[tuple, relax.Var] = {}
         self.depth = 0
-        self.dropped = 0
 
     def visit_if_(self, op):  # a branch's calls stay as they are: nothing is shared into or out of it
         self.depth += 1
@@ -59,7 +60,6 @@ class _DedupHeapReads(relax.PyExprMutator):
             first = self.seen.get(key)
             if first is not None:
                 self.set_var_remap(binding.var, first)
-                self.dropped += 1
                 return
         super().visit_var_binding_(binding)
         if key is not None:
@@ -68,14 +68,6 @@ class _DedupHeapReads(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="optimize_model.DedupShapeHeapReads")
 def dedup_heap_reads(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """``mod`` with each Relax function's repeated shape-heap reads made once (module docstring)."""
-    out = None
-    for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function):
-            continue
-        mutator = _DedupHeapReads(mod)
-        new = mutator.visit_expr(func)
-        if mutator.dropped:
-            out = out or tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)  # never edit the input
-            out[gv] = new
-    return out or mod
+    """``mod`` with each Relax function's repeated shape-heap reads made once (module docstring); each function
+    has its own heap, which the calls' keys name."""
+    return rewrite_functions(mod, _DedupHeapReads)
