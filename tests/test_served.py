@@ -9,6 +9,7 @@ a symbolic row extent (the projections), a symbolic vector axis (the scores ``Q 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -323,14 +324,33 @@ def test_kernels_of_a_build_with_symbolic_sizes_keep_restricted_pointers():
         assert pointers and all("noalias" in p for p in pointers), (name, params)
 
 
+def _loop_around(script: str, marker: str) -> str:
+    """The innermost loop variable around the first line holding ``marker`` in a kernel's TVMScript."""
+    lines = script.splitlines()
+    at = next(i for i, x in enumerate(lines) if marker in x)
+    depth = len(lines[at]) - len(lines[at].lstrip())
+    for x in reversed(lines[:at]):
+        indent = len(x) - len(x.lstrip())
+        if indent < depth:
+            if x.lstrip().startswith("for "):  # ``for v in range(..)`` or ``for u, v in T.grid(..)``: v
+                return x.lstrip()[4:].split(" in ")[0].split(",")[-1].strip()
+            depth = indent
+    raise AssertionError(f"no loop around {marker}")
+
+
 def test_symbolic_rows_prefetch_the_next_panel_where_rows_share_it_else_the_next_k_block():
     """A pre-packed weight's next panel is prefetched while several row tiles share the current one; at a
     length of one row tile the kernel reads each panel once, and prefetches the current panel's next k-block.
-    Bound to 8 rows (one tile of the 128-row instance's 8) the one prefetch left reads the current panel;
-    bound to 64, the next one (``min(panel + 1, last)``)."""
+    The served instance's tile does not repeat down the rows (``cpu.SERVED_ROW_REPEAT``), so, as in a static
+    kernel, that prefetch is spread over the steps inside the k-block (``k_1``).  A config that repeats the
+    tile (S2 = 2, as a tuner may pick) prefetches the next k-block whole at the top of the k-block (``k_0``)
+    and still skips the tile past the length (:mod:`kerneltune.templates.tail_tiles`).  Bound to 8 rows, the
+    one prefetch left reads the current panel; bound to 64, the next one (``min(panel + 1, last)``).  Both
+    kernels equal numpy at 8 and 77 rows."""
     import dataclasses
 
     from kerneltune import prepack
+    from kerneltune.templates import cpu
 
     n = tvm.tirx.Var("n", "int64")
     i64 = lambda v: tvm.tirx.IntImm("int64", v)  # noqa: E731 - as imported models index: int64 throughout
@@ -339,15 +359,35 @@ def test_symbolic_rows_prefetch_the_next_panel_where_rows_share_it_else_the_next
     k = te.reduce_axis((i64(0), i64(256)), name="k")
     func = te.create_prim_func([a, b, te.compute((n, i64(384)), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k),
                                                  name="matmul")])
-    instance = dataclasses.replace(templates.task_for("matmul", specialize(func, {"n": 128})), weights=("b",))
+    instance = dataclasses.replace(templates.task_for("matmul", specialize(func, {"n": 128})), weights=("b",),
+                                   served=frozenset({"i"}))
     target = parse_target("llvm", 2).target
+    space = templates.space_for(instance, target)
     config = templates.default_config(instance, target)
-    assert templates.space_for(instance, target).as_dict(config)["pack"] == "prepack"
-    scheduled, _ = prepack.strip(templates.apply(dataclasses.replace(instance, func=func), config, target))
-    for rows, next_panel in ((8, False), (64, True)):
-        bound = tvm.tirx.transform.StmtSimplify()(tvm.IRModule({"main": specialize(scheduled, {"n": rows})}))
-        (line,) = [x for x in bound["main"].script().splitlines() if "T.prefetch(" in x]
-        assert ("T.min(" in line) == next_panel, (rows, line)
+    tiles = space.as_dict(config)
+    assert tiles["pack"] == "prepack" and tiles["tile_i"][2] == cpu.SERVED_ROW_REPEAT == 1
+    s0, s1, _, s3 = tiles["tile_i"]
+    repeated = space.from_dict({**tiles, "tile_i": (s0, s1 // 2, 2, s3)})
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((256, 384)).astype(np.float32)
+    for cfg, k_loop in ((config, "k_1"), (repeated, "k_0")):
+        scheduled, packings = prepack.strip(templates.apply(dataclasses.replace(instance, func=func), cfg, target))
+        if k_loop == "k_0":
+            assert re.search(r"if .* \* T.int64\(8\) < n:", scheduled.script())  # the tail guard
+        for rows, next_panel in ((8, False), (64, True)):
+            bound = tvm.tirx.transform.StmtSimplify()(tvm.IRModule({"main": specialize(scheduled, {"n": rows})}))
+            script = bound["main"].script()
+            (line,) = [x for x in script.splitlines() if "T.prefetch(" in x]
+            assert ("T.min(" in line) == next_panel, (rows, line)
+            if not next_panel:
+                assert _loop_around(script, "for prefetch_line") == k_loop
+        lib = tvm.tirx.build(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
+        for rows in (8, 77):
+            x = rng.standard_normal((rows, 256)).astype(np.float32)
+            packed = prepack.pack_inputs([x, weight], packings)
+            out = tvm.runtime.tensor(np.full((rows, 384), np.nan, np.float32))
+            lib["main"](*(tvm.runtime.tensor(v) for v in packed), out)
+            np.testing.assert_allclose(out.numpy(), x @ weight, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows")
 
 
 def _positions_model() -> onnx.ModelProto:

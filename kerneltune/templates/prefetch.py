@@ -22,7 +22,10 @@ prefetched, a few lines at every step of the loop inside the current k-block (3 
 steps, 0.65 for onnxruntime's MatMul in the same rotation; 8x3072x768 0.81 -> 0.54; 4x768x3072 0.66 -> 0.46;
 2x768x3072 0.59 -> 0.39.  A one-row tile keeps none: its stream is already fast, and a
 prefetch of the next k-block cost it 15% (1x768x3072 0.41 -> 0.48 ms).  A kernel serving a range of lengths
-prefetches the next k-block whole at the top of each k-block where one tile covers its rows (:func:`plan`).
+does the same at the lengths one tile covers, and prefetches the next panel at the others (:func:`plan`);
+served 2..512, at 8 tokens GPT-2 ran 34.9 -> 25.9 ms and BERT-base 26.4 -> 18.4 with it (onnxruntime 34.1
+and 25.3 in the same runs), against the next k-block prefetched whole at the top of each k-block, which was
+all a served tile repeated down the rows could take (``cpu.SERVED_ROW_REPEAT``).
 
 The NCHW[x]c convs do not take it: their input-channel chunks are short (a 1x1 conv's is 256 FMAs), so the
 prefetch loop's index arithmetic costs more than it hides (Intel Xeon, cold weights: ResNet-50's 64->256 1x1
@@ -30,8 +33,8 @@ at 56x56 0.44 -> 0.54 ms with it, 256->1024 at 14x14 0.45 -> 0.47), and with the
 rows (their default where weights are large) each chunk is read once, in order, already.
 
 TVM's schedule primitives have no prefetch, so it is inserted into the scheduled PrimFunc as a loop of
-``tirx.prefetch`` calls (LLVM's ``llvm.prefetch``) at the top of the k-block loop, or of the loop inside it.  A prefetch never faults and
-changes no value: the kernel computes what it did.
+``tirx.prefetch`` calls (LLVM's ``llvm.prefetch``) at the top of the k-block loop, or of the loop inside it.
+A prefetch never faults and changes no value: the kernel computes what it did.
 """
 from __future__ import annotations
 
@@ -98,13 +101,15 @@ def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int
             ahead=ahead.loop_var, ahead_steps=int(ahead.extent), blocks=blocks)
     # a symbolic count: at lengths of one row tile the panel is read once, as above (BERT-base served 2..512 at
     # 8 tokens, Intel Xeon, 2 threads: the MLP matmuls 0.66 -> 0.55 ms without the next panel's prefetch there),
-    # and its next k-block is prefetched at the top of each k-block.  Not at the inner loop's steps: a
-    # branch on the length there cost the lengths that share panels their register tile (GPT-2 served at
-    # 77 tokens, 2 threads: 136 -> 220 ms), and the tile of a symbolic length is not on the stack.
+    # and its next k-block is prefetched as in a static kernel; at the others, the next panel.  ``k_inner`` is
+    # the k-block loop itself where the kernel's tile repeats down the rows (``cpu.SERVED_ROW_REPEAT``): the
+    # next k-block whole at its top.
     shared = None if isinstance(slots, int) else slots > 1
-    burst = {} if ahead is None or shared is None else {"ahead": k.loop_var, "blocks": blocks}
+    steps = 1 if ahead is None or ahead.loop_var.same_as(k.loop_var) else int(ahead.extent)
+    one_tile = {} if ahead is None or shared is None else {"ahead": ahead.loop_var, "ahead_steps": steps,
+                                                           "blocks": blocks}
     return PanelPrefetch(buffer, k.loop_var, panel, slot * k.extent + k.loop_var, slots * blocks,
-                         str(k.extent.ty), shared, **burst)
+                         str(k.extent.ty), shared, **one_tile)
 
 
 def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
@@ -139,6 +144,8 @@ def insert(func: tirx.PrimFunc, p: PanelPrefetch) -> tirx.PrimFunc:
         slot = p.at + 1 if whole else (p.at + 1) * p.ahead_steps + p.ahead
         here = tirx.IfThenElse(p.at + 1 < tirx.const(p.blocks, i64),
                                lines_of(p.panel, slot, p.blocks * (1 if whole else p.ahead_steps)), None)
+        if p.shared is not None and not whole:  # only at lengths one tile covers
+            here = tirx.IfThenElse(tirx.Not(p.shared), here, None)
         at_top, in_block = (here, None) if whole else (None, here)
     if p.next_panel:
         nxt = lines_of(tirx.min(p.panel + 1, tirx.const(panels - 1, i64)), p.slot, p.slots)
