@@ -12,7 +12,7 @@ For each model (torch's dynamo export of a transformers model, symbolic ``batch`
 
 Each length's engines are timed in one :func:`graphopt.timing.time_blocks` call (alternating blocks), so the
 ratios come from one run; the served build's outputs are checked against onnxruntime at every length first.
-Build times are recorded.  With ``--trials N`` the same served build tuned with N trials (the build
+Build times are recorded, each build writing its files (model.so, optimized.onnx) as a user's does.  With ``--trials N`` the same served build tuned with N trials (the build
 optimize-model ships: the tuned one only where it is not slower at any checked size) is one more engine.
 With ``--memory``, the peak resident memory of a fresh process running the served build at the range's top
 against one running a build of that length alone.  Writes JSON and a PNG (latency
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,8 +81,11 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
         feeds = random_inputs(import_onnx(model, shapes), length)
         reference = run_ort(model, feeds, threads)
         check = compare_outputs(reference, list(served.run(feeds).values()))
+        # the static build writes its files as the served one does (model.so, optimized.onnx): the build times
+        # compared are of the same job
         t0 = time.perf_counter()
-        static = optimize(str(path), threads=threads, skip_graph=not graph, dims={"batch": 1, "sequence": length})
+        static = optimize(str(path), output=work / f"{name}.static", threads=threads, skip_graph=not graph,
+                          dims={"batch": 1, "sequence": length})
         static_s = time.perf_counter() - t0
         runners = {"served": served.runner(feeds), "static": static.runner(feeds),
                    "onnxruntime": (lambda f: (lambda: sess.run(None, f)))(feeds)}
@@ -101,10 +105,10 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
             "static_build_s": round(static_s, 1), "check": {"ok": check.ok, "max_abs_err": check.max_abs_err}}
         print(name, length, json.dumps(row["lengths"][length]), flush=True)
         del static
+        shutil.rmtree(work / f"{name}.static")
     if memory:  # peak memory at the range's top: the served build against a build of that length alone
-        top = optimize(str(path), output=work / f"{name}.top", threads=threads, skip_graph=not graph,
-                       dims={"batch": 1, "sequence": span[1]})
-        del top
+        optimize(str(path), output=work / f"{name}.top", threads=threads, skip_graph=not graph,
+                 dims={"batch": 1, "sequence": span[1]})  # its files are what is measured
         row["peak_rss_mb_at_top"] = {label: peak_rss_mb(work / f"{name}.{label}", span[1], threads)
                                      for label in ("served", "top")}
         print(name, "peak RSS at", span[1], row["peak_rss_mb_at_top"], flush=True)
