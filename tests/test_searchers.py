@@ -13,7 +13,7 @@ from kerneltune.searchers import SEARCHERS, make_searcher
 from kerneltune.searchers.na2c import (MLP, NA2C, NA2CConfig, masked_log_softmax, policy_loss_and_grads,
                                        value_loss_and_grads)
 from kerneltune.searchers.opevo import OpEvo
-from kerneltune.space import ChoiceKnob, DiscreteKnob, FactorKnob, SearchSpace
+from kerneltune.space import ChoiceKnob, DiscreteKnob, FactorKnob, ProductLimit, SearchSpace
 
 MM_SPACE = SearchSpace([FactorKnob("i", 128, 4), FactorKnob("j", 768, 4), FactorKnob("k", 768, 2)])
 OPTIMUM = {"i": (2, 2, 4, 8), "j": (4, 3, 8, 8), "k": (96, 8)}
@@ -59,6 +59,15 @@ def test_never_repeats_and_exhausts_small_space(name):
     seen = run(make_searcher(name, space, 0), lambda c: float(c[0][-1] * c[1][-1]), 500)
     assert len(seen) == len(set(seen)) == space.size()
     assert all(space.contains(c) for c in seen)
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHERS))
+def test_every_searcher_proposes_only_configs_meeting_the_constraints(name):
+    """A served matmul's space holds its rows' S2 slot at 1 (``cpu.SERVED_ROW_REPEAT``): every searcher,
+    N-A2C's moves included, proposes configs inside it."""
+    space = SearchSpace(MM_SPACE.knobs, (ProductLimit((("i", 2),), 1),))
+    seen = run(make_searcher(name, space, 0), rugged, 96)
+    assert seen and all(space.contains(c) for c in seen), [c for c in seen if not space.contains(c)][:3]
 
 
 def test_opevo_never_repeats_with_mixed_knobs():

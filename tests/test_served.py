@@ -343,7 +343,8 @@ def test_symbolic_rows_prefetch_the_next_panel_where_rows_share_it_else_the_next
     length of one row tile the kernel reads each panel once, and prefetches the current panel's next k-block.
     The served instance's tile does not repeat down the rows (``cpu.SERVED_ROW_REPEAT``), so, as in a static
     kernel, that prefetch is spread over the steps inside the k-block (``k_1``).  A config that repeats the
-    tile (S2 = 2, as a tuner may pick) prefetches the next k-block whole at the top of the k-block (``k_0``)
+    tile (S2 = 2: outside the served space a tuner searches, applied to the kernel as a task that does not
+    say it is served) prefetches the next k-block whole at the top of the k-block (``k_0``)
     and still skips the tile past the length (:mod:`kerneltune.templates.tail_tiles`).  Bound to 8 rows, the
     one prefetch left reads the current panel; bound to 64, the next one (``min(panel + 1, last)``).  Both
     kernels equal numpy at 8 and 77 rows."""
@@ -368,10 +369,12 @@ def test_symbolic_rows_prefetch_the_next_panel_where_rows_share_it_else_the_next
     assert tiles["pack"] == "prepack" and tiles["tile_i"][2] == cpu.SERVED_ROW_REPEAT == 1
     s0, s1, _, s3 = tiles["tile_i"]
     repeated = space.from_dict({**tiles, "tile_i": (s0, s1 // 2, 2, s3)})
+    assert not space.contains(repeated)  # tuners search served tiles that keep their registers
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((256, 384)).astype(np.float32)
     for cfg, k_loop in ((config, "k_1"), (repeated, "k_0")):
-        scheduled, packings = prepack.strip(templates.apply(dataclasses.replace(instance, func=func), cfg, target))
+        task = dataclasses.replace(instance, func=func, served=instance.served if cfg is config else frozenset())
+        scheduled, packings = prepack.strip(templates.apply(task, cfg, target))
         if k_loop == "k_0":
             assert re.search(r"if .* \* T.int64\(8\) < n:", scheduled.script())  # the tail guard
         for rows, next_panel in ((8, False), (64, True)):

@@ -164,7 +164,12 @@ class NA2C(Searcher):
         return np.asarray(rows, dtype=np.float64)
 
     def valid(self, c: Config) -> np.ndarray:
-        return np.array([c[m.knob][m.src] % m.p == 0 for m in self.moves])
+        """The moves ``c`` allows: the source slot holds the prime, and the config moved to meets the space's
+        constraints (a register tile's accumulators, a served tile's row repeat)."""
+        ok = [c[m.knob][m.src] % m.p == 0 for m in self.moves]
+        if self.space.constraints:
+            ok = [v and self.space.valid(self.step(c, a)) for a, v in enumerate(ok)]
+        return np.array(ok)
 
     def step(self, c: Config, a: int) -> Config:
         m = self.moves[a]

@@ -29,7 +29,7 @@ import math
 import tvm
 from tvm import s_tir
 
-from ..space import ChoiceKnob, SearchSpace, divisors, prime_factors
+from ..space import ChoiceKnob, ProductLimit, SearchSpace, divisors, prime_factors
 from ..calibrate import calibrated
 from ..targets.caches import k_block_depth, l1_block_bytes
 from ..targets.host import num_cores, vector_lanes, vector_registers
@@ -126,6 +126,10 @@ def space(task: Task) -> SearchSpace:
         # phases: the copy stores even and odd columns apart, so a stride-2 conv reads contiguous vectors.
         phases = ("phases",) if _phase_width(task) else ()
         knobs.append(ChoiceKnob("pad", ("stage", "inline") + phases))
+    rows = rows_axis(task)
+    if task.kind != "conv2d" and rows in task.served and any(k.name == f"tile_{rows}" for k in knobs):
+        # a tuner searches served tiles that keep their registers (:data:`SERVED_ROW_REPEAT`)
+        return SearchSpace(knobs, (ProductLimit(((f"tile_{rows}", 2),), SERVED_ROW_REPEAT),))
     return SearchSpace(knobs)
 
 
