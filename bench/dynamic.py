@@ -82,10 +82,11 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
         reference = run_ort(model, feeds, threads)
         check = compare_outputs(reference, list(served.run(feeds).values()))
         # the static build writes its files as the served one does (model.so, optimized.onnx): the build times
-        # compared are of the same job
+        # compared are of the same job.  A folder per length: a library loaded from a path once is the one
+        # dlopen gives for that path again.
         t0 = time.perf_counter()
-        static = optimize(str(path), output=work / f"{name}.static", threads=threads, skip_graph=not graph,
-                          dims={"batch": 1, "sequence": length})
+        static = optimize(str(path), output=work / f"{name}.static{length}", threads=threads,
+                          skip_graph=not graph, dims={"batch": 1, "sequence": length})
         static_s = time.perf_counter() - t0
         runners = {"served": served.runner(feeds), "static": static.runner(feeds),
                    "onnxruntime": (lambda f: (lambda: sess.run(None, f)))(feeds)}
@@ -105,7 +106,7 @@ def bench_model(name: str, lengths: list[int], span: tuple[int, int], threads: i
             "static_build_s": round(static_s, 1), "check": {"ok": check.ok, "max_abs_err": check.max_abs_err}}
         print(name, length, json.dumps(row["lengths"][length]), flush=True)
         del static
-        shutil.rmtree(work / f"{name}.static")
+        shutil.rmtree(work / f"{name}.static{length}")
     if memory:  # peak memory at the range's top: the served build against a build of that length alone
         optimize(str(path), output=work / f"{name}.top", threads=threads, skip_graph=not graph,
                  dims={"batch": 1, "sequence": span[1]})  # its files are what is measured
