@@ -31,6 +31,8 @@ import json
 import logging
 import os
 import re
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,35 @@ def read_report(directory: str | os.PathLike) -> dict[str, Any]:
     return report
 
 
+
+def versioned_path(library: Path) -> Path:
+    """A path naming this version of ``library``, to load it by.  dlopen hands back the library it already
+    loaded from a path without reading the file again, so a model rebuilt into the same folder in one process
+    (optimize twice, or optimize and load) ran the first build's kernels (builds of one model at several
+    lengths into one folder refused every length but the first's).  A symbolic link named by the file's identity (device, inode, size, modification
+    time; builds write the library atomically, as a new file) is a new path for each build and the same one
+    for the same build, whose loads then share one handle (as :func:`pipeline.cpu_pool.install` needs).  The
+    library's own path where no link can be made.  TVM keeps every library it loads for the process' life, so
+    the first build's stayed even when its model was gone."""
+    file = library.stat()
+    links = Path(tempfile.gettempdir()) / f"optimize-model-{os.getuid()}-libraries"
+    link = links / f"{file.st_dev}-{file.st_ino}-{file.st_size}-{file.st_mtime_ns}.so"
+    try:
+        links.mkdir(mode=0o700, exist_ok=True)
+        info = links.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            return library  # a folder someone else could write links into: never load through it
+        target = library.resolve()
+        if not (link.is_symlink() and link.resolve() == target):
+            part = links / f".{link.name}.{os.getpid()}.{threading.get_ident()}"
+            part.unlink(missing_ok=True)
+            part.symlink_to(target)
+            os.replace(part, link)  # another process' link to the same file is as good
+    except OSError:
+        return library
+    return link
+
+
 class Model:
     """A compiled model ready to run on numpy inputs: ``Model.load(DIR)`` or :func:`pipeline.optimize`.
 
@@ -208,6 +239,7 @@ class Model:
             raise UserError(refusal)
         self.threads = _size_pool(self.requested_threads)
         import tvm
+        import tvm_ffi
 
         target = dep.get("target") or self.report.get("target_detail")  # the latter: folders before 0.1 r4
         if self.device_type == "cpu" and target:
@@ -220,15 +252,18 @@ class Model:
             raise UserError(f"{self.directory} is built for {self.device_type}, which this TVM runtime cannot run "
                             f"here (no such device, or no {self.device_type} support in this TVM build)")
         self._dev = tvm.device(self.device_type, 0)
+        library = versioned_path(self.directory / LIBRARY)
         try:
             with quiet_native_stderr():  # one "Scope Loaded" warning per kernel otherwise
-                lib = tvm.runtime.load_module(str(self.directory / LIBRARY))
+                # tvm_ffi's loader, which tvm.runtime.load_module calls after resolving the link to the folder's
+                # own path (and so to the library first loaded from it)
+                lib = tvm_ffi.load_module(str(library))
         except (RuntimeError, OSError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise UserError(f"cannot load {self.directory / LIBRARY} ({first}); rebuild it with optimize-model for "
                             "this machine") from None
         if self.device_type == "cpu":  # the library's own launcher, where it has one (pipeline.cpu_pool)
-            cpu_pool.install(self.directory / LIBRARY, self.threads)
+            cpu_pool.install(library, self.threads)
         self._lib = lib
         self._main = self._entry()
 

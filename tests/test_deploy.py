@@ -344,6 +344,30 @@ def test_a_library_of_another_build_is_one_line(scalar_built, mlp_built, tmp_pat
         pipeline.load(d).run(_scalar_feeds())
 
 
+def test_a_rebuild_into_the_same_folder_runs_the_new_library_in_the_same_process(tmp_path):
+    """dlopen gives back the library already loaded from a path: a model built twice into one folder in one
+    process (here one length, then another) ran the first build's kernels while the first model lived, and
+    refused the second build's length (pipeline.artifact.versioned_path)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 5)).astype(np.float32)
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+                              [vi("x", TensorProto.FLOAT, ["n", 8])], [vi("y", TensorProto.FLOAT, ["n", 5])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path, out = tmp_path / "mm.onnx", tmp_path / "built"
+    onnx.save(model, str(path))
+    first = pipeline.optimize(str(path), output=out, threads=1, skip_graph=True, dims={"n": 3})
+    x3 = rng.standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(first.run({"x": x3})["y"], x3 @ w, rtol=1e-5, atol=1e-5)
+    second = pipeline.optimize(str(path), output=out, threads=1, skip_graph=True, dims={"n": 6})
+    x6 = rng.standard_normal((6, 8)).astype(np.float32)
+    for model_ in (second, pipeline.load(out)):
+        np.testing.assert_allclose(model_.run({"x": x6})["y"], x6 @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(first.run({"x": x3})["y"], x3 @ w, rtol=1e-5, atol=1e-5)  # the first still runs
+
+
 def test_edited_dtypes_in_report_json_are_one_line_and_old_folders_still_load(scalar_built, tmp_path):
     d = _copy(scalar_built, tmp_path)
     _edit_report(d, lambda dep: dep["inputs"][1].update(dtype="float64"))
