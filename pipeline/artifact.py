@@ -172,16 +172,15 @@ def read_report(directory: str | os.PathLike) -> dict[str, Any]:
     return report
 
 
-
 def versioned_path(library: Path) -> Path:
     """A path naming this version of ``library``, to load it by.  dlopen hands back the library it already
-    loaded from a path without reading the file again, so a model rebuilt into the same folder in one process
-    (optimize twice, or optimize and load) ran the first build's kernels (builds of one model at several
-    lengths into one folder refused every length but the first's).  A symbolic link named by the file's identity (device, inode, size, modification
-    time; builds write the library atomically, as a new file) is a new path for each build and the same one
-    for the same build, whose loads then share one handle (as :func:`pipeline.cpu_pool.install` needs).  The
-    library's own path where no link can be made.  TVM keeps every library it loads for the process' life, so
-    the first build's stayed even when its model was gone."""
+    loaded from a path without reading the file again, and TVM keeps every library it loads for the process'
+    life, so a model rebuilt into the same folder in one process (optimize twice, or optimize and load) ran
+    the first build's kernels, even once the first model was gone: builds of one model at several lengths
+    into one folder refused every length but the first's.  A symbolic link named by the file's identity
+    (device, inode, size, modification time; builds write the library atomically, as a new file) is a new
+    path for each build and the same one for the same build, whose loads then share one handle (as
+    :func:`pipeline.cpu_pool.install` needs).  The library's own path where no link can be made."""
     file = library.stat()
     links = Path(tempfile.gettempdir()) / f"optimize-model-{os.getuid()}-libraries"
     link = links / f"{file.st_dev}-{file.st_ino}-{file.st_size}-{file.st_mtime_ns}.so"
