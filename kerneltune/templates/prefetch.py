@@ -95,17 +95,18 @@ def plan(sch: s_tir.Schedule, packed_block, outer_fused, outer_extents: list[int
     k = sch.get(k_block)
     blocks = int(k.extent)
     ahead = sch.get(k_inner) if blocks > 1 and k_inner is not None else None
+    # the prefetching loop's steps: 1 where it is the k-block loop itself (the next k-block whole at its top)
+    steps = 1 if ahead is None or ahead.loop_var.same_as(k.loop_var) else int(ahead.extent)
     if isinstance(slots, int) and slots == 1:
         return None if ahead is None else PanelPrefetch(
             buffer, k.loop_var, panel, k.loop_var, 1, str(k.extent.ty), None, next_panel=False,
-            ahead=ahead.loop_var, ahead_steps=int(ahead.extent), blocks=blocks)
+            ahead=ahead.loop_var, ahead_steps=steps, blocks=blocks)
     # a symbolic count: at lengths of one row tile the panel is read once, as above (BERT-base served 2..512 at
     # 8 tokens, Intel Xeon, 2 threads: the MLP matmuls 0.66 -> 0.55 ms without the next panel's prefetch there),
     # and its next k-block is prefetched as in a static kernel; at the others, the next panel.  ``k_inner`` is
     # the k-block loop itself where the kernel's tile repeats down the rows (``cpu.SERVED_ROW_REPEAT``): the
     # next k-block whole at its top.
     shared = None if isinstance(slots, int) else slots > 1
-    steps = 1 if ahead is None or ahead.loop_var.same_as(k.loop_var) else int(ahead.extent)
     one_tile = {} if ahead is None or shared is None else {"ahead": ahead.loop_var, "ahead_steps": steps,
                                                            "blocks": blocks}
     return PanelPrefetch(buffer, k.loop_var, panel, slot * k.extent + k.loop_var, slots * blocks,
